@@ -1,0 +1,51 @@
+# berth — build, test and run targets. Everything a fresh Debian 12 machine
+# needs is installed by `make deps` (called by the targets that need it).
+
+GO        ?= go
+GOFLAGS   ?=
+BIN       ?= bin/berth
+VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+LDFLAGS   := -s -w -X main.version=$(VERSION)
+PREFIX    ?= /usr/local
+
+.PHONY: all build deps test unit-test sanity-test vm-test vm-image bench demo install clean fuzz
+
+all: build
+
+build:
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN) .
+
+# Host packages the tests use (mkfs, blkid, systemd tools, QEMU for the VM suite).
+deps:
+	./scripts/install-deps.sh
+
+# The whole suite: unit and host tests (root, loop devices), csi-sanity, VMs.
+test: deps unit-test sanity-test vm-test
+
+# Unit tests and host tests on loop devices. VM entry tests are named TestVM*.
+unit-test: build
+	$(GO) test -count=1 -timeout 15m -skip '^TestVM' ./...
+
+sanity-test: build
+	cd test/sanity && BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m ./...
+
+vm-image:
+	./test/vm/image/build.sh
+
+# Tests that boot QEMU guests with real NVMe/TCP and iSCSI targets.
+vm-test: build vm-image
+	$(GO) test -count=1 -timeout 25m -run '^TestVM' ./...
+
+bench: build vm-image
+	./scripts/bench.sh
+
+demo: build
+	./scripts/demo.sh
+
+install: build
+	install -D -m 0755 $(BIN) $(DESTDIR)$(PREFIX)/bin/berth
+	install -D -m 0644 systemd/berth.service $(DESTDIR)/etc/systemd/system/berth.service
+	install -D -m 0644 systemd/berth.socket $(DESTDIR)/etc/systemd/system/berth.socket
+
+clean:
+	rm -rf bin
