@@ -1,0 +1,106 @@
+package fs
+
+import (
+	"fmt"
+	"math"
+
+	"golang.org/x/sys/unix"
+)
+
+// BlockDeviceSize returns the size of the block device in bytes
+// (BLKGETSIZE64).
+func BlockDeviceSize(devPath string) (int64, error) {
+	if _, err := statBlockDevice(devPath); err != nil {
+		return 0, err
+	}
+	f, err := openDevice(devPath, unix.O_RDONLY)
+	if err != nil {
+		return 0, fmt.Errorf("device size %s: %w", devPath, err)
+	}
+	defer f.Close()
+	n, err := unix.IoctlGetUint64(int(f.Fd()), unix.BLKGETSIZE64)
+	if err != nil {
+		return 0, fmt.Errorf("device size %s: ioctl BLKGETSIZE64: %w", devPath, err)
+	}
+	if n > math.MaxInt64 {
+		return 0, fmt.Errorf("device size %s: %d bytes overflows int64", devPath, n)
+	}
+	return int64(n), nil
+}
+
+// FlushBuffers writes the device's dirty buffers to the medium and drops
+// its buffer cache (fsync, then BLKFLSBUF). Use it before detaching a
+// device that was written to without a filesystem (raw block volumes).
+func FlushBuffers(devPath string) error {
+	if _, err := statBlockDevice(devPath); err != nil {
+		return err
+	}
+	f, err := openDevice(devPath, unix.O_RDONLY)
+	if err != nil {
+		return fmt.Errorf("flush %s: %w", devPath, err)
+	}
+	defer f.Close()
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("flush %s: fsync: %w", devPath, err)
+	}
+	if err := unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0); err != nil {
+		return fmt.Errorf("flush %s: ioctl BLKFLSBUF: %w", devPath, err)
+	}
+	return nil
+}
+
+// FilesystemStats returns the usage of the filesystem mounted at path
+// (statfs). AvailableBytes is what unprivileged users can still write;
+// UsedBytes counts the blocks in use, so Used+Available can be less than
+// Total (reserved blocks).
+func FilesystemStats(path string) (Stats, error) {
+	if err := checkPath("filesystem stats", path); err != nil {
+		return Stats{}, err
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		err = fmt.Errorf("filesystem stats %s: statfs: %w", path, err)
+		if k := errnoKind(err); k != nil {
+			err = fmt.Errorf("%w: %w", err, k)
+		}
+		return Stats{}, err
+	}
+	return statsFromStatfs(&st), nil
+}
+
+func statsFromStatfs(st *unix.Statfs_t) Stats {
+	unit := uint64(st.Frsize)
+	if unit == 0 {
+		unit = uint64(st.Bsize)
+	}
+	used := uint64(0)
+	if st.Blocks > st.Bfree {
+		used = st.Blocks - st.Bfree
+	}
+	usedInodes := uint64(0)
+	if st.Files > st.Ffree {
+		usedInodes = st.Files - st.Ffree
+	}
+	return Stats{
+		TotalBytes:     clampMul(st.Blocks, unit),
+		AvailableBytes: clampMul(st.Bavail, unit),
+		UsedBytes:      clampMul(used, unit),
+		TotalInodes:    clamp(st.Files),
+		FreeInodes:     clamp(st.Ffree),
+		UsedInodes:     clamp(usedInodes),
+	}
+}
+
+func clamp(v uint64) int64 {
+	if v > math.MaxInt64 {
+		return math.MaxInt64
+	}
+	return int64(v)
+}
+
+func clampMul(a, b uint64) int64 {
+	if b != 0 && a > math.MaxInt64/b {
+		return math.MaxInt64
+	}
+	return int64(a * b)
+}

@@ -1,0 +1,141 @@
+package fs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// e2fsck exit status bits (e2fsck(8)); several may be set at once.
+const (
+	fsckOK                 = 0
+	fsckCorrected          = 1   // errors corrected
+	fsckCorrectedReboot    = 2   // errors corrected, system should be rebooted
+	fsckUncorrected        = 4   // errors left uncorrected
+	fsckOperationalError   = 8   // operational error
+	fsckUsageError         = 16  // usage or syntax error
+	fsckCancelled          = 32  // cancelled by user request
+	fsckSharedLibraryError = 128 // shared library error
+)
+
+// Fsck checks the filesystem on devPath before it is mounted; see the
+// package documentation for the policy. ext4 is preened with `e2fsck -p`
+// unless it is mounted somewhere; xfs is never checked here.
+func Fsck(ctx context.Context, devPath, fsType string) error {
+	if err := checkFsType(fsType); err != nil {
+		return err
+	}
+	if fsType == XFS {
+		// XFS recovers by replaying its log at mount time; see the
+		// package documentation.
+		return nil
+	}
+	rdev, err := statBlockDevice(devPath)
+	if err != nil {
+		return err
+	}
+	mounts, err := mountsOfDevice(rdev)
+	if err != nil {
+		return fmt.Errorf("fsck %s: %w", devPath, err)
+	}
+	if len(mounts) > 0 {
+		// Already mounted (a staging mount left by an earlier attempt):
+		// checking a mounted filesystem is unsafe and pointless.
+		return nil
+	}
+	release, err := acquireHeavy(ctx, "fsck "+devPath)
+	if err != nil {
+		return err
+	}
+	defer release()
+	_, err = runTool(ctx, "e2fsck", "-p", "--", devPath)
+	return fsckResult(devPath, err)
+}
+
+// fsckResult interprets the outcome of an e2fsck -p run.
+func fsckResult(devPath string, err error) error {
+	if err == nil {
+		return nil
+	}
+	var te *ToolError
+	if !errors.As(err, &te) || te.ExitCode < 0 {
+		return fmt.Errorf("fsck %s: %w", devPath, err)
+	}
+	code := te.ExitCode
+	switch {
+	case code&^(fsckCorrected|fsckCorrectedReboot) == fsckOK:
+		// Fixed; a reboot request concerns only the root filesystem.
+		return nil
+	case code&fsckUncorrected != 0 && code&^(fsckCorrected|fsckCorrectedReboot|fsckUncorrected) == 0:
+		te.Kind = errdefs.ErrFailedPrecondition
+		return fmt.Errorf("fsck %s: filesystem has errors e2fsck -p could not fix; run e2fsck by hand on the node: %w", devPath, te)
+	case code&fsckOperationalError != 0:
+		return fmt.Errorf("fsck %s: e2fsck operational error: %w", devPath, te)
+	case code&fsckUsageError != 0:
+		return fmt.Errorf("fsck %s: e2fsck usage error: %w", devPath, te)
+	case code&fsckCancelled != 0:
+		return fmt.Errorf("fsck %s: e2fsck cancelled: %w", devPath, te)
+	case code&fsckSharedLibraryError != 0:
+		return fmt.Errorf("fsck %s: e2fsck shared library error: %w", devPath, te)
+	}
+	return fmt.Errorf("fsck %s: %w", devPath, te)
+}
+
+// mountsOfDevice lists the mounts of the block device with number rdev.
+func mountsOfDevice(rdev uint64) ([]*mountinfo.Info, error) {
+	major, minor := int(unix.Major(rdev)), int(unix.Minor(rdev))
+	return mountinfo.GetMounts(func(m *mountinfo.Info) (skip, stop bool) {
+		return m.Major != major || m.Minor != minor, false
+	})
+}
+
+// Resize grows the filesystem on devPath to fill the device. ext4 is
+// grown with resize2fs on the device (online when mounted); xfs only
+// online, with xfs_growfs on mountPath. When mountPath is given it must be
+// the mount point of devPath. Growing a filesystem that already fills the
+// device succeeds and changes nothing.
+func Resize(ctx context.Context, devPath, mountPath, fsType string) error {
+	if err := checkFsType(fsType); err != nil {
+		return err
+	}
+	rdev, err := statBlockDevice(devPath)
+	if err != nil {
+		return err
+	}
+	if mountPath == "" && fsType == XFS {
+		return fmt.Errorf("resize %s: xfs grows only while mounted and no mount path was given: %w", devPath, errdefs.ErrInvalidArgument)
+	}
+	if mountPath != "" {
+		mi, err := MountInfo(mountPath)
+		if err != nil {
+			return fmt.Errorf("resize %s: %w", devPath, err)
+		}
+		if mi.Major != int(unix.Major(rdev)) || mi.Minor != int(unix.Minor(rdev)) {
+			return fmt.Errorf("resize %s: %s is a mount of %s (%d:%d), not of this device (%d:%d): %w",
+				devPath, mountPath, mi.Source, mi.Major, mi.Minor, unix.Major(rdev), unix.Minor(rdev), errdefs.ErrFailedPrecondition)
+		}
+		if mi.FSType != fsType {
+			return fmt.Errorf("resize %s: %s is mounted as %s, not %s: %w", devPath, mountPath, mi.FSType, fsType, errdefs.ErrFailedPrecondition)
+		}
+	}
+	release, err := acquireHeavy(ctx, "resize "+devPath)
+	if err != nil {
+		return err
+	}
+	defer release()
+	switch fsType {
+	case Ext4:
+		_, err = runTool(ctx, "resize2fs", "--", devPath)
+	case XFS:
+		_, err = runTool(ctx, "xfs_growfs", "-d", "--", mountPath)
+	}
+	if err != nil {
+		return fmt.Errorf("resize %s: %w", devPath, err)
+	}
+	return nil
+}

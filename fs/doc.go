@@ -1,0 +1,58 @@
+// Package fs is berth's filesystem layer: it decides whether a block device
+// may be formatted, formats it, checks it, mounts and bind-mounts it, grows
+// it online and reports its usage.
+//
+// # Formatting
+//
+// A device is formatted only when it provably holds nothing. [Probe] reads
+// the first MiB of the device itself and runs `blkid -p` (low-level
+// superblock and partition-table probing that bypasses the blkid cache).
+// blkid also looks at the places a first-MiB check cannot see: the GPT
+// backup header in the last sectors, the md 0.90/1.0 superblocks near the
+// end of the device, and filesystem superblocks beyond the first MiB.
+// [EnsureFilesystem] formats only when blkid found no filesystem, partition
+// table, RAID member, LUKS header, swap area or any other signature AND the
+// first MiB is all zeros. Anything else is refused with an error wrapping
+// errdefs.ErrFailedPrecondition that names what was found, and the device
+// is left untouched. A device that already holds the requested filesystem
+// type is used as it is. The force flags of mkfs (-F, -f) are passed only
+// after that probe: they turn off mkfs' own, weaker checks, never ours.
+//
+// mkfs runs with production defaults: no discard pass at mkfs time (a full
+// device TRIM can take minutes on thin-provisioned LUNs and some arrays
+// zero slowly); ext4 initialises its inode tables and journal lazily in the
+// background after the first mount.
+//
+// # Checking (fsck policy)
+//
+// ext4: before the staging mount [Fsck] runs `e2fsck -p` (preen: replays
+// the journal and fixes only what is safe to fix without a human) when the
+// filesystem is not mounted anywhere on this node. Exit status 0 and the
+// "errors corrected" statuses 1 and 2 let the mount proceed. Status 4
+// (errors left uncorrected) returns an error wrapping
+// errdefs.ErrFailedPrecondition with e2fsck's output: the volume needs an
+// operator running e2fsck by hand. Any other status (8 operational error,
+// 16 usage, 32 cancelled, 128 shared-library error) is an error as well.
+// A mounted filesystem is never checked.
+//
+// xfs: no automatic check or repair. XFS replays its log at mount time,
+// which is the only recovery that is safe to run unattended; xfs_repair
+// may discard metadata (and `xfs_repair -n` reports problems that need a
+// human decision, so acting on it automatically is unsafe). A corrupt XFS
+// fails to mount and the mount error is returned.
+//
+// # Mounting
+//
+// Mounts, bind mounts and unmounts use mount(2) and umount2(2) directly.
+// Mount options come from users (CSI mount_flags) and pass through
+// [ParseMountOptions], an allowlist that refuses unknown options and
+// options that weaken data safety (nobarrier, norecovery, data=writeback,
+// errors=panic). [IsMountPoint] answers with one statx(2) call where the
+// kernel reports STATX_ATTR_MOUNT_ROOT (Linux 5.8), else with openat2(2)
+// and RESOLVE_NO_XDEV (Linux 5.6), else from /proc/self/mountinfo.
+//
+// # Concurrency
+//
+// mkfs, fsck and resize are CPU and I/O heavy; at most 2*NumCPU of them
+// run at once in a process. Waiting for a slot honours the context.
+package fs

@@ -1,0 +1,150 @@
+package fs
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// heavy bounds the mkfs, fsck and resize runs of this process.
+var heavy = make(chan struct{}, 2*runtime.NumCPU())
+
+// acquireHeavy takes a slot for a heavy tool run; release it with the
+// returned function.
+func acquireHeavy(ctx context.Context, what string) (release func(), err error) {
+	select {
+	case heavy <- struct{}{}:
+		return func() { <-heavy }, nil
+	case <-ctx.Done():
+		return nil, fmt.Errorf("%s: waiting for a free mkfs/fsck/resize slot: %w", what, ctx.Err())
+	}
+}
+
+// toolDirs are searched before $PATH: on minimal systems $PATH may lead to
+// busybox applets whose mkfs/blkid lack the options used here.
+var toolDirs = []string{"/usr/sbin", "/sbin", "/usr/bin", "/bin"}
+
+// lookTool finds the real (non-busybox) executable for name.
+func lookTool(name string) (string, error) {
+	var candidates []string
+	for _, d := range toolDirs {
+		candidates = append(candidates, filepath.Join(d, name))
+	}
+	if p, err := exec.LookPath(name); err == nil {
+		candidates = append(candidates, p)
+	}
+	var busybox []string
+	for _, c := range candidates {
+		fi, err := os.Stat(c)
+		if err != nil || !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
+			continue
+		}
+		if isBusybox(c) {
+			busybox = append(busybox, c)
+			continue
+		}
+		return c, nil
+	}
+	if len(busybox) > 0 {
+		return "", fmt.Errorf("look up %s: only busybox applets found (%s); install the real tool (e2fsprogs, xfsprogs, util-linux): %w",
+			name, strings.Join(busybox, ", "), errdefs.ErrUnavailable)
+	}
+	return "", fmt.Errorf("look up %s: not found in %s or $PATH; install e2fsprogs, xfsprogs and util-linux: %w",
+		name, strings.Join(toolDirs, ", "), errdefs.ErrUnavailable)
+}
+
+// isBusybox reports whether path is (a link to) busybox.
+func isBusybox(path string) bool {
+	real, err := filepath.EvalSymlinks(path)
+	if err != nil {
+		return false
+	}
+	return strings.HasPrefix(filepath.Base(real), "busybox")
+}
+
+// ToolError is a failed run of an external tool. Its Error text carries
+// the tool's standard error, which is what an operator needs to act on.
+type ToolError struct {
+	Tool     string   // program name, "mkfs.ext4"
+	Args     []string // arguments, without the program
+	ExitCode int      // -1 when the tool did not exit normally
+	Stderr   string
+	Err      error // the *exec.ExitError or start error
+	// Kind is an errdefs sentinel the caller attached for this exit code,
+	// or nil.
+	Kind error
+}
+
+func (e *ToolError) Error() string {
+	var b strings.Builder
+	b.WriteString(e.Tool)
+	if len(e.Args) > 0 {
+		b.WriteString(" " + strings.Join(e.Args, " "))
+	}
+	if e.ExitCode >= 0 {
+		fmt.Fprintf(&b, ": exit status %d", e.ExitCode)
+	} else {
+		fmt.Fprintf(&b, ": %v", e.Err)
+	}
+	if s := strings.TrimSpace(e.Stderr); s != "" {
+		b.WriteString(": " + s)
+	}
+	return b.String()
+}
+
+// Unwrap returns the run error and, when set, the sentinel kind.
+func (e *ToolError) Unwrap() []error {
+	if e.Kind != nil {
+		return []error{e.Err, e.Kind}
+	}
+	return []error{e.Err}
+}
+
+// maxStderr caps how much of a tool's output goes into an error.
+const maxStderr = 4096
+
+// runTool runs name with args and returns its standard output. A non-zero
+// exit is a *ToolError with ExitCode set.
+func runTool(ctx context.Context, name string, args ...string) (stdout []byte, err error) {
+	path, err := lookTool(name)
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, path, args...)
+	// A fixed locale keeps tool messages stable for operators and tests.
+	cmd.Env = []string{"LC_ALL=C", "PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
+	var out, errb bytes.Buffer
+	cmd.Stdout = &out
+	cmd.Stderr = &errb
+	runErr := cmd.Run()
+	if runErr == nil {
+		return out.Bytes(), nil
+	}
+	te := &ToolError{Tool: name, Args: args, ExitCode: -1, Stderr: tail(errb.String(), maxStderr), Err: runErr}
+	var ee *exec.ExitError
+	if errors.As(runErr, &ee) && ee.Exited() {
+		te.ExitCode = ee.ExitCode()
+	}
+	if ctx.Err() != nil {
+		te.Err = fmt.Errorf("%w (%w)", runErr, ctx.Err())
+	}
+	if te.Stderr == "" {
+		te.Stderr = tail(out.String(), maxStderr)
+	}
+	return out.Bytes(), te
+}
+
+func tail(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return "..." + s[len(s)-n:]
+}

@@ -1,0 +1,383 @@
+package fs
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// MountError is a failed mount(2) or umount2(2).
+type MountError struct {
+	Op     string // "mount", "bind", "remount", "unmount"
+	Source string
+	Target string
+	FsType string
+	Flags  uintptr
+	Data   string
+	Err    error // the errno
+}
+
+func (e *MountError) Error() string {
+	var b strings.Builder
+	switch e.Op {
+	case "unmount":
+		fmt.Fprintf(&b, "unmount %s", e.Target)
+	case "remount":
+		fmt.Fprintf(&b, "remount %s (flags %#x)", e.Target, e.Flags)
+	case "bind":
+		fmt.Fprintf(&b, "bind mount %s on %s", e.Source, e.Target)
+	default:
+		fmt.Fprintf(&b, "mount %s on %s (type %s, flags %#x, options %q)", e.Source, e.Target, e.FsType, e.Flags, e.Data)
+	}
+	fmt.Fprintf(&b, ": %v", e.Err)
+	if e.Op == "mount" && (errors.Is(e.Err, unix.EINVAL) || errors.Is(e.Err, unix.EUCLEAN)) {
+		b.WriteString(" (wrong filesystem type, bad option or corrupt filesystem; the kernel log names the reason)")
+	}
+	return b.String()
+}
+
+// Unwrap returns the errno and the errdefs sentinel it maps to.
+func (e *MountError) Unwrap() []error {
+	if k := errnoKind(e.Err); k != nil {
+		return []error{e.Err, k}
+	}
+	return []error{e.Err}
+}
+
+func errnoKind(err error) error {
+	var errno unix.Errno
+	if !errors.As(err, &errno) {
+		return nil
+	}
+	switch errno {
+	case unix.ENOENT, unix.ENOTDIR:
+		return errdefs.ErrNotFound
+	case unix.EBUSY:
+		return errdefs.ErrBusy
+	case unix.EPERM, unix.EACCES:
+		return errdefs.ErrPermissionDenied
+	case unix.ENODEV:
+		return errdefs.ErrUnsupported
+	case unix.EROFS, unix.EUCLEAN:
+		return errdefs.ErrFailedPrecondition
+	}
+	return nil
+}
+
+func checkPath(what, p string) error {
+	if p == "" || !filepath.IsAbs(p) || strings.ContainsAny(p, "\x00\n") {
+		return fmt.Errorf("%s %q: must be an absolute path without NUL or newline: %w", what, p, errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
+
+// Mount mounts the filesystem on source at target with mount(2). flags and
+// data usually come from ParseMountOptions.
+func Mount(source, target, fsType string, flags uintptr, data string) error {
+	if err := checkPath("mount source", source); err != nil {
+		return err
+	}
+	if err := checkPath("mount target", target); err != nil {
+		return err
+	}
+	if fsType == "" {
+		return fmt.Errorf("mount %s on %s: no filesystem type: %w", source, target, errdefs.ErrInvalidArgument)
+	}
+	if flags&(MS_BIND|MS_REMOUNT) != 0 {
+		return fmt.Errorf("mount %s on %s: bind and remount flags belong to BindMount: %w", source, target, errdefs.ErrInvalidArgument)
+	}
+	if err := unix.Mount(source, target, fsType, flags, data); err != nil {
+		return &MountError{Op: "mount", Source: source, Target: target, FsType: fsType, Flags: flags, Data: data, Err: err}
+	}
+	return nil
+}
+
+// perMountFlags are the flags a bind mount can carry on its own.
+const perMountFlags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME | MS_RELATIME | MS_STRICTATIME
+
+// statfsToMS maps statfs f_flags (ST_*) to the mount flags they report.
+var statfsToMS = []struct{ st, ms uintptr }{
+	{unix.ST_RDONLY, MS_RDONLY},
+	{unix.ST_NOSUID, MS_NOSUID},
+	{unix.ST_NODEV, MS_NODEV},
+	{unix.ST_NOEXEC, MS_NOEXEC},
+	{unix.ST_NOATIME, MS_NOATIME},
+	{unix.ST_NODIRATIME, MS_NODIRATIME},
+	{unix.ST_RELATIME, MS_RELATIME},
+}
+
+// mountFlagsOf returns the per-mount flags of the mount holding path.
+func mountFlagsOf(path string) (uintptr, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		return 0, err
+	}
+	var ms uintptr
+	for _, m := range statfsToMS {
+		if uintptr(st.Flags)&m.st != 0 {
+			ms |= m.ms
+		}
+	}
+	return ms, nil
+}
+
+// BindMount bind-mounts source on target. Per-mount flags (ro, nosuid,
+// nodev, noexec, atime flags; readOnly adds MS_RDONLY) are applied by a
+// second MS_REMOUNT|MS_BIND call, since the kernel ignores them on the
+// first; the remount keeps the flags the bind inherited from source. If
+// that step fails, the bind is undone so no writable mount is left
+// behind. A read-only bind is verified with statfs.
+func BindMount(source, target string, readOnly bool, flags uintptr) (retErr error) {
+	if err := checkPath("bind source", source); err != nil {
+		return err
+	}
+	if err := checkPath("bind target", target); err != nil {
+		return err
+	}
+	if extra := flags &^ perMountFlags; extra != 0 {
+		return fmt.Errorf("bind mount %s on %s: flags %#x cannot be set on a bind mount: %w", source, target, extra, errdefs.ErrInvalidArgument)
+	}
+	if readOnly {
+		flags |= MS_RDONLY
+	}
+	if err := unix.Mount(source, target, "", MS_BIND, ""); err != nil {
+		return &MountError{Op: "bind", Source: source, Target: target, Flags: MS_BIND, Err: err}
+	}
+	if flags == 0 {
+		return nil
+	}
+	defer func() {
+		if retErr != nil {
+			if err := unix.Unmount(target, unix.UMOUNT_NOFOLLOW); err != nil {
+				retErr = fmt.Errorf("%w; undoing the bind mount also failed: %w", retErr, &MountError{Op: "unmount", Target: target, Err: err})
+			}
+		}
+	}()
+	inherited, err := mountFlagsOf(target)
+	if err != nil {
+		return fmt.Errorf("bind mount %s on %s: statfs: %w", source, target, err)
+	}
+	if flags&(MS_NOATIME|MS_RELATIME|MS_STRICTATIME) != 0 {
+		inherited &^= MS_NOATIME | MS_RELATIME | MS_STRICTATIME
+	}
+	remount := MS_REMOUNT | MS_BIND | inherited | flags
+	if err := unix.Mount("", target, "", remount, ""); err != nil {
+		return &MountError{Op: "remount", Source: source, Target: target, Flags: remount, Err: err}
+	}
+	if readOnly {
+		got, err := mountFlagsOf(target)
+		if err != nil {
+			return fmt.Errorf("bind mount %s on %s: statfs: %w", source, target, err)
+		}
+		if got&MS_RDONLY == 0 {
+			return fmt.Errorf("bind mount %s on %s: still writable after the read-only remount", source, target)
+		}
+	}
+	return nil
+}
+
+// maxStacked caps how many mounts stacked on one path Unmount removes.
+const maxStacked = 64
+
+// Unmount unmounts target with umount2(2), without following a symlink at
+// target, until nothing is mounted there (mounts stacked by earlier
+// retries go too). A target that is not mounted or does not exist is not
+// an error.
+func Unmount(target string) error {
+	if err := checkPath("unmount target", target); err != nil {
+		return err
+	}
+	for range maxStacked {
+		err := unix.Unmount(target, unix.UMOUNT_NOFOLLOW)
+		switch {
+		case err == nil:
+			continue
+		case errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOENT):
+			return nil
+		}
+		return &MountError{Op: "unmount", Target: target, Err: err}
+	}
+	return fmt.Errorf("unmount %s: more than %d mounts stacked on it: %w", target, maxStacked, errdefs.ErrFailedPrecondition)
+}
+
+// How IsMountPoint asks the kernel; chosen once.
+const (
+	viaStatx = iota
+	viaOpenat2
+	viaMountinfo
+)
+
+var (
+	mountCheckOnce sync.Once
+	mountCheck     int
+)
+
+func mountCheckMethod() int {
+	mountCheckOnce.Do(func() {
+		var stx unix.Statx_t
+		err := unix.Statx(unix.AT_FDCWD, "/", unix.AT_SYMLINK_NOFOLLOW, unix.STATX_TYPE, &stx)
+		if err == nil && stx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT != 0 {
+			mountCheck = viaStatx
+			return
+		}
+		fd, err2 := unix.Openat2(unix.AT_FDCWD, "/", &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC})
+		if err2 == nil {
+			unix.Close(fd)
+			mountCheck = viaOpenat2
+			log().Info("statx does not report STATX_ATTR_MOUNT_ROOT; mount points are detected with openat2", "statx_error", err)
+			return
+		}
+		mountCheck = viaMountinfo
+		log().Info("neither statx STATX_ATTR_MOUNT_ROOT nor openat2 is available; mount points are detected from /proc/self/mountinfo",
+			"statx_error", err, "openat2_error", err2)
+	})
+	return mountCheck
+}
+
+// IsMountPoint reports whether something is mounted at path (a symlink at
+// path is not followed and is never a mount point). A missing path is an
+// error wrapping errdefs.ErrNotFound and os.ErrNotExist.
+func IsMountPoint(path string) (bool, error) {
+	if err := checkPath("mount point", path); err != nil {
+		return false, err
+	}
+	path = filepath.Clean(path)
+	var (
+		ok  bool
+		err error
+	)
+	switch mountCheckMethod() {
+	case viaStatx:
+		ok, err = isMountPointStatx(path)
+	case viaOpenat2:
+		ok, err = isMountPointOpenat2(path)
+	default:
+		ok, err = isMountPointMountinfo(path)
+	}
+	if err != nil {
+		err = fmt.Errorf("check mount point %s: %w", path, err)
+		if errors.Is(err, unix.ENOENT) {
+			err = fmt.Errorf("%w: %w", err, errdefs.ErrNotFound)
+		}
+	}
+	return ok, err
+}
+
+func isMountPointStatx(path string) (bool, error) {
+	var stx unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, path, unix.AT_SYMLINK_NOFOLLOW|unix.AT_NO_AUTOMOUNT, unix.STATX_TYPE, &stx); err != nil {
+		return false, &os.PathError{Op: "statx", Path: path, Err: err}
+	}
+	return stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0, nil
+}
+
+func isMountPointOpenat2(path string) (bool, error) {
+	if path == "/" {
+		return true, nil
+	}
+	dir, base := filepath.Split(path)
+	dirfd, err := unix.Open(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return false, &os.PathError{Op: "open", Path: dir, Err: err}
+	}
+	defer unix.Close(dirfd)
+	fd, err := unix.Openat2(dirfd, base, &unix.OpenHow{
+		Flags:   unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+		Resolve: unix.RESOLVE_NO_XDEV,
+	})
+	if err == nil {
+		unix.Close(fd)
+		return false, nil
+	}
+	if errors.Is(err, unix.EXDEV) {
+		return true, nil
+	}
+	return false, &os.PathError{Op: "openat2", Path: path, Err: err}
+}
+
+func isMountPointMountinfo(path string) (bool, error) {
+	real, err := resolveParent(path)
+	if err != nil {
+		return false, err
+	}
+	mounts, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(real))
+	if err != nil {
+		return false, err
+	}
+	return len(mounts) > 0, nil
+}
+
+// resolveParent resolves the symlinks in path's directory (not in its
+// last element), as the kernel does for a mount point, and checks that
+// path exists.
+func resolveParent(path string) (string, error) {
+	if path == "/" {
+		return path, nil
+	}
+	dir, err := filepath.EvalSymlinks(filepath.Dir(path))
+	if err != nil {
+		return "", err
+	}
+	real := filepath.Join(dir, filepath.Base(path))
+	var st unix.Stat_t
+	if err := unix.Lstat(real, &st); err != nil {
+		return "", &os.PathError{Op: "lstat", Path: real, Err: err}
+	}
+	return real, nil
+}
+
+// MountInfo returns the entry of /proc/self/mountinfo for the mount at
+// path (the top one, if several are stacked there). It is an error
+// wrapping errdefs.ErrNotFound when nothing is mounted at path.
+func MountInfo(path string) (*mountinfo.Info, error) {
+	ok, err := IsMountPoint(path)
+	if err != nil {
+		return nil, err
+	}
+	path = filepath.Clean(path)
+	if !ok {
+		return nil, fmt.Errorf("mount info %s: nothing is mounted there: %w", path, errdefs.ErrNotFound)
+	}
+	var stx unix.Statx_t
+	err = unix.Statx(unix.AT_FDCWD, path, unix.AT_SYMLINK_NOFOLLOW|unix.AT_NO_AUTOMOUNT, unix.STATX_MNT_ID, &stx)
+	if err == nil && stx.Mask&unix.STATX_MNT_ID != 0 {
+		id := int(stx.Mnt_id)
+		mounts, err := mountinfo.GetMounts(func(m *mountinfo.Info) (skip, stop bool) {
+			if m.ID == id {
+				return false, true
+			}
+			return true, false
+		})
+		if err != nil {
+			return nil, fmt.Errorf("mount info %s: %w", path, err)
+		}
+		if len(mounts) == 1 {
+			return mounts[0], nil
+		}
+		return nil, fmt.Errorf("mount info %s: mount id %d not in /proc/self/mountinfo (unmounted meanwhile?): %w", path, id, errdefs.ErrNotFound)
+	}
+	// No mount id from statx (Linux < 5.8): the last entry for the path
+	// is the mount on top.
+	real, err := resolveParent(path)
+	if err != nil {
+		return nil, fmt.Errorf("mount info %s: %w", path, err)
+	}
+	mounts, err := mountinfo.GetMounts(func(m *mountinfo.Info) (skip, stop bool) {
+		return m.Mountpoint != real, false
+	})
+	if err != nil {
+		return nil, fmt.Errorf("mount info %s: %w", path, err)
+	}
+	if len(mounts) == 0 {
+		return nil, fmt.Errorf("mount info %s: nothing is mounted there: %w", path, errdefs.ErrNotFound)
+	}
+	return mounts[len(mounts)-1], nil
+}

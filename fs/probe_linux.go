@@ -1,0 +1,158 @@
+package fs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// headSize is how much of the device Probe reads itself.
+const headSize = 1 << 20
+
+// Probe reports what the device holds. It reads the first MiB of devPath
+// and runs `blkid -p -o export`: low-level probing of superblocks (all
+// usages: filesystem, raid, crypto, other) and partition tables, without
+// the blkid cache. blkid also checks the places a first-MiB read cannot
+// see, such as the backup GPT header and the md 0.90/1.0 superblocks at
+// the end of the device. When blkid finds nothing but the first MiB is not
+// all zeros the result is Signature{Type: "unknown-data"}.
+//
+// Before probing, the kernel's buffer cache of a block device is flushed
+// and dropped (BLKFLSBUF), so that both readers see the medium and not
+// pages cached before the device's content changed (a reused loop device,
+// a LUN written from another node).
+func Probe(ctx context.Context, devPath string) (Signature, error) {
+	nz, err := readHead(devPath)
+	if err != nil {
+		return Signature{}, err
+	}
+	out, err := runTool(ctx, "blkid", "-p", "-o", "export", "--", devPath)
+	exit := 0
+	if err != nil {
+		var te *ToolError
+		if !errors.As(err, &te) || te.ExitCode < 0 {
+			return Signature{}, fmt.Errorf("probe %s: %w", devPath, err)
+		}
+		exit = te.ExitCode
+		if exit != blkidExitNotFound && exit != blkidExitAmbivalent {
+			return Signature{}, fmt.Errorf("probe %s: %w", devPath, err)
+		}
+	}
+	sig, found, err := signatureFromBlkid(exit, out)
+	if err != nil {
+		return Signature{}, fmt.Errorf("probe %s: %w", devPath, err)
+	}
+	if !found && nz >= 0 {
+		sig = Signature{Type: typeUnknownData}
+	}
+	return sig, nil
+}
+
+// readHead returns the offset of the first non-zero byte in the first MiB
+// of path, or -1. It reads with O_DIRECT where the file allows it.
+func readHead(path string) (int, error) {
+	f, err := openDevice(path, unix.O_RDONLY|unix.O_DIRECT)
+	if errors.Is(err, unix.EINVAL) {
+		f, err = openDevice(path, unix.O_RDONLY)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("probe %s: %w", path, err)
+	}
+	defer f.Close()
+	if fi, err := f.Stat(); err == nil && fi.Mode()&os.ModeDevice != 0 {
+		// Best effort: a failure only means cached pages may be read.
+		_ = unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0)
+	}
+	// An anonymous mapping is page aligned, as O_DIRECT requires.
+	buf, err := unix.Mmap(-1, 0, headSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return 0, fmt.Errorf("probe %s: allocate read buffer: %w", path, err)
+	}
+	defer unix.Munmap(buf)
+	n, err := io.ReadFull(f, buf)
+	if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
+		return 0, fmt.Errorf("probe %s: read first MiB: %w", path, err)
+	}
+	return firstNonZero(buf[:n]), nil
+}
+
+// openDevice opens a block device or file and names the sentinel for the
+// common failures.
+func openDevice(path string, flags int) (*os.File, error) {
+	f, err := os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
+	if err != nil {
+		switch {
+		case errors.Is(err, os.ErrNotExist):
+			return nil, fmt.Errorf("%w: %w", err, errdefs.ErrNotFound)
+		case errors.Is(err, os.ErrPermission):
+			return nil, fmt.Errorf("%w: %w", err, errdefs.ErrPermissionDenied)
+		}
+		return nil, err
+	}
+	return f, nil
+}
+
+// statBlockDevice checks that path is a block device and returns its
+// device number.
+func statBlockDevice(path string) (uint64, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return 0, fmt.Errorf("device %s: %w: %w", path, err, errdefs.ErrNotFound)
+		}
+		return 0, fmt.Errorf("device %s: %w", path, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		return 0, fmt.Errorf("device %s: not a block device: %w", path, errdefs.ErrInvalidArgument)
+	}
+	return st.Rdev, nil
+}
+
+// EnsureFilesystem makes sure devPath holds a filesystem of fsType. A blank
+// device (see Probe) is formatted and formatted is true. A device that
+// already holds fsType is left as it is. A device holding anything else is
+// refused with an error wrapping errdefs.ErrFailedPrecondition that names
+// what was found; its bytes are not changed.
+func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptions) (formatted bool, err error) {
+	args, err := mkfsArgs(fsType, devPath, opt)
+	if err != nil {
+		return false, err
+	}
+	if _, err := statBlockDevice(devPath); err != nil {
+		return false, err
+	}
+	sig, err := Probe(ctx, devPath)
+	if err != nil {
+		return false, err
+	}
+	switch {
+	case sig.Type == fsType:
+		return false, nil
+	case !sig.Blank():
+		return false, fmt.Errorf("format %s as %s: device holds %s; refusing to format a device that may hold data "+
+			"(check the volume; erase it with wipefs only if its content is not needed): %w",
+			devPath, fsType, sig, errdefs.ErrFailedPrecondition)
+	}
+	release, err := acquireHeavy(ctx, "format "+devPath)
+	if err != nil {
+		return false, err
+	}
+	defer release()
+	if _, err := runTool(ctx, "mkfs."+fsType, args...); err != nil {
+		return false, fmt.Errorf("format %s as %s: %w", devPath, fsType, err)
+	}
+	sig, err = Probe(ctx, devPath)
+	if err != nil {
+		return true, fmt.Errorf("format %s as %s: verify: %w", devPath, fsType, err)
+	}
+	if sig.Type != fsType {
+		return true, fmt.Errorf("format %s as %s: mkfs succeeded but the device now holds %s", devPath, fsType, sig)
+	}
+	return true, nil
+}
