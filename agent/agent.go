@@ -1,0 +1,254 @@
+// Package agent serves the CSI Identity and Node services of berth over
+// a unix socket. It validates requests, serialises operations per volume,
+// keeps per-volume state on disk and composes the transports (file,
+// nvmeof, iscsi), package devices and package fs into the CSI volume
+// lifecycle. It is the only package that maps berth's errors to gRPC
+// status codes (see Code).
+//
+// berth implements CSI spec v1.12.0, not v1.13.0: v1.13.0 removed
+// VolumeCondition from NodeGetVolumeStatsResponse, which kubelet still
+// reads to report volume health; v1.12.0 keeps it.
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"sync/atomic"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+
+	"github.com/berth-csi/berth/devices"
+)
+
+// DefaultDriverName is the CSI driver name berth registers with kubelet.
+const DefaultDriverName = "berth.csi.io"
+
+// Config is everything an Agent needs. Zero values get defaults where a
+// default is documented.
+type Config struct {
+	// DriverName is reported by GetPluginInfo; default DefaultDriverName.
+	DriverName string
+	// Version is reported as vendor_version.
+	Version string
+	// NodeID is reported by NodeGetInfo. Required.
+	NodeID string
+	// StateDir holds the per-volume records (StateDir/volumes). Required.
+	StateDir string
+	// FileRoot enables the file transport: volume_context "file" names an
+	// image file below this directory. Empty disables it.
+	FileRoot string
+	// MaxVolumes is the number of volumes this node may have staged;
+	// 0 means no limit.
+	MaxVolumes int64
+	// Topology is the node's accessible topology (key=value segments).
+	Topology map[string]string
+	// Logger receives the agent's and the requests' logs; default
+	// slog.Default().
+	Logger *slog.Logger
+
+	// Listener is the uevent listener shared by the transports. If nil,
+	// New opens one and Serve closes it.
+	Listener *devices.Listener
+	// Transports are enabled in addition to the file transport.
+	Transports []Transport
+
+	// Interceptors run around every RPC after berth's own logging one
+	// (metrics, tracing).
+	Interceptors []grpc.UnaryServerInterceptor
+	// ReadyFunc, if set, is consulted by Probe once the agent is ready;
+	// an error makes Probe fail with FailedPrecondition and its message.
+	ReadyFunc func(context.Context) error
+	// OnReady is called once state is loaded, the uevent listener runs
+	// and the gRPC server accepts calls (sd_notify READY=1).
+	OnReady func()
+	// OnStopping is called when Serve begins to shut down
+	// (sd_notify STOPPING=1).
+	OnStopping func()
+	// ShutdownTimeout bounds how long Serve waits for RPCs in flight
+	// when ctx ends; default 30s. Then the remaining ones are cut.
+	ShutdownTimeout time.Duration
+}
+
+// Agent is a configured CSI node plugin. Create it with New, run it with
+// Serve.
+type Agent struct {
+	cfg         Config
+	log         *slog.Logger
+	host        hostFS
+	state       *store
+	locks       *inflight
+	transports  map[string]Transport
+	listener    *devices.Listener
+	ownListener bool
+	ready       atomic.Bool
+
+	// verify re-checks that a device name still means the device found
+	// (devices.Device.Verify); lookup reads a device from sysfs
+	// (devices.Lookup). Tests substitute them.
+	verify func(*devices.Device) error
+	lookup func(name string) (*devices.Device, error)
+}
+
+var (
+	driverNameRe  = regexp.MustCompile(`^[a-zA-Z0-9]([a-zA-Z0-9.-]{0,61}[a-zA-Z0-9])?$`)
+	topologyKeyRe = regexp.MustCompile(`^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$`)
+	topologyValRe = regexp.MustCompile(`^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$`)
+)
+
+// New checks cfg, loads the state of every volume from cfg.StateDir and
+// opens the uevent listener.
+func New(cfg Config) (*Agent, error) {
+	if cfg.DriverName == "" {
+		cfg.DriverName = DefaultDriverName
+	}
+	if !driverNameRe.MatchString(cfg.DriverName) {
+		return nil, fmt.Errorf("driver name %q: want a domain name of at most 63 characters", cfg.DriverName)
+	}
+	if cfg.NodeID == "" || len(cfg.NodeID) > 256 || hasControl(cfg.NodeID) {
+		return nil, fmt.Errorf("node ID %q: want 1 to 256 printable bytes", cfg.NodeID)
+	}
+	if cfg.StateDir == "" || !filepath.IsAbs(cfg.StateDir) {
+		return nil, fmt.Errorf("state directory %q: want an absolute path", cfg.StateDir)
+	}
+	if cfg.MaxVolumes < 0 {
+		return nil, fmt.Errorf("max volumes %d: negative", cfg.MaxVolumes)
+	}
+	for k, v := range cfg.Topology {
+		if !topologyKeyRe.MatchString(k) || !topologyValRe.MatchString(v) {
+			return nil, fmt.Errorf("topology %s=%s: want a Kubernetes label key and value", k, v)
+		}
+	}
+	cfg.Topology = maps.Clone(cfg.Topology)
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.ShutdownTimeout <= 0 {
+		cfg.ShutdownTimeout = 30 * time.Second
+	}
+	a := &Agent{
+		cfg:        cfg,
+		log:        cfg.Logger,
+		host:       newHostFS(),
+		locks:      newInflight(),
+		transports: make(map[string]Transport),
+		listener:   cfg.Listener,
+		verify:     (*devices.Device).Verify,
+		lookup:     devices.Lookup,
+	}
+	st, err := openStore(filepath.Join(cfg.StateDir, "volumes"))
+	if err != nil {
+		return nil, err
+	}
+	a.state = st
+	if a.listener == nil {
+		l, err := devices.NewListener()
+		if err != nil {
+			return nil, fmt.Errorf("open uevent listener: %w", err)
+		}
+		a.listener, a.ownListener = l, true
+	}
+	ts := cfg.Transports
+	if cfg.FileRoot != "" {
+		ft, err := NewFileTransport(cfg.FileRoot, a.listener)
+		if err != nil {
+			a.Close()
+			return nil, err
+		}
+		ts = append([]Transport{ft}, ts...)
+	}
+	for _, t := range ts {
+		if _, dup := a.transports[t.Name()]; dup {
+			a.Close()
+			return nil, fmt.Errorf("transport %q: enabled twice", t.Name())
+		}
+		a.transports[t.Name()] = t
+	}
+	a.log.Info("state loaded", slog.Int("volumes", st.count()), slog.String("state_dir", cfg.StateDir), slog.Any("transports", a.transportNames()))
+	return a, nil
+}
+
+func (a *Agent) transportNames() []string {
+	names := make([]string, 0, len(a.transports))
+	for n := range a.transports {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// Close releases what New opened. Serve calls it on return.
+func (a *Agent) Close() error {
+	if a.ownListener && a.listener != nil {
+		err := a.listener.Close()
+		a.listener = nil
+		return err
+	}
+	return nil
+}
+
+// Server returns a gRPC server with the Identity and Node services
+// registered and the interceptors of the Config installed.
+func (a *Agent) Server(opts ...grpc.ServerOption) *grpc.Server {
+	ics := append([]grpc.UnaryServerInterceptor{logInterceptor(a.log)}, a.cfg.Interceptors...)
+	opts = append([]grpc.ServerOption{grpc.ChainUnaryInterceptor(ics...)}, opts...)
+	s := grpc.NewServer(opts...)
+	csi.RegisterIdentityServer(s, &identityServer{a: a})
+	csi.RegisterNodeServer(s, &nodeServer{a: a})
+	return s
+}
+
+// Serve answers CSI calls on lis until ctx ends, then stops accepting
+// calls and waits up to Config.ShutdownTimeout for those in flight. It
+// calls OnReady once calls are accepted and OnStopping when shutdown
+// begins, and closes the agent before it returns. lis may come from
+// Listen or from socket activation.
+func (a *Agent) Serve(ctx context.Context, lis net.Listener) error {
+	defer a.Close()
+	s := a.Server()
+	errc := make(chan error, 1)
+	go func() { errc <- s.Serve(lis) }()
+	a.ready.Store(true)
+	a.log.Info("serving", slog.String("endpoint", lis.Addr().String()), slog.String("driver", a.cfg.DriverName), slog.String("node_id", a.cfg.NodeID), slog.String("version", a.cfg.Version))
+	if a.cfg.OnReady != nil {
+		a.cfg.OnReady()
+	}
+	select {
+	case err := <-errc:
+		a.ready.Store(false)
+		return fmt.Errorf("serve gRPC: %w", err)
+	case <-ctx.Done():
+	}
+	a.ready.Store(false)
+	a.log.Info("stopping: waiting for calls in flight", slog.Duration("timeout", a.cfg.ShutdownTimeout))
+	if a.cfg.OnStopping != nil {
+		a.cfg.OnStopping()
+	}
+	done := make(chan struct{})
+	go func() {
+		s.GracefulStop()
+		close(done)
+	}()
+	t := time.NewTimer(a.cfg.ShutdownTimeout)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		a.log.Warn("calls still in flight after the shutdown timeout; cutting them")
+		s.Stop()
+		<-done
+	}
+	if err := <-errc; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return fmt.Errorf("serve gRPC: %w", err)
+	}
+	a.log.Info("stopped")
+	return nil
+}

@@ -1,0 +1,159 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// FileTransport serves volumes that are image files below a root
+// directory, attached as loop devices. volume_context "file" names the
+// image, relative to the root or as an absolute path below it. It exists
+// for tests, demos and single-node setups; it is also the transport that
+// exercises the whole CSI lifecycle on a host without storage targets.
+type FileTransport struct {
+	root     string
+	listener *devices.Listener
+}
+
+var _ Transport = (*FileTransport)(nil)
+
+// NewFileTransport returns the file transport rooted at root, which must
+// exist. Symbolic links in root itself are resolved once here.
+func NewFileTransport(root string, l *devices.Listener) (*FileTransport, error) {
+	if !filepath.IsAbs(root) {
+		return nil, fmt.Errorf("file root %q: want an absolute path", root)
+	}
+	real, err := filepath.EvalSymlinks(root)
+	if err != nil {
+		return nil, fmt.Errorf("file root %q: %w", root, err)
+	}
+	fi, err := os.Stat(real)
+	if err != nil {
+		return nil, fmt.Errorf("file root %q: %w", root, err)
+	}
+	if !fi.IsDir() {
+		return nil, fmt.Errorf("file root %q: not a directory", root)
+	}
+	return &FileTransport{root: real, listener: l}, nil
+}
+
+// Name implements Transport.
+func (t *FileTransport) Name() string { return "file" }
+
+// Parse implements Transport. It checks the file name lexically only (no
+// "..", no escape from the root): the file may be gone by the time a
+// volume is unstaged. Attach checks what the name resolves to.
+func (t *FileTransport) Parse(vc, _ map[string]string) (Target, error) {
+	p, err := t.resolve(vc[ContextFile])
+	if err != nil {
+		return nil, err
+	}
+	return &fileTarget{t: t, path: p}, nil
+}
+
+// resolve turns the volume_context value into a clean absolute path below
+// the root.
+func (t *FileTransport) resolve(v string) (string, error) {
+	switch {
+	case v == "":
+		return "", invalid("volume_context[%q]: missing", ContextFile)
+	case hasControl(v):
+		return "", invalid("volume_context[%q]: contains control characters", ContextFile)
+	}
+	for _, elem := range strings.Split(v, "/") {
+		if elem == ".." {
+			return "", invalid("volume_context[%q] %q: contains \"..\"", ContextFile, v)
+		}
+	}
+	p := v
+	if !filepath.IsAbs(p) {
+		p = filepath.Join(t.root, p)
+	}
+	p = filepath.Clean(p)
+	if !strings.HasPrefix(p, t.root+"/") {
+		return "", invalid("volume_context[%q] %q: not below the file root %s", ContextFile, v, t.root)
+	}
+	return p, nil
+}
+
+type fileTarget struct {
+	t    *FileTransport
+	path string
+}
+
+func (f *fileTarget) Key() string { return f.path }
+
+// check makes sure the image exists, is a regular file and that the
+// path reaches it without symbolic links (which could lead out of the
+// root, or change what a volume is after it was staged).
+func (f *fileTarget) check() error {
+	real, err := filepath.EvalSymlinks(f.path)
+	if errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("image file %s: %w", f.path, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return fmt.Errorf("image file %s: %w", f.path, err)
+	}
+	if real != f.path {
+		return invalid("image file %s: resolves to %s through a symbolic link", f.path, real)
+	}
+	fi, err := os.Stat(real)
+	if err != nil {
+		return fmt.Errorf("image file %s: %w", f.path, err)
+	}
+	if !fi.Mode().IsRegular() {
+		return invalid("image file %s: not a regular file", f.path)
+	}
+	return nil
+}
+
+// Attach attaches the image to a loop device, or returns the loop device
+// that already backs it.
+func (f *fileTarget) Attach(ctx context.Context) (*devices.Device, error) {
+	if err := f.check(); err != nil {
+		return nil, err
+	}
+	return devices.AttachLoop(ctx, f.t.listener, f.path, false)
+}
+
+// Detach detaches the loop device of the image, if any.
+func (f *fileTarget) Detach(context.Context) error {
+	d, err := devices.FindLoop(f.path)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	return devices.DetachLoop(d)
+}
+
+// Expand makes the loop device take the image file's current size.
+func (f *fileTarget) Expand(ctx context.Context) (int64, error) {
+	d, err := devices.FindLoop(f.path)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return 0, fmt.Errorf("image file %s: not attached to a loop device: %w", f.path, errdefs.ErrFailedPrecondition)
+	}
+	if err != nil {
+		return 0, err
+	}
+	return devices.RefreshLoopCapacity(ctx, d)
+}
+
+// Health reports a missing image or loop device.
+func (f *fileTarget) Health(context.Context) (bool, string) {
+	if _, err := os.Stat(f.path); err != nil {
+		return true, fmt.Sprintf("image file %s: %v", f.path, err)
+	}
+	if _, err := devices.FindLoop(f.path); err != nil {
+		return true, fmt.Sprintf("image file %s: no loop device: %v", f.path, err)
+	}
+	return false, ""
+}

@@ -1,0 +1,40 @@
+package agent
+
+import "context"
+
+// mountEntry is the part of a mountinfo line berth compares.
+type mountEntry struct {
+	Major, Minor int
+	Root         string // path inside the source filesystem ("/" for a device mount)
+	Source       string
+	FSType       string
+	Options      string // per-mount options ("rw,relatime")
+}
+
+// fsStats is what NodeGetVolumeStats reports for a mounted filesystem.
+type fsStats struct {
+	TotalBytes, AvailableBytes, UsedBytes int64
+	TotalInodes, FreeInodes, UsedInodes   int64
+}
+
+// hostFS is the filesystem layer as the node service uses it. The real
+// implementation is package fs (hostfs_linux.go); tests substitute fakes
+// to drive races and failures a real kernel does not produce on demand.
+type hostFS interface {
+	SupportedFsTypes() []string
+	ParseMountOptions(opts []string) (flags uintptr, data string, err error)
+	// EnsureFilesystem creates fsType on a blank device and refuses one
+	// that holds anything else (errdefs.ErrFailedPrecondition).
+	EnsureFilesystem(ctx context.Context, devPath, fsType string) (formatted bool, err error)
+	Fsck(ctx context.Context, devPath, fsType string) error
+	Mount(source, target, fsType string, flags uintptr, data string) error
+	BindMount(source, target string, readOnly bool, flags uintptr) error
+	Unmount(target string) error
+	IsMountPoint(path string) (bool, error)
+	// MountInfo describes the mount at path; errdefs.ErrNotFound if none.
+	MountInfo(path string) (mountEntry, error)
+	Resize(ctx context.Context, devPath, mountPath, fsType string) error
+	Stats(path string) (fsStats, error)
+	BlockDeviceSize(devPath string) (int64, error)
+	FlushBuffers(devPath string) error
+}

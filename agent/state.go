@@ -1,0 +1,268 @@
+package agent
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+)
+
+// stateVersion is written into every record; a newer agent can migrate.
+const stateVersion = 1
+
+// deviceRecord is what berth remembers about the block device of a staged
+// volume: enough to check after a restart that the node still has the
+// same device (see devices.Device.Verify).
+type deviceRecord struct {
+	Name        string `json:"name"`
+	Path        string `json:"path"`
+	Major       uint32 `json:"major"`
+	Minor       uint32 `json:"minor"`
+	Size        int64  `json:"size"`
+	DiskSeq     uint64 `json:"diskSeq,omitempty"`
+	Kind        string `json:"kind,omitempty"`
+	WWID        string `json:"wwid,omitempty"`
+	HCTL        string `json:"hctl,omitempty"`
+	NQN         string `json:"nqn,omitempty"`
+	NSID        uint32 `json:"nsid,omitempty"`
+	UUID        string `json:"uuid,omitempty"`
+	NGUID       string `json:"nguid,omitempty"`
+	BackingFile string `json:"backingFile,omitempty"`
+	DMName      string `json:"dmName,omitempty"`
+}
+
+// publishRecord is one target path a volume is published at.
+type publishRecord struct {
+	ReadOnly   bool     `json:"readOnly"`
+	Mode       string   `json:"mode"`
+	MountFlags []string `json:"mountFlags,omitempty"`
+}
+
+// volumeRecord is the persisted state of one volume on this node. It is
+// written before each step that changes the host (intent first), so that
+// a retry after a crash at any point finds what may need undoing.
+type volumeRecord struct {
+	Version   int    `json:"version"`
+	VolumeID  string `json:"volumeID"`
+	Transport string `json:"transport"`
+	// Context is volume_context merged with publish_context. Secrets
+	// travel in their own request field and are never stored.
+	Context     map[string]string `json:"context"`
+	TargetKey   string            `json:"targetKey"`
+	AccessType  string            `json:"accessType"` // "mount" or "block"
+	FsType      string            `json:"fsType,omitempty"`
+	MountFlags  []string          `json:"mountFlags,omitempty"`
+	Mode        string            `json:"mode"`
+	StagingPath string            `json:"stagingPath"`
+	// Staged is set once NodeStageVolume completed; a record with Staged
+	// false is a stage that was interrupted.
+	Staged    bool                     `json:"staged"`
+	Device    *deviceRecord            `json:"device,omitempty"`
+	Publishes map[string]publishRecord `json:"publishes,omitempty"`
+}
+
+func (r *volumeRecord) clone() *volumeRecord {
+	c := *r
+	c.Context = maps.Clone(r.Context)
+	c.MountFlags = slices.Clone(r.MountFlags)
+	if r.Device != nil {
+		d := *r.Device
+		c.Device = &d
+	}
+	c.Publishes = make(map[string]publishRecord, len(r.Publishes))
+	for k, v := range r.Publishes {
+		v.MountFlags = slices.Clone(v.MountFlags)
+		c.Publishes[k] = v
+	}
+	return &c
+}
+
+// store keeps one JSON file per volume under dir. Volume IDs are chosen
+// by the CO and are never used as file names: a record lives in
+// sha256(volume_id).json and holds the ID, so "../../etc" stays inside.
+// Writes are crash-safe: temporary file, fsync, rename, fsync of dir.
+type store struct {
+	dir  string
+	mu   sync.RWMutex
+	vols map[string]*volumeRecord
+}
+
+func stateFileName(volumeID string) string {
+	sum := sha256.Sum256([]byte(volumeID))
+	return hex.EncodeToString(sum[:]) + ".json"
+}
+
+// openStore creates dir if needed and loads every record in it. A record
+// that cannot be read is an error: forgetting a staged volume would leak
+// its device and mounts, so the operator has to look.
+func openStore(dir string) (*store, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("create state directory: %w", err)
+	}
+	s := &store{dir: dir, vols: make(map[string]*volumeRecord)}
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("read state directory: %w", err)
+	}
+	for _, e := range entries {
+		name := e.Name()
+		if strings.HasPrefix(name, ".tmp-") {
+			// A write that crashed before its rename; the previous
+			// version of the record is still in place.
+			_ = os.Remove(filepath.Join(dir, name))
+			continue
+		}
+		if !strings.HasSuffix(name, ".json") {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			return nil, fmt.Errorf("read state file %s: %w", name, err)
+		}
+		var r volumeRecord
+		if err := json.Unmarshal(b, &r); err != nil {
+			return nil, fmt.Errorf("parse state file %s: %w", filepath.Join(dir, name), err)
+		}
+		if stateFileName(r.VolumeID) != name {
+			return nil, fmt.Errorf("state file %s holds volume %q, whose record belongs in %s", filepath.Join(dir, name), r.VolumeID, stateFileName(r.VolumeID))
+		}
+		if r.Publishes == nil {
+			r.Publishes = make(map[string]publishRecord)
+		}
+		s.vols[r.VolumeID] = &r
+	}
+	return s, nil
+}
+
+// get returns a copy of the record of a volume.
+func (s *store) get(id string) (*volumeRecord, bool) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	r, ok := s.vols[id]
+	if !ok {
+		return nil, false
+	}
+	return r.clone(), true
+}
+
+// list returns copies of all records, ordered by volume ID.
+func (s *store) list() []*volumeRecord {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	out := make([]*volumeRecord, 0, len(s.vols))
+	for _, r := range s.vols {
+		out = append(out, r.clone())
+	}
+	slices.SortFunc(out, func(a, b *volumeRecord) int { return strings.Compare(a.VolumeID, b.VolumeID) })
+	return out
+}
+
+func (s *store) count() int {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return len(s.vols)
+}
+
+// pathOwner returns the volume whose staging path or publish target is p.
+func (s *store) pathOwner(p string) (string, bool) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	for id, r := range s.vols {
+		if r.StagingPath == p {
+			return id, true
+		}
+		if _, ok := r.Publishes[p]; ok {
+			return id, true
+		}
+	}
+	return "", false
+}
+
+// targetOwner returns the volume staged from the transport target key.
+func (s *store) targetOwner(transport, key string) (string, bool) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	for id, r := range s.vols {
+		if r.Transport == transport && r.TargetKey == key {
+			return id, true
+		}
+	}
+	return "", false
+}
+
+// put writes a record durably, then makes it visible.
+func (s *store) put(r *volumeRecord) error {
+	r.Version = stateVersion
+	if r.Publishes == nil {
+		r.Publishes = make(map[string]publishRecord)
+	}
+	b, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return fmt.Errorf("encode state of volume %q: %w", r.VolumeID, err)
+	}
+	if err := writeFileAtomic(s.dir, stateFileName(r.VolumeID), b); err != nil {
+		return fmt.Errorf("save state of volume %q: %w", r.VolumeID, err)
+	}
+	s.mu.Lock()
+	s.vols[r.VolumeID] = r.clone()
+	s.mu.Unlock()
+	return nil
+}
+
+// remove deletes the record of a volume; a missing record is not an error.
+func (s *store) remove(id string) error {
+	err := os.Remove(filepath.Join(s.dir, stateFileName(id)))
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("remove state of volume %q: %w", id, err)
+	}
+	if err := syncDir(s.dir); err != nil {
+		return fmt.Errorf("remove state of volume %q: %w", id, err)
+	}
+	s.mu.Lock()
+	delete(s.vols, id)
+	s.mu.Unlock()
+	return nil
+}
+
+func writeFileAtomic(dir, name string, b []byte) (retErr error) {
+	f, err := os.CreateTemp(dir, ".tmp-"+name+"-")
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if retErr != nil {
+			_ = f.Close()
+			_ = os.Remove(f.Name())
+		}
+	}()
+	if _, err := f.Write(b); err != nil {
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if err := os.Rename(f.Name(), filepath.Join(dir, name)); err != nil {
+		return err
+	}
+	return syncDir(dir)
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}

@@ -1,0 +1,116 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sort"
+
+	"github.com/berth-csi/berth/devices"
+)
+
+// Transport connects the volumes of one kind of storage: "file" (an image
+// file on a loop device), "nvmeof", "iscsi".
+type Transport interface {
+	// Name is the value of volume_context "transport" that selects it.
+	Name() string
+	// Parse validates volume_context (merged with publish_context) and
+	// the request's secrets and returns the target they name. It has no
+	// side effects. Unstage after a restart calls Parse with the stored
+	// context and nil secrets, so a Target must be able to Detach without
+	// secrets.
+	Parse(volumeContext, secrets map[string]string) (Target, error)
+}
+
+// Target is one volume of a transport.
+type Target interface {
+	// Key is the canonical identity of the volume behind the target:
+	// equal keys mean the same storage.
+	Key() string
+	// Attach connects the target and returns its verified block device.
+	// It is idempotent: an attached target returns its device.
+	Attach(ctx context.Context) (*devices.Device, error)
+	// Detach disconnects the target; a target already gone is success.
+	Detach(ctx context.Context) error
+	// Expand makes the node see the target's current size (rescan) and
+	// returns the device size in bytes.
+	Expand(ctx context.Context) (int64, error)
+	// Health reports whether the connection to the target is abnormal.
+	Health(ctx context.Context) (abnormal bool, message string)
+}
+
+// volume_context keys that select or imply a transport.
+const (
+	ContextTransport = "transport"
+	ContextFile      = "file"
+)
+
+// inferKeys maps a volume_context key to the transport it implies when
+// "transport" is absent.
+var inferKeys = map[string]string{
+	"iqn":          "iscsi",
+	"targetPortal": "iscsi",
+	"nqn":          "nvmeof",
+	"targetTrAddr": "nvmeof",
+	ContextFile:    "file",
+}
+
+// transportName returns the transport a volume_context asks for: the
+// "transport" key, or the one its keys imply.
+func transportName(vc map[string]string) (string, error) {
+	if name, ok := vc[ContextTransport]; ok {
+		if name == "" {
+			return "", invalid("volume_context[%q]: empty", ContextTransport)
+		}
+		return name, nil
+	}
+	var found []string
+	for k, t := range inferKeys {
+		if _, ok := vc[k]; ok && !slices.Contains(found, t) {
+			found = append(found, t)
+		}
+	}
+	sort.Strings(found)
+	switch len(found) {
+	case 0:
+		return "", invalid("volume_context: names no transport (set %q, or give keys such as %q, \"nqn\" or \"iqn\")", ContextTransport, ContextFile)
+	case 1:
+		return found[0], nil
+	}
+	return "", invalid("volume_context: keys of several transports %v; set %q to choose", found, ContextTransport)
+}
+
+// selectTransport finds the transport for a volume_context.
+func selectTransport(vc map[string]string, ts map[string]Transport) (Transport, error) {
+	name, err := transportName(vc)
+	if err != nil {
+		return nil, err
+	}
+	t, ok := ts[name]
+	if !ok {
+		names := make([]string, 0, len(ts))
+		for n := range ts {
+			names = append(names, n)
+		}
+		sort.Strings(names)
+		return nil, invalid("volume_context: transport %q is not enabled on this node (enabled: %v)", name, names)
+	}
+	return t, nil
+}
+
+func deviceRecordOf(d *devices.Device) *deviceRecord {
+	return &deviceRecord{
+		Name: d.Name, Path: d.Path, Major: d.Major, Minor: d.Minor, Size: d.Size,
+		DiskSeq: d.DiskSeq,
+		Kind:    d.ID.Kind, WWID: d.ID.WWID, HCTL: d.ID.HCTL,
+		NQN: d.ID.NQN, NSID: d.ID.NSID, UUID: d.ID.UUID, NGUID: d.ID.NGUID,
+		BackingFile: d.ID.BackingFile, DMName: d.ID.DMName,
+	}
+}
+
+func describeDevice(d *devices.Device) string {
+	if d == nil {
+		return "<none>"
+	}
+	return fmt.Sprintf("%s (%d:%d)", d.Path, d.Major, d.Minor)
+}

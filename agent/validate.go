@@ -1,0 +1,233 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"unicode/utf8"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+const (
+	// maxIDLen is the CSI size limit for string fields such as volume_id.
+	maxIDLen = 128
+	// maxPathLen is PATH_MAX including the terminating NUL.
+	maxPathLen = 4095
+	// maxContextLen bounds one volume_context or publish_context value.
+	maxContextLen = 4096
+	// defaultFsType is used when a mount capability leaves fs_type empty.
+	defaultFsType = "ext4"
+)
+
+func invalid(format string, a ...any) error {
+	return fmt.Errorf(format+": %w", append(a, errdefs.ErrInvalidArgument)...)
+}
+
+// hasControl reports whether s holds a byte below 0x20 or DEL. Such bytes
+// (NUL, newline, escape sequences) have no business in identifiers or paths
+// and would corrupt logs, mount tables and kernel option strings.
+func hasControl(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c == 0x7f {
+			return true
+		}
+	}
+	return false
+}
+
+// validateVolumeID checks a volume_id. IDs are opaque to berth; they are
+// never used as paths (see stateFileName).
+func validateVolumeID(id string) error {
+	switch {
+	case id == "":
+		return invalid("volume_id: missing")
+	case len(id) > maxIDLen:
+		return invalid("volume_id: %d bytes, the CSI limit is %d", len(id), maxIDLen)
+	case !utf8.ValidString(id):
+		return invalid("volume_id: not valid UTF-8")
+	case hasControl(id):
+		return invalid("volume_id %q: contains control characters", id)
+	}
+	return nil
+}
+
+// validatePath checks the form of a staging or target path without
+// touching the filesystem: absolute, clean (no "..", "//", "." or trailing
+// slash), not the root, no control characters.
+func validatePath(field, p string) error {
+	switch {
+	case p == "":
+		return invalid("%s: missing", field)
+	case len(p) > maxPathLen:
+		return invalid("%s: %d bytes, longer than PATH_MAX", field, len(p))
+	case !utf8.ValidString(p):
+		return invalid("%s: not valid UTF-8", field)
+	case hasControl(p):
+		return invalid("%s %q: contains control characters", field, p)
+	case !filepath.IsAbs(p):
+		return invalid("%s %q: not an absolute path", field, p)
+	case filepath.Clean(p) != p:
+		return invalid("%s %q: not a clean path (want %q)", field, p, filepath.Clean(p))
+	case p == "/":
+		return invalid("%s: the root directory cannot be used", field)
+	}
+	return nil
+}
+
+// checkPathResolves makes sure a path names what it says: its parent
+// directory exists and contains no symbolic links, and the path itself,
+// if it exists, is not a symbolic link. A symlinked target path could
+// otherwise make berth mount over or remove a directory elsewhere on the
+// host. validatePath must have accepted p.
+func checkPathResolves(field, p string) error {
+	parent := filepath.Dir(p)
+	real, err := filepath.EvalSymlinks(parent)
+	if errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("%s %q: parent directory does not exist (the CO creates it): %w", field, p, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return invalid("%s %q: resolving parent directory: %v", field, p, err)
+	}
+	if real != parent {
+		return invalid("%s %q: parent directory resolves to %q through a symbolic link", field, p, real)
+	}
+	fi, err := os.Lstat(p)
+	if err == nil && fi.Mode()&fs.ModeSymlink != 0 {
+		return invalid("%s %q: is a symbolic link", field, p)
+	}
+	return nil
+}
+
+// volumeCap is a validated VolumeCapability.
+type volumeCap struct {
+	Block      bool
+	FsType     string   // mount only, defaulted
+	MountFlags []string // mount only
+	Mode       csi.VolumeCapability_AccessMode_Mode
+}
+
+// readOnly reports whether the access mode allows no writer at all.
+func (c volumeCap) readOnly() bool {
+	return c.Mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY ||
+		c.Mode == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY
+}
+
+// singleWriter reports whether the mode allows one publish target only.
+func (c volumeCap) singleWriter() bool {
+	return c.Mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER
+}
+
+func (c volumeCap) accessType() string {
+	if c.Block {
+		return "block"
+	}
+	return "mount"
+}
+
+// validateCapability checks a volume_capability: a known access type, an
+// access mode berth can honour for it, a supported fs_type and mount flags
+// that fs accepts. parseOpts is fs.ParseMountOptions (the allowlist lives
+// in fs).
+func validateCapability(c *csi.VolumeCapability, fsTypes []string, parseOpts func([]string) (uintptr, string, error)) (volumeCap, error) {
+	var vc volumeCap
+	if c == nil {
+		return vc, invalid("volume_capability: missing")
+	}
+	if c.GetAccessMode() == nil {
+		return vc, invalid("volume_capability.access_mode: missing")
+	}
+	vc.Mode = c.GetAccessMode().GetMode()
+	multiWriter := false
+	switch vc.Mode {
+	case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY,
+		csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY:
+	case csi.VolumeCapability_AccessMode_MULTI_NODE_SINGLE_WRITER,
+		csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER:
+		multiWriter = true
+	default:
+		return vc, invalid("volume_capability.access_mode: unknown mode %d", int32(vc.Mode))
+	}
+	switch at := c.GetAccessType().(type) {
+	case *csi.VolumeCapability_Block:
+		vc.Block = true
+	case *csi.VolumeCapability_Mount:
+		m := at.Mount
+		if multiWriter {
+			// ext4 and xfs are not cluster filesystems: writers on two
+			// nodes corrupt them. Raw block is the caller's business.
+			return vc, invalid("volume_capability: access mode %s needs access type block; a local filesystem cannot be written from several nodes", vc.Mode)
+		}
+		if m.GetVolumeMountGroup() != "" {
+			return vc, invalid("volume_capability.mount.volume_mount_group: not supported (VOLUME_MOUNT_GROUP is not a node capability)")
+		}
+		vc.FsType = m.GetFsType()
+		if vc.FsType == "" {
+			vc.FsType = defaultFsType
+		}
+		if !slices.Contains(fsTypes, vc.FsType) {
+			return vc, invalid("volume_capability.mount.fs_type %q: not supported, use one of %v", vc.FsType, fsTypes)
+		}
+		for _, f := range m.GetMountFlags() {
+			if hasControl(f) || !utf8.ValidString(f) {
+				return vc, invalid("volume_capability.mount.mount_flags %q: contains control characters", f)
+			}
+		}
+		if _, _, err := parseOpts(m.GetMountFlags()); err != nil {
+			return vc, fmt.Errorf("volume_capability.mount.mount_flags: %w", err)
+		}
+		vc.MountFlags = slices.Clone(m.GetMountFlags())
+	default:
+		return vc, invalid("volume_capability: access type missing (want mount or block)")
+	}
+	return vc, nil
+}
+
+// validateContext checks the form of a volume_context or publish_context:
+// keys and values free of control characters, bounded in size. What the
+// keys mean is the transport's business (Transport.Parse).
+func validateContext(field string, m map[string]string) error {
+	for k, v := range m {
+		switch {
+		case k == "":
+			return invalid("%s: empty key", field)
+		case len(k) > maxIDLen || len(v) > maxContextLen:
+			return invalid("%s[%q]: too long", field, k)
+		case hasControl(k) || !utf8.ValidString(k):
+			return invalid("%s: key %q contains control characters", field, k)
+		case hasControl(v) || !utf8.ValidString(v):
+			return invalid("%s[%q]: value contains control characters", field, k)
+		}
+	}
+	return nil
+}
+
+// mergeContext merges publish_context into volume_context. A key present
+// in both with different values is a conflict, not an override.
+func mergeContext(volumeContext, publishContext map[string]string) (map[string]string, error) {
+	if err := validateContext("volume_context", volumeContext); err != nil {
+		return nil, err
+	}
+	if err := validateContext("publish_context", publishContext); err != nil {
+		return nil, err
+	}
+	out := make(map[string]string, len(volumeContext)+len(publishContext))
+	for k, v := range volumeContext {
+		out[k] = v
+	}
+	for k, v := range publishContext {
+		if old, ok := out[k]; ok && old != v {
+			return nil, invalid("publish_context[%q] %q conflicts with volume_context value %q", k, v, old)
+		}
+		out[k] = v
+	}
+	return out, nil
+}

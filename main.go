@@ -1,0 +1,129 @@
+// Command berth is a CSI node plugin for block storage: it serves the CSI
+// Identity and Node services on a unix socket.
+package main
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+
+	"github.com/urfave/cli/v2"
+
+	"github.com/berth-csi/berth/agent"
+)
+
+// version is set at build time: -ldflags '-X main.version=...'.
+var version = "dev"
+
+func main() {
+	app := &cli.App{
+		Name:    "berth",
+		Usage:   "CSI node plugin for block storage (NVMe-oF, iSCSI, image files)",
+		Version: version,
+		Commands: []*cli.Command{
+			serveCommand(),
+			{
+				Name:  "version",
+				Usage: "print the version",
+				Action: func(c *cli.Context) error {
+					fmt.Fprintln(c.App.Writer, version)
+					return nil
+				},
+			},
+		},
+	}
+	if err := app.Run(os.Args); err != nil {
+		fmt.Fprintln(os.Stderr, "berth:", err)
+		os.Exit(1)
+	}
+}
+
+func serveCommand() *cli.Command {
+	host, _ := os.Hostname()
+	return &cli.Command{
+		Name:  "serve",
+		Usage: "serve the CSI Identity and Node services",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "endpoint", Value: "unix:///run/berth/csi.sock", EnvVars: []string{"BERTH_ENDPOINT", "CSI_ENDPOINT"}, Usage: "CSI endpoint (unix socket)"},
+			&cli.StringFlag{Name: "node-id", Value: host, EnvVars: []string{"BERTH_NODE_ID"}, Usage: "node ID reported to the CO"},
+			&cli.StringFlag{Name: "driver-name", Value: agent.DefaultDriverName, EnvVars: []string{"BERTH_DRIVER_NAME"}, Usage: "CSI driver name"},
+			&cli.StringFlag{Name: "state-dir", Value: "/var/lib/berth", EnvVars: []string{"BERTH_STATE_DIR"}, Usage: "directory of the per-volume state"},
+			&cli.StringFlag{Name: "file-root", EnvVars: []string{"BERTH_FILE_ROOT"}, Usage: "directory of image files for the file transport (empty: transport disabled)"},
+			&cli.Int64Flag{Name: "max-volumes", EnvVars: []string{"BERTH_MAX_VOLUMES"}, Usage: "volumes this node may stage (0: no limit)"},
+			&cli.StringSliceFlag{Name: "topology", EnvVars: []string{"BERTH_TOPOLOGY"}, Usage: "topology segment key=value (repeatable)"},
+			&cli.StringFlag{Name: "log-format", Value: "text", EnvVars: []string{"BERTH_LOG_FORMAT"}, Usage: "log format: text or json"},
+			&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"BERTH_LOG_LEVEL"}, Usage: "log level: debug, info, warn, error"},
+		},
+		Action: serve,
+	}
+}
+
+func newLogger(format, level string) (*slog.Logger, error) {
+	var lv slog.Level
+	if err := lv.UnmarshalText([]byte(level)); err != nil {
+		return nil, fmt.Errorf("--log-level %q: want debug, info, warn or error", level)
+	}
+	opts := &slog.HandlerOptions{Level: lv}
+	switch format {
+	case "text":
+		return slog.New(slog.NewTextHandler(os.Stderr, opts)), nil
+	case "json":
+		return slog.New(slog.NewJSONHandler(os.Stderr, opts)), nil
+	}
+	return nil, fmt.Errorf("--log-format %q: want text or json", format)
+}
+
+func parseTopology(kvs []string) (map[string]string, error) {
+	if len(kvs) == 0 {
+		return nil, nil
+	}
+	out := make(map[string]string, len(kvs))
+	for _, kv := range kvs {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok || k == "" {
+			return nil, fmt.Errorf("--topology %q: want key=value", kv)
+		}
+		if old, dup := out[k]; dup && old != v {
+			return nil, fmt.Errorf("--topology %q: key given twice", k)
+		}
+		out[k] = v
+	}
+	return out, nil
+}
+
+func serve(c *cli.Context) error {
+	log, err := newLogger(c.String("log-format"), c.String("log-level"))
+	if err != nil {
+		return err
+	}
+	slog.SetDefault(log)
+	topo, err := parseTopology(c.StringSlice("topology"))
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+
+	a, err := agent.New(agent.Config{
+		DriverName: c.String("driver-name"),
+		Version:    version,
+		NodeID:     c.String("node-id"),
+		StateDir:   c.String("state-dir"),
+		FileRoot:   c.String("file-root"),
+		MaxVolumes: c.Int64("max-volumes"),
+		Topology:   topo,
+		Logger:     log,
+	})
+	if err != nil {
+		return err
+	}
+	lis, err := agent.Listen(c.String("endpoint"))
+	if err != nil {
+		a.Close()
+		return err
+	}
+	return a.Serve(ctx, lis)
+}
