@@ -1,0 +1,80 @@
+package devices
+
+import (
+	"bufio"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// fakeSys builds the sysfs tree described by testdata/<spec> in a temporary
+// directory and points the package at it (sysfs, /dev and /run/udev) until
+// the test ends. Device nodes are taken to exist.
+func fakeSys(t *testing.T, spec string) string {
+	t.Helper()
+	root := t.TempDir()
+	sys := filepath.Join(root, "sys")
+	f, err := os.Open(filepath.Join("testdata", spec))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for n := 1; sc.Scan(); n++ {
+		line := sc.Text()
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		op, rest, _ := strings.Cut(line, " ")
+		path, arg, _ := strings.Cut(rest, " ")
+		p := filepath.Join(sys, path)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		switch op {
+		case "f":
+			err = os.WriteFile(p, []byte(strings.ReplaceAll(arg, `\n`, "\n")+"\n"), 0o644)
+		case "l":
+			err = os.Symlink(arg, p)
+		case "b":
+			var b []byte
+			if b, err = os.ReadFile(filepath.Join("testdata", arg)); err == nil {
+				err = os.WriteFile(p, b, 0o444)
+			}
+		case "d":
+			err = os.MkdirAll(p, 0o755)
+		default:
+			t.Fatalf("%s:%d: unknown op %q", spec, n, op)
+		}
+		if err != nil {
+			t.Fatalf("%s:%d: %v", spec, n, err)
+		}
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	setRoots(t, sys, filepath.Join(root, "dev"), filepath.Join(root, "run-udev"))
+	oldNode := nodeMatches
+	nodeMatches = func(*Device) bool { return true }
+	t.Cleanup(func() { nodeMatches = oldNode })
+	return sys
+}
+
+func setRoots(t *testing.T, sys, dev, udev string) {
+	oldSys, oldDev, oldUdev := sysfsRoot, devRoot, udevRunDir
+	sysfsRoot, devRoot, udevRunDir = sys, dev, udev
+	t.Cleanup(func() { sysfsRoot, devRoot, udevRunDir = oldSys, oldDev, oldUdev })
+}
+
+// writeFile writes a file below dir, creating parents.
+func writeFile(t *testing.T, dir, rel, content string) {
+	t.Helper()
+	p := filepath.Join(dir, rel)
+	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,535 @@
+package devices
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// ErrListenerClosed is returned by Wait after the listener was closed.
+var ErrListenerClosed = errors.New("uevent listener closed")
+
+// ListenerOption configures NewListener.
+type ListenerOption func(*listenerConfig)
+
+type listenerConfig struct {
+	udev   int // 0 detect, 1 on, -1 off
+	hook   func(EventInfo)
+	log    *slog.Logger
+	rcvbuf int
+}
+
+// WithUdev forces listening to udev (true) or to the kernel only (false)
+// instead of detecting systemd-udevd through /run/udev/control.
+func WithUdev(on bool) ListenerOption {
+	return func(c *listenerConfig) {
+		c.udev = -1
+		if on {
+			c.udev = 1
+		}
+	}
+}
+
+// WithEventHook calls fn, on the listener's receive goroutine, for every
+// uevent received, with its sequence number and arrival time. fn must not
+// block.
+func WithEventHook(fn func(EventInfo)) ListenerOption {
+	return func(c *listenerConfig) { c.hook = fn }
+}
+
+// WithLogger sets the logger for events the listener cannot return as an
+// error (a dropped message, a receive queue overflow).
+func WithLogger(l *slog.Logger) ListenerOption {
+	return func(c *listenerConfig) { c.log = l }
+}
+
+// WithReceiveBuffer sets the socket receive buffer in bytes (default 32 MiB;
+// SO_RCVBUFFORCE when permitted, SO_RCVBUF otherwise).
+func WithReceiveBuffer(n int) ListenerOption {
+	return func(c *listenerConfig) { c.rcvbuf = n }
+}
+
+// Listener receives uevents on one netlink socket and fans them out to the
+// Waiters subscribed to it. One Listener serves the whole agent.
+type Listener struct {
+	udev bool
+	hook func(EventInfo)
+	log  *slog.Logger
+	conn *ueventConn // nil in tests that feed events by hand
+
+	mu    sync.Mutex
+	subs  map[*Waiter]struct{}
+	state map[string]*devState // by kernel name, block devices only
+	err   error                // why the receive loop stopped
+
+	done      chan struct{} // closed when the receive loop has stopped
+	closeOnce sync.Once
+
+	// Barrier through the socket's own receive queue, see sync.
+	syncMu   sync.Mutex
+	syncSent uint64
+	syncSeen uint64
+	progress chan struct{} // closed and replaced when syncSeen moves or the queue drains
+}
+
+// devState remembers the last kernel and udev event of a block device, so
+// that a sysfs scan knows whether udev still has an event of it in hand.
+type devState struct {
+	kernel, udev EventInfo
+}
+
+func newListener(cfg listenerConfig, udev bool) *Listener {
+	l := &Listener{
+		udev:     udev,
+		hook:     cfg.hook,
+		log:      cfg.log,
+		subs:     make(map[*Waiter]struct{}),
+		state:    make(map[string]*devState),
+		done:     make(chan struct{}),
+		progress: make(chan struct{}),
+	}
+	if l.log == nil {
+		l.log = slog.Default()
+	}
+	return l
+}
+
+// Udev reports whether the listener waits for udev to process devices.
+func (l *Listener) Udev() bool { return l.udev }
+
+// Subscribe registers interest in the device m matches. Call it before the
+// action that creates the device, then call Wait; Close the Waiter when done.
+func (l *Listener) Subscribe(m Matcher) *Waiter {
+	w := l.newWaiter()
+	w.m = m
+	if km, ok := m.(kindMatcher); ok {
+		w.kind = km.kind()
+	}
+	return w
+}
+
+// subscribeRemoval returns a Waiter whose Wait returns (nil, nil) once dev
+// no longer exists under its name and number.
+func (l *Listener) subscribeRemoval(dev *Device) *Waiter {
+	w := l.newWaiter()
+	w.gone = dev
+	return w
+}
+
+func (l *Listener) newWaiter() *Waiter {
+	w := &Waiter{l: l, wake: make(chan struct{}, 1), subscribed: time.Now()}
+	l.mu.Lock()
+	l.subs[w] = struct{}{}
+	l.mu.Unlock()
+	return w
+}
+
+// dispatch hands one received event to every waiter.
+func (l *Listener) dispatch(ev *Event) {
+	if l.hook != nil {
+		l.hook(ev.info())
+	}
+	if ev.Subsystem != "block" {
+		return
+	}
+	e := &event{Event: ev}
+	l.mu.Lock()
+	l.record(ev)
+	subs := make([]*Waiter, 0, len(l.subs))
+	for w := range l.subs {
+		subs = append(subs, w)
+	}
+	l.mu.Unlock()
+	for _, w := range subs {
+		w.push(e)
+	}
+}
+
+// record updates the per-device event state; l.mu is held.
+func (l *Listener) record(ev *Event) {
+	name := ev.Name()
+	st := l.state[name]
+	if st == nil {
+		if ev.Action == "remove" {
+			return
+		}
+		st = &devState{}
+		l.state[name] = st
+	}
+	switch ev.Source {
+	case SourceKernel:
+		st.kernel = ev.info()
+		if ev.Action == "remove" && !l.udev {
+			delete(l.state, name)
+		}
+	case SourceUdev:
+		st.udev = ev.info()
+		if ev.Action == "remove" && st.kernel.Seqnum <= ev.Seqnum {
+			delete(l.state, name)
+		}
+	}
+}
+
+// udevPending reports whether the kernel sent an event for name that udev
+// has not finished yet.
+func (l *Listener) udevPending(name string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	st := l.state[name]
+	return st != nil && st.kernel.Seqnum > st.udev.Seqnum
+}
+
+func (l *Listener) lastEvents(name string) devState {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if st := l.state[name]; st != nil {
+		return *st
+	}
+	return devState{}
+}
+
+// overflow is called when the kernel dropped messages because the receive
+// queue was full: every waiter scans sysfs again, and what the listener knew
+// about udev's progress is forgotten, since some of it was lost.
+func (l *Listener) overflow() {
+	l.mu.Lock()
+	clear(l.state)
+	subs := make([]*Waiter, 0, len(l.subs))
+	for w := range l.subs {
+		subs = append(subs, w)
+	}
+	l.mu.Unlock()
+	l.log.Warn("uevent receive queue overflowed; rescanning sysfs for all waiters", "waiters", len(subs))
+	for _, w := range subs {
+		w.setRescan()
+	}
+}
+
+// stop ends the listener with err; every Wait returns.
+func (l *Listener) stop(err error) {
+	l.mu.Lock()
+	if l.err == nil {
+		l.err = err
+	}
+	l.mu.Unlock()
+}
+
+// markSynced records that the barrier with the given id came through the
+// receive queue, or (id 0) that the queue was found empty.
+func (l *Listener) markSynced(id uint64) {
+	l.syncMu.Lock()
+	if id > l.syncSeen {
+		l.syncSeen = id
+	}
+	close(l.progress)
+	l.progress = make(chan struct{})
+	l.syncMu.Unlock()
+}
+
+// sync returns once every message that was in the socket's receive queue
+// when it was called has been dispatched. It sends a marker to the socket's
+// own address: netlink queues it behind the messages already waiting, so when
+// the receive loop reads it, they have all been handled. A scan that follows
+// therefore sees the kernel events of the action the caller just performed.
+func (l *Listener) sync(ctx context.Context) error {
+	if l.conn == nil {
+		return nil
+	}
+	l.syncMu.Lock()
+	l.syncSent++
+	id := l.syncSent
+	l.syncMu.Unlock()
+	const maxSendAttempts = 64
+	for attempt := 1; ; attempt++ {
+		l.syncMu.Lock()
+		progress := l.progress
+		l.syncMu.Unlock()
+		err := l.conn.sendMarker(id)
+		if err == nil {
+			break
+		}
+		if !isQueueFull(err) || attempt == maxSendAttempts {
+			return fmt.Errorf("uevent listener: queue barrier: %w", err)
+		}
+		// The queue is full; wait until the receive loop has drained some.
+		select {
+		case <-progress:
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-l.done:
+			return l.closedErr()
+		}
+	}
+	for {
+		l.syncMu.Lock()
+		seen, progress := l.syncSeen, l.progress
+		l.syncMu.Unlock()
+		if seen >= id {
+			return nil
+		}
+		select {
+		case <-progress:
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-l.done:
+			return l.closedErr()
+		}
+	}
+}
+
+func (l *Listener) closedErr() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.err != nil && !errors.Is(l.err, ErrListenerClosed) {
+		return fmt.Errorf("%w: %w", ErrListenerClosed, l.err)
+	}
+	return ErrListenerClosed
+}
+
+// event is a received block event shared by all waiters; the device it
+// names is read from sysfs once, by the first waiter that needs it.
+type event struct {
+	*Event
+	once sync.Once
+	dev  *Device
+	err  error
+}
+
+func (e *event) device() (*Device, error) {
+	e.once.Do(func() {
+		e.dev, e.err = readDevice(sysfsRoot+e.DevPath, "")
+	})
+	return e.dev, e.err
+}
+
+// WaitTrace tells how a Waiter found its device, for latency measurements.
+type WaitTrace struct {
+	Subscribed time.Time
+	// KernelEvent and UdevEvent are the last events of the device received
+	// after Subscribe (zero when none came, e.g. the device already existed).
+	KernelEvent EventInfo
+	UdevEvent   EventInfo
+	// Found is when the device was matched and its node checked.
+	Found time.Time
+	// FromScan: found by the sysfs scan at the start of Wait, not by an event.
+	FromScan bool
+}
+
+// Waiter waits for one device. It receives events from Subscribe on, so
+// that nothing the caller's action causes can be missed.
+type Waiter struct {
+	l          *Listener
+	m          Matcher
+	kind       string
+	gone       *Device
+	subscribed time.Time
+
+	mu     sync.Mutex
+	queue  []*event
+	rescan bool
+	closed bool
+	wake   chan struct{}
+	trace  WaitTrace
+}
+
+func (w *Waiter) push(e *event) {
+	w.mu.Lock()
+	if !w.closed {
+		w.queue = append(w.queue, e)
+	}
+	w.mu.Unlock()
+	w.notify()
+}
+
+func (w *Waiter) setRescan() {
+	w.mu.Lock()
+	w.rescan = true
+	w.mu.Unlock()
+	w.notify()
+}
+
+func (w *Waiter) notify() {
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (w *Waiter) take() ([]*event, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	q, r := w.queue, w.rescan
+	w.queue, w.rescan = nil, false
+	return q, r
+}
+
+// Close unsubscribes the waiter. It is safe to call more than once.
+func (w *Waiter) Close() {
+	w.l.mu.Lock()
+	delete(w.l.subs, w)
+	w.l.mu.Unlock()
+	w.mu.Lock()
+	w.closed = true
+	w.queue = nil
+	w.mu.Unlock()
+}
+
+// Trace returns how the device was found; valid after Wait returned one.
+func (w *Waiter) Trace() WaitTrace {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	t := w.trace
+	t.Subscribed = w.subscribed
+	return t
+}
+
+func (w *Waiter) what() string {
+	if w.gone != nil {
+		return "removal of " + w.gone.String()
+	}
+	if w.m == nil {
+		return "nothing"
+	}
+	return w.m.String()
+}
+
+// Wait returns the matching device once it exists, its node is in place and,
+// with udev, udev has finished processing it. It scans sysfs once, then
+// reacts to events only. When ctx ends first the error wraps ctx.Err() and
+// names what was waited for. A removal waiter returns (nil, nil) when the
+// device is gone.
+func (w *Waiter) Wait(ctx context.Context) (*Device, error) {
+	w.mu.Lock()
+	closed := w.closed
+	w.mu.Unlock()
+	if closed {
+		return nil, fmt.Errorf("wait for %s: waiter closed: %w", w.what(), errdefs.ErrFailedPrecondition)
+	}
+	fail := func(err error) (*Device, error) {
+		return nil, fmt.Errorf("wait for %s: %w", w.what(), err)
+	}
+	if err := ctx.Err(); err != nil {
+		return fail(err)
+	}
+	scan := func() (*Device, bool, error) {
+		if w.l.udev {
+			if err := w.l.sync(ctx); err != nil {
+				return nil, false, err
+			}
+		}
+		return w.scan()
+	}
+	if d, ok, err := scan(); err != nil {
+		return fail(err)
+	} else if ok {
+		return d, nil
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return fail(ctx.Err())
+		case <-w.l.done:
+			return fail(w.l.closedErr())
+		case <-w.wake:
+		}
+		q, rescan := w.take()
+		if rescan {
+			if d, ok, err := scan(); err != nil {
+				return fail(err)
+			} else if ok {
+				return d, nil
+			}
+		}
+		for _, e := range q {
+			if d, ok := w.consider(e); ok {
+				return d, nil
+			}
+		}
+	}
+}
+
+// scan checks sysfs for the device.
+func (w *Waiter) scan() (*Device, bool, error) {
+	if w.gone != nil {
+		return nil, w.isGone(), nil
+	}
+	if w.m == nil {
+		return nil, false, nil
+	}
+	var found *Device
+	err := scanBlock(w.kind, func(d *Device) bool {
+		if !w.m.Match(d) || !nodeMatches(d) {
+			return false
+		}
+		if w.l.udev && (!udevInitialized(d.Major, d.Minor) || w.l.udevPending(d.Name)) {
+			return false
+		}
+		found = d
+		return true
+	})
+	if err != nil || found == nil {
+		return nil, false, err
+	}
+	w.found(found, true)
+	return found, true, nil
+}
+
+// consider checks one event.
+func (w *Waiter) consider(e *event) (*Device, bool) {
+	if w.gone != nil {
+		if e.Action == "remove" && e.Name() == w.gone.Name {
+			return nil, w.isGone()
+		}
+		return nil, false
+	}
+	switch e.Action {
+	case "add", "change", "online", "move":
+	default:
+		return nil, false
+	}
+	if w.m == nil || (e.DevType != "" && e.DevType != "disk") {
+		return nil, false
+	}
+	if w.l.udev && e.Source != SourceUdev {
+		return nil, false // udev has not finished with it yet
+	}
+	if w.kind != "" && !nameMayBeKind(e.Name(), w.kind) {
+		return nil, false
+	}
+	d, err := e.device()
+	if err != nil || !w.m.Match(d) || !nodeMatches(d) {
+		return nil, false
+	}
+	w.found(d, false)
+	return d, true
+}
+
+func (w *Waiter) found(d *Device, fromScan bool) {
+	st := w.l.lastEvents(d.Name)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.trace.Found = time.Now()
+	w.trace.FromScan = fromScan
+	if st.kernel.Received.After(w.subscribed) {
+		w.trace.KernelEvent = st.kernel
+	}
+	if st.udev.Received.After(w.subscribed) {
+		w.trace.UdevEvent = st.udev
+	}
+}
+
+// isGone reports whether the device the removal waiter watches no longer
+// exists: its name is gone or now belongs to another device.
+func (w *Waiter) isGone() bool {
+	d, err := Lookup(w.gone.Name)
+	if err != nil {
+		return errors.Is(err, errdefs.ErrNotFound)
+	}
+	return d.Major != w.gone.Major || d.Minor != w.gone.Minor ||
+		(d.DiskSeq != 0 && w.gone.DiskSeq != 0 && d.DiskSeq != w.gone.DiskSeq)
+}

@@ -1,0 +1,362 @@
+package devices
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"sync/atomic"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// LO_FLAGS_READ_ONLY of <linux/loop.h>. LO_FLAGS_AUTOCLEAR is never set: a
+// volume's loop device must outlive an agent restart.
+const loFlagsReadOnly = 1
+
+// maxFreeLoopAttempts bounds the retries when another process configures
+// the free loop device we were given before we do (EBUSY).
+const maxFreeLoopAttempts = 16
+
+// loopConfigureMissing caches that the kernel has no LOOP_CONFIGURE (before
+// 5.8); LOOP_SET_FD and LOOP_SET_STATUS64 are used instead.
+var loopConfigureMissing atomic.Bool
+
+// AttachLoop attaches file to a loop device and returns it once it is
+// usable (and, with udev, processed). When a loop device is already backed
+// by file it is returned instead, so calling AttachLoop again after a crash
+// does not attach the file twice; an existing device whose read-only setting
+// differs gives an error wrapping errdefs.ErrAlreadyExists.
+//
+// The device is attached without autoclear: it stays when the agent exits,
+// and DetachLoop removes it.
+func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (_ *Device, retErr error) {
+	if l == nil {
+		return nil, fmt.Errorf("attach loop device for %q: no uevent listener: %w", file, errdefs.ErrInvalidArgument)
+	}
+	path, err := loopBackingPath(file)
+	if err != nil {
+		return nil, err
+	}
+	unlock, err := attachLocks.lock(ctx, path)
+	if err != nil {
+		return nil, fmt.Errorf("attach loop device for %s: %w", path, err)
+	}
+	defer unlock()
+
+	if d, err := FindLoop(path); err == nil {
+		ro, _ := readAttr(d.sysPath, "ro")
+		if (ro == "1") != readOnly {
+			return nil, fmt.Errorf("attach loop device for %s: %s already backs it with read-only=%t, requested %t: %w",
+				path, d.Path, ro == "1", readOnly, errdefs.ErrAlreadyExists)
+		}
+		return d, nil
+	} else if !errors.Is(err, errdefs.ErrNotFound) {
+		return nil, err
+	}
+
+	flags := os.O_RDWR
+	if readOnly {
+		flags = os.O_RDONLY
+	}
+	backing, err := os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("attach loop device: open %s: %w", path, err)
+	}
+	defer backing.Close()
+
+	m := &loopAttachMatcher{loopMatcher: loopMatcher{file: path}}
+	w := l.Subscribe(m)
+	defer w.Close()
+
+	name, err := configureFreeLoop(ctx, backing, path, readOnly)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if retErr != nil {
+			if err := clearLoop(name); err != nil {
+				retErr = fmt.Errorf("%w; detaching %s again failed: %v", retErr, name, err)
+			}
+		}
+	}()
+	m.name = name
+	d, err := w.Wait(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("attach loop device %s for %s: %w", name, path, err)
+	}
+	return d, nil
+}
+
+// loopAttachMatcher matches the loop device AttachLoop configured, not
+// another one that happens to be backed by the same file.
+type loopAttachMatcher struct {
+	loopMatcher
+	name string // set after the ioctl, before Wait
+}
+
+func (m *loopAttachMatcher) Match(d *Device) bool {
+	return m.loopMatcher.Match(d) && d.Name == m.name
+}
+
+func loopBackingPath(file string) (string, error) {
+	if file == "" {
+		return "", fmt.Errorf("loop backing file: empty path: %w", errdefs.ErrInvalidArgument)
+	}
+	path := canonicalFile(file)
+	st, err := os.Stat(path)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return "", fmt.Errorf("loop backing file %s: %w", path, errdefs.ErrNotFound)
+		}
+		return "", fmt.Errorf("loop backing file %s: %w", path, err)
+	}
+	if !st.Mode().IsRegular() {
+		return "", fmt.Errorf("loop backing file %s: %s is not a regular file: %w", path, st.Mode().Type(), errdefs.ErrInvalidArgument)
+	}
+	return path, nil
+}
+
+// configureFreeLoop asks loop-control for a free device and binds the
+// backing file to it. Another process may take the same free device between
+// the two steps; the kernel then answers EBUSY and we ask again.
+func configureFreeLoop(ctx context.Context, backing *os.File, path string, readOnly bool) (string, error) {
+	ctl, err := os.OpenFile(filepath.Join(devRoot, "loop-control"), os.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return "", fmt.Errorf("attach loop device for %s: %w (is the loop module loaded?)", path, err)
+	}
+	defer ctl.Close()
+	for attempt := 1; ; attempt++ {
+		if err := ctx.Err(); err != nil {
+			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
+		}
+		n, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
+		if err != nil {
+			return "", fmt.Errorf("attach loop device for %s: LOOP_CTL_GET_FREE: %w", path, err)
+		}
+		name := "loop" + strconv.Itoa(n)
+		err = configureLoop(name, backing, path, readOnly)
+		if err == nil {
+			return name, nil
+		}
+		if !errors.Is(err, unix.EBUSY) || attempt == maxFreeLoopAttempts {
+			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
+		}
+	}
+}
+
+func configureLoop(name string, backing *os.File, path string, readOnly bool) error {
+	lf, err := openLoop(name)
+	if err != nil {
+		return err
+	}
+	defer lf.Close()
+	var info unix.LoopInfo64
+	copy(info.File_name[:len(info.File_name)-1], path)
+	if readOnly {
+		info.Flags |= loFlagsReadOnly
+	}
+	if !loopConfigureMissing.Load() {
+		cfg := unix.LoopConfig{Fd: uint32(backing.Fd()), Info: info}
+		err := unix.IoctlLoopConfigure(int(lf.Fd()), &cfg)
+		if err == nil {
+			return nil
+		}
+		if !errors.Is(err, unix.ENOTTY) && !errors.Is(err, unix.EINVAL) {
+			return fmt.Errorf("LOOP_CONFIGURE %s: %w", name, err)
+		}
+		loopConfigureMissing.Store(true)
+	}
+	if err := unix.IoctlSetInt(int(lf.Fd()), unix.LOOP_SET_FD, int(backing.Fd())); err != nil {
+		return fmt.Errorf("LOOP_SET_FD %s: %w", name, err)
+	}
+	info.Flags &^= loFlagsReadOnly // set by LOOP_SET_FD from the file's open mode
+	if err := unix.IoctlLoopSetStatus64(int(lf.Fd()), &info); err != nil {
+		_ = unix.IoctlSetInt(int(lf.Fd()), unix.LOOP_CLR_FD, 0)
+		return fmt.Errorf("LOOP_SET_STATUS64 %s: %w", name, err)
+	}
+	return nil
+}
+
+// openLoop opens /dev/<name>. Where /dev is not devtmpfs (some containers),
+// a missing node is created from the number sysfs reports.
+func openLoop(name string) (*os.File, error) {
+	path := filepath.Join(devRoot, name)
+	f, err := os.OpenFile(path, os.O_RDWR|unix.O_CLOEXEC, 0)
+	if err == nil || !errors.Is(err, fs.ErrNotExist) {
+		return f, err
+	}
+	s, rerr := readAttr(filepath.Join(sysfsRoot, "class", "block", name), "dev")
+	if rerr != nil {
+		return nil, err
+	}
+	maj, min, rerr := parseMajorMinor(s)
+	if rerr != nil {
+		return nil, err
+	}
+	if merr := unix.Mknod(path, unix.S_IFBLK|0o660, int(unix.Mkdev(maj, min))); merr != nil && !errors.Is(merr, unix.EEXIST) {
+		return nil, fmt.Errorf("create %s: %w", path, merr)
+	}
+	return os.OpenFile(path, os.O_RDWR|unix.O_CLOEXEC, 0)
+}
+
+// FindLoop returns the loop device backed by file, or an error wrapping
+// errdefs.ErrNotFound.
+func FindLoop(file string) (*Device, error) {
+	path := canonicalFile(file)
+	var found *Device
+	err := scanBlock(KindLoop, func(d *Device) bool {
+		if d.ID.Kind == KindLoop && d.ID.BackingFile == path {
+			found = d
+			return true
+		}
+		return false
+	})
+	if err != nil {
+		return nil, err
+	}
+	if found == nil {
+		return nil, fmt.Errorf("loop device backed by %s: %w", path, errdefs.ErrNotFound)
+	}
+	return found, nil
+}
+
+// DetachLoop detaches dev from its backing file. It does nothing when the
+// device is already detached or now backs another file. When another opener
+// (a mount, a process) still holds the device the kernel only marks it to be
+// detached at the last close; DetachLoop then returns an error wrapping
+// errdefs.ErrBusy, and calling it again after the holder is gone succeeds.
+func DetachLoop(dev *Device) error {
+	if dev == nil || dev.ID.Kind != KindLoop || checkName(dev.Name) != nil {
+		return fmt.Errorf("detach loop device: %v is not a loop device: %w", dev, errdefs.ErrInvalidArgument)
+	}
+	if !stillBacked(dev) {
+		return nil
+	}
+	lf, err := os.OpenFile(filepath.Join(devRoot, dev.Name), os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENXIO) {
+			return nil
+		}
+		return fmt.Errorf("detach %s: %w", dev.Path, err)
+	}
+	// Check again now that the device is held open: it cannot be rebound
+	// to another file while we hold it without our seeing it below.
+	if !stillBacked(dev) {
+		lf.Close()
+		return nil
+	}
+	err = unix.IoctlSetInt(int(lf.Fd()), unix.LOOP_CLR_FD, 0)
+	lf.Close() // the kernel detaches at this last close
+	if err != nil && !errors.Is(err, unix.ENXIO) {
+		return fmt.Errorf("detach %s: LOOP_CLR_FD: %w", dev.Path, err)
+	}
+	if stillBacked(dev) {
+		return fmt.Errorf("detach %s: still open (mounted or held by a process); the kernel detaches it at the last close: %w", dev.Path, errdefs.ErrBusy)
+	}
+	return nil
+}
+
+// clearLoop detaches a loop device that AttachLoop just configured.
+func clearLoop(name string) error {
+	lf, err := os.OpenFile(filepath.Join(devRoot, name), os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer lf.Close()
+	if err := unix.IoctlSetInt(int(lf.Fd()), unix.LOOP_CLR_FD, 0); err != nil && !errors.Is(err, unix.ENXIO) {
+		return err
+	}
+	return nil
+}
+
+func stillBacked(dev *Device) bool {
+	cur, err := readDevice(filepath.Join(sysfsRoot, "class", "block", dev.Name), KindLoop)
+	return err == nil && cur.ID.BackingFile != "" && cur.ID.BackingFile == dev.ID.BackingFile &&
+		cur.Major == dev.Major && cur.Minor == dev.Minor
+}
+
+// RefreshLoopCapacity makes the loop device take the current size of its
+// backing file (LOOP_SET_CAPACITY) and returns the new size in bytes. The
+// device is verified first, so a reused loop name is never resized.
+func RefreshLoopCapacity(ctx context.Context, dev *Device) (int64, error) {
+	if dev == nil || dev.ID.Kind != KindLoop {
+		return 0, fmt.Errorf("refresh loop capacity: %v is not a loop device: %w", dev, errdefs.ErrInvalidArgument)
+	}
+	if err := ctx.Err(); err != nil {
+		return 0, fmt.Errorf("refresh capacity of %s: %w", dev.Path, err)
+	}
+	if err := dev.Verify(); err != nil {
+		return 0, fmt.Errorf("refresh capacity: %w", err)
+	}
+	lf, err := os.OpenFile(dev.Path, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return 0, fmt.Errorf("refresh capacity of %s: %w", dev.Path, err)
+	}
+	defer lf.Close()
+	if err := unix.IoctlSetInt(int(lf.Fd()), unix.LOOP_SET_CAPACITY, 0); err != nil {
+		return 0, fmt.Errorf("refresh capacity of %s: LOOP_SET_CAPACITY: %w", dev.Path, err)
+	}
+	size, err := blockDeviceSize(lf)
+	if err != nil {
+		return 0, fmt.Errorf("refresh capacity of %s: %w", dev.Path, err)
+	}
+	dev.Size = size
+	return size, nil
+}
+
+func blockDeviceSize(f *os.File) (int64, error) {
+	var size uint64
+	if err := ioctlPtr(f, unix.BLKGETSIZE64, &size); err != nil {
+		return 0, fmt.Errorf("BLKGETSIZE64: %w", err)
+	}
+	return int64(size), nil
+}
+
+// keyedLocks serialises work on one key (a backing file) without a global
+// lock; waiting for a key respects the context.
+type keyedLocks struct {
+	mu sync.Mutex
+	m  map[string]*keyedLock
+}
+
+type keyedLock struct {
+	ch   chan struct{}
+	refs int
+}
+
+var attachLocks keyedLocks
+
+func (k *keyedLocks) lock(ctx context.Context, key string) (func(), error) {
+	k.mu.Lock()
+	if k.m == nil {
+		k.m = make(map[string]*keyedLock)
+	}
+	e := k.m[key]
+	if e == nil {
+		e = &keyedLock{ch: make(chan struct{}, 1)}
+		k.m[key] = e
+	}
+	e.refs++
+	k.mu.Unlock()
+	release := func() {
+		k.mu.Lock()
+		if e.refs--; e.refs == 0 {
+			delete(k.m, key)
+		}
+		k.mu.Unlock()
+	}
+	select {
+	case e.ch <- struct{}{}:
+		return func() { <-e.ch; release() }, nil
+	case <-ctx.Done():
+		release()
+		return nil, ctx.Err()
+	}
+}
