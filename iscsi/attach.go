@@ -1,0 +1,622 @@
+package iscsi
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// Attach logs in to the volume's portals, scans in exactly its LUN and
+// returns the verified device: the multipath map over all paths when the
+// volume is multipathed, the disk itself otherwise. It is idempotent: an
+// existing session and LUN are reused.
+func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
+	t, v := tg.t, tg.v
+	if err := t.preflight(v); err != nil {
+		return nil, err
+	}
+	multipath, err := t.wantMultipath(ctx, v)
+	if err != nil {
+		return nil, err
+	}
+	paths, errs := resolve(ctx, v.Portals)
+	if len(paths) == 0 {
+		return nil, errors.Join(errs...)
+	}
+	if v.Discovery {
+		if err := t.discover(ctx, v, paths); err != nil {
+			return nil, err
+		}
+	}
+
+	var attached []*pathDevice
+	defer func() {
+		if retErr != nil {
+			for _, pd := range attached {
+				if err := t.detachPath(context.WithoutCancel(ctx), v, pd.path); err != nil {
+					t.log.Warn("undo iSCSI login after failed attach", "volume", v, "portal", pd.path.String(), "error", err)
+				}
+			}
+		}
+	}()
+	for _, p := range paths {
+		pd, err := t.attachPath(ctx, v, p)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("portal %s: %w", p, err))
+			if errors.Is(err, errdefs.ErrPermissionDenied) || errors.Is(err, errdefs.ErrFailedPrecondition) ||
+				errors.Is(err, errdefs.ErrNotFound) || ctx.Err() != nil {
+				// Wrong credentials, wrong LUN or WWID: the next portal
+				// of the same target will say the same.
+				break
+			}
+			continue
+		}
+		attached = append(attached, pd)
+		if !multipath {
+			break
+		}
+	}
+	if len(attached) == 0 {
+		return nil, fmt.Errorf("attach iSCSI %s LUN %d: %w", v.IQN, v.LUN, errors.Join(errs...))
+	}
+	if retErr = ctx.Err(); retErr != nil {
+		return nil, retErr
+	}
+	if len(errs) > 0 && (!multipath || len(attached) == len(paths)) {
+		// A fatal error after some paths attached (auth on the second
+		// portal): refuse rather than run degraded on a misconfiguration.
+		return nil, fmt.Errorf("attach iSCSI %s LUN %d: %w", v.IQN, v.LUN, errors.Join(errs...))
+	}
+	for _, e := range errs {
+		t.log.Warn("iSCSI path not attached; the volume runs degraded", "volume", v, "error", e)
+	}
+	wwid := attached[0].dev.ID.WWID
+	for _, pd := range attached[1:] {
+		if devices.NormalizeWWID(pd.dev.ID.WWID) != devices.NormalizeWWID(wwid) {
+			return nil, fmt.Errorf("iSCSI %s LUN %d: portal %s shows WWID %s but portal %s shows %s: the portals do not lead to the same LUN: %w",
+				v.IQN, v.LUN, attached[0].path, wwid, pd.path, pd.dev.ID.WWID, errdefs.ErrFailedPrecondition)
+		}
+	}
+	if !multipath {
+		return attached[0].dev, nil
+	}
+	return t.waitMap(ctx, wwid, attached)
+}
+
+// pathDevice is one attached path: its session and SCSI disk.
+type pathDevice struct {
+	path path
+	sess *Session
+	hctl HCTL
+	dev  *devices.Device
+}
+
+// preflight checks what every login needs and says what to fix.
+func (t *Transport) preflight(v *Volume) error {
+	if v.Iface == "default" {
+		if _, err := os.Stat(t.sys.path("class", "iscsi_transport", "tcp")); err != nil {
+			return unavailable("the iscsi_tcp kernel module is not loaded (no %s): run `modprobe iscsi_tcp` on the node and add it to /etc/modules-load.d", t.sys.path("class", "iscsi_transport", "tcp"))
+		}
+	}
+	b, err := os.ReadFile(t.opts.InitiatorNameFile)
+	if errors.Is(err, fs.ErrNotExist) {
+		return unavailable("no iSCSI initiator name: %s does not exist; install open-iscsi on the node (it generates one) or write InitiatorName=iqn.… into it", t.opts.InitiatorNameFile)
+	}
+	if err != nil {
+		return unavailable("read iSCSI initiator name %s: %v", t.opts.InitiatorNameFile, err)
+	}
+	found := false
+	sc := bufio.NewScanner(strings.NewReader(string(b)))
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		if name, ok := strings.CutPrefix(line, "InitiatorName="); ok && strings.TrimSpace(name) != "" {
+			found = true
+		}
+	}
+	if !found {
+		return unavailable("%s has no InitiatorName= line; write InitiatorName=iqn.… into it (iscsi-iname generates one) and restart iscsid", t.opts.InitiatorNameFile)
+	}
+	return nil
+}
+
+// wantMultipath decides whether the volume is a multipath map.
+func (t *Transport) wantMultipath(ctx context.Context, v *Volume) (bool, error) {
+	switch {
+	case v.Multipath == "false":
+		return false, nil
+	case v.Multipath == "auto" && len(v.Portals) < 2:
+		return false, nil
+	}
+	if err := t.multipathdRunning(ctx); err != nil {
+		if v.Multipath == "true" {
+			return false, fmt.Errorf("volume_context multipath=true: %w", err)
+		}
+		return false, fmt.Errorf("volume lists %d portals, which needs dm-multipath: %w; to use a single path instead, set volume_context %s: \"false\"",
+			len(v.Portals), err, KeyMultipath)
+	}
+	return true, nil
+}
+
+func (t *Transport) multipathdRunning(ctx context.Context) error {
+	out, err := t.run.run(ctx, t.opts.Multipathd, "show", "daemon")
+	if err != nil {
+		return unavailable("multipathd is not running or not reachable (%v): install multipath-tools and start multipathd on the node", err)
+	}
+	if s := strings.TrimSpace(string(out)); strings.Contains(s, "fail") || s == "" {
+		return unavailable("multipathd answered %q to `show daemon`: start multipathd on the node", s)
+	}
+	return nil
+}
+
+// findSession returns the session of target through p on iface, or nil.
+func (t *Transport) findSession(target string, p path, iface string) (*Session, error) {
+	sessions, err := t.sys.Sessions()
+	if err != nil {
+		return nil, err
+	}
+	for i := range sessions {
+		if sessions[i].Matches(target, p.IP, p.Port, iface) {
+			return &sessions[i], nil
+		}
+	}
+	return nil, nil
+}
+
+// attachPath logs in through one portal (or reuses the session), scans the
+// LUN and waits for its disk.
+func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathDevice, retErr error) {
+	unlock, err := t.locks.lock(ctx, p.key(v.IQN, v.Iface))
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+
+	sess, err := t.findSession(v.IQN, p, v.Iface)
+	if err != nil {
+		return nil, err
+	}
+	loggedIn := false
+	if sess == nil {
+		if err := t.login(ctx, v, p); err != nil {
+			return nil, err
+		}
+		loggedIn = true
+		if sess, err = t.findSession(v.IQN, p, v.Iface); err != nil {
+			return nil, err
+		}
+		if sess == nil {
+			return nil, fmt.Errorf("iscsiadm logged in to %s at %s but no session shows in %s: %w",
+				v.IQN, p, t.sys.path("class", "iscsi_session"), errdefs.ErrUnavailable)
+		}
+	}
+	defer func() {
+		if retErr != nil && loggedIn {
+			if err := t.logoutIfUnused(context.WithoutCancel(ctx), v, p, sess); err != nil {
+				t.log.Warn("log out after failed attach", "volume", v, "portal", p.String(), "error", err)
+			}
+		}
+	}()
+
+	// The waiter exists before the scan, so the disk's uevent cannot be
+	// missed; Wait also checks sysfs first for a disk already there.
+	w := t.opts.Listener.Subscribe(lunMatcher{host: sess.Host, target: sess.TargetID, lun: v.LUN})
+	defer w.Close()
+
+	hctl, ok, err := t.sessionLUN(sess.ID, v.LUN)
+	if err != nil {
+		return nil, err
+	}
+	if !ok {
+		if err := t.sys.Scan(sess, v.LUN); err != nil {
+			return nil, fmt.Errorf("scan LUN %d of %s: %w", v.LUN, v.IQN, err)
+		}
+		// The scan write returns once the kernel probed the LUN: if no
+		// SCSI device exists now, the target has no such LUN.
+		if hctl, ok, err = t.sessionLUN(sess.ID, v.LUN); err != nil {
+			return nil, err
+		}
+		if !ok {
+			return nil, fmt.Errorf("target %s has no LUN %d (portal %s, session %d): check the volume's lun and the target's LUN mapping for this initiator: %w",
+				v.IQN, v.LUN, p, sess.ID, errdefs.ErrNotFound)
+		}
+	}
+	dev, err := w.Wait(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("wait for the disk of %s LUN %d (%s): %w", v.IQN, v.LUN, hctl, err)
+	}
+	if dev.ID.WWID == "" {
+		if w, err := readAttr(t.sys.path("class", "scsi_device", hctl.String(), "device", "wwid")); err == nil {
+			dev.ID.WWID = w
+		}
+	}
+	if v.WWID != "" && devices.NormalizeWWID(dev.ID.WWID) != devices.NormalizeWWID(v.WWID) {
+		err := fmt.Errorf("iSCSI %s LUN %d (%s, %s) has WWID %q but the volume expects %q; refusing to use it: %w",
+			v.IQN, v.LUN, dev.Path, hctl, dev.ID.WWID, v.WWID, errdefs.ErrFailedPrecondition)
+		if rerr := t.removeDisk(context.WithoutCancel(ctx), sess, hctl); rerr != nil {
+			err = errors.Join(err, rerr)
+		}
+		return nil, err
+	}
+	return &pathDevice{path: p, sess: sess, hctl: hctl, dev: dev}, nil
+}
+
+// lunMatcher matches the disk of one LUN of a session's SCSI host.
+type lunMatcher struct{ host, target, lun int }
+
+func (m lunMatcher) Match(d *devices.Device) bool {
+	if d == nil || d.ID.Kind != devices.KindSCSI {
+		return false
+	}
+	h, ok := parseHCTL(d.ID.HCTL)
+	return ok && h.Host == m.host && h.LUN == m.lun && h.Channel == 0 && (m.target < 0 || h.Target == m.target)
+}
+
+func (m lunMatcher) String() string {
+	t := "*"
+	if m.target >= 0 {
+		t = strconv.Itoa(m.target)
+	}
+	return fmt.Sprintf("SCSI disk at %d:0:%s:%d", m.host, t, m.lun)
+}
+
+// sessionLUN finds the SCSI device of lun in the session.
+func (t *Transport) sessionLUN(sid, lun int) (HCTL, bool, error) {
+	luns, err := t.sys.LUNs(sid)
+	if err != nil {
+		return HCTL{}, false, err
+	}
+	for _, h := range luns {
+		if h.LUN == lun {
+			return h, true, nil
+		}
+	}
+	return HCTL{}, false, nil
+}
+
+// recordSettings are written into every node record berth creates.
+func (t *Transport) recordSettings(v *Volume) []setting {
+	set := []setting{
+		{"node.startup", "manual"},
+		// Only the LUN a volume names is ever scanned in.
+		{"node.session.scan", "manual"},
+	}
+	params := map[string]int{}
+	for k, n := range t.opts.Params {
+		params[k] = n
+	}
+	for k, n := range v.Params {
+		params[k] = n
+	}
+	for _, k := range []string{ParamReplacementTimeout, ParamLoginTimeout, ParamLoginRetryMax} {
+		if n, ok := params[k]; ok {
+			set = append(set, setting{k, strconv.Itoa(n)})
+		}
+	}
+	if c := v.SessionCHAP; c != nil {
+		set = append(set,
+			setting{"node.session.auth.authmethod", "CHAP"},
+			setting{SecretSessionUsername, c.Username},
+			setting{SecretSessionPassword, c.Password})
+		if c.Mutual() {
+			set = append(set,
+				setting{SecretSessionUsernameIn, c.UsernameIn},
+				setting{SecretSessionPasswordIn, c.PasswordIn})
+		}
+	}
+	return set
+}
+
+// login creates the node record for exactly this target and portal, writes
+// its settings and credentials, and logs in.
+func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error) {
+	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeNew(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...); err != nil {
+		return t.iscsiadmError("create node record", err)
+	}
+	defer func() {
+		if retErr != nil {
+			// Leave no record (and no credentials) behind for a login
+			// that did not happen.
+			if _, err := t.run.run(context.WithoutCancel(ctx), t.opts.Iscsiadm, argsNodeDelete(v.IQN, p.IP, p.Port, v.Iface)...); err != nil && exitCode(err) != ISCSI_ERR_NO_OBJS_FOUND {
+				t.log.Warn("delete node record after failed login", "volume", v, "portal", p.String(), "error", err)
+			}
+		}
+	}()
+	files, err := t.db.nodeRecordFiles(v.IQN, p.IP, p.Port, v.Iface)
+	if err != nil {
+		return fmt.Errorf("iscsiadm created the node record of %s at %s, but berth cannot find it (set the node record directory if open-iscsi keeps it elsewhere): %w", v.IQN, p, err)
+	}
+	if err := t.db.update(ctx, files, t.recordSettings(v)); err != nil {
+		return err
+	}
+	_, err = t.run.run(ctx, t.opts.Iscsiadm, argsNodeLogin(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...)
+	if err != nil && exitCode(err) != ISCSI_ERR_SESS_EXISTS {
+		return t.iscsiadmError(fmt.Sprintf("log in to %s at %s", v.IQN, p), err)
+	}
+	return nil
+}
+
+// iscsiadmError adds what to do to the errors an operator can fix.
+func (t *Transport) iscsiadmError(op string, err error) error {
+	switch exitCode(err) {
+	case ISCSI_ERR_LOGIN_AUTH_FAILED:
+		return fmt.Errorf("%s: CHAP authentication failed: check the user names and secrets in the volume's node-stage secret against the target's ACL: %w", op, err)
+	case ISCSI_ERR_ISCSID_NOTCONN, ISCSI_ERR_ISCSID_COMM_ERR:
+		return fmt.Errorf("%s: iscsid is not running or not reachable: start it on the node (systemctl enable --now iscsid); in a container, use --iscsiadm with a wrapper that runs the host's iscsiadm: %w", op, err)
+	case ISCSI_ERR_TRANS_NOT_FOUND:
+		return fmt.Errorf("%s: the iSCSI transport module is not loaded: run `modprobe iscsi_tcp` on the node: %w", op, err)
+	case ISCSI_ERR_TRANS_TIMEOUT:
+		return fmt.Errorf("%s: the portal did not answer: check the address, the port and the network path: %w", op, err)
+	}
+	var ee *CommandError
+	if errors.As(err, &ee) && ee.ExitCode < 0 && errors.Is(err, fs.ErrNotExist) {
+		return unavailable("%s: %s not found: install open-iscsi or set --iscsiadm", op, t.opts.Iscsiadm)
+	}
+	return fmt.Errorf("%s: %w", op, err)
+}
+
+// Detach removes the LUN's device (and its multipath map) and logs out of
+// each session that no longer has any LUN. Sessions that other volumes
+// still use stay. It needs no secrets and is idempotent.
+func (tg *Target) Detach(ctx context.Context) error {
+	t, v := tg.t, tg.v
+	paths, _ := resolve(ctx, v.Portals)
+	pds, err := t.findPaths(v, paths)
+	if err != nil {
+		return err
+	}
+	var errs []error
+	// The map first: removing a path under a map would make it queue or
+	// fail I/O.
+	if dm := t.mapOf(pds); dm != nil {
+		if err := t.removeMap(ctx, dm); err != nil {
+			return fmt.Errorf("detach iSCSI %s LUN %d: %w", v.IQN, v.LUN, err)
+		}
+	}
+	seen := map[string]bool{}
+	for _, pd := range pds {
+		seen[pd.path.key(v.IQN, v.Iface)] = true
+		if err := t.detachPath(ctx, v, pd.path); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	// Portals without a session: drop leftover records (a crash between
+	// record creation and login).
+	for _, p := range paths {
+		if seen[p.key(v.IQN, v.Iface)] {
+			continue
+		}
+		if err := t.detachPath(ctx, v, p); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("detach iSCSI %s LUN %d: %w", v.IQN, v.LUN, errors.Join(errs...))
+	}
+	return nil
+}
+
+// findPaths returns the volume's LUN on every session of its target: the
+// sessions through its resolved portals, and, for portals that did not
+// resolve, any session of the target on the interface.
+func (t *Transport) findPaths(v *Volume, paths []path) ([]*pathDevice, error) {
+	sessions, err := t.sys.Sessions()
+	if err != nil {
+		return nil, err
+	}
+	unresolved := len(paths) < len(v.Portals)
+	var out []*pathDevice
+	for i := range sessions {
+		s := &sessions[i]
+		if s.Target != v.IQN || s.Iface != v.Iface {
+			continue
+		}
+		var p *path
+		for j := range paths {
+			if s.Matches(v.IQN, paths[j].IP, paths[j].Port, v.Iface) {
+				p = &paths[j]
+				break
+			}
+		}
+		if p == nil {
+			if !unresolved {
+				continue
+			}
+			p = &path{Portal: Portal{Host: s.PersistentAddress, Port: s.PersistentPort, TPGT: -1}, IP: s.PersistentAddress}
+		}
+		pd := &pathDevice{path: *p, sess: s}
+		if h, ok, err := t.sessionLUN(s.ID, v.LUN); err != nil {
+			return nil, err
+		} else if ok {
+			pd.hctl = h
+			if name, err := t.sys.BlockDevice(h); err == nil {
+				pd.dev, _ = devices.Lookup(name)
+			}
+		} else if unresolved && p.IP == s.PersistentAddress && !t.portalListed(v, p) {
+			continue // a session of the target this volume has no LUN on
+		}
+		out = append(out, pd)
+	}
+	return out, nil
+}
+
+func (t *Transport) portalListed(v *Volume, p *path) bool {
+	for _, q := range v.Portals {
+		if q.Host == p.IP && q.Port == p.Port {
+			return true
+		}
+	}
+	return false
+}
+
+// detachPath removes the LUN's disk from the session through p and logs
+// out when the session has no LUN left. No session: the record is deleted.
+func (t *Transport) detachPath(ctx context.Context, v *Volume, p path) error {
+	unlock, err := t.locks.lock(ctx, p.key(v.IQN, v.Iface))
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	sess, err := t.findSession(v.IQN, p, v.Iface)
+	if err != nil {
+		return err
+	}
+	if sess == nil {
+		return t.deleteRecord(ctx, v, p)
+	}
+	if h, ok, err := t.sessionLUN(sess.ID, v.LUN); err != nil {
+		return err
+	} else if ok {
+		if err := t.removeDisk(ctx, sess, h); err != nil {
+			return err
+		}
+	}
+	return t.logoutIfUnused(ctx, v, p, sess)
+}
+
+// removeDisk flushes and deletes the SCSI disk h of sess. When the session
+// is not logged in (target gone), the disk is set offline first so that
+// its removal does not wait for the session's replacement timeout.
+func (t *Transport) removeDisk(ctx context.Context, sess *Session, h HCTL) error {
+	if cur, err := t.sys.Session(sess.ID); err == nil && cur.State != "LOGGED_IN" {
+		if err := t.sys.Offline(h); err != nil {
+			t.log.Warn("set SCSI device offline before removal", "hctl", h.String(), "error", err)
+		}
+	}
+	name, err := t.sys.BlockDevice(h)
+	if err == nil {
+		dev, err := devices.Lookup(name)
+		if err == nil {
+			if err := devices.RemoveSCSIDevice(ctx, t.opts.Listener, dev); err != nil {
+				return fmt.Errorf("remove SCSI disk %s (%s): %w", dev.Path, h, err)
+			}
+			return nil
+		}
+		if !errors.Is(err, errdefs.ErrNotFound) {
+			return err
+		}
+	}
+	// A SCSI device without a disk (never opened, or its disk already
+	// gone): delete it directly.
+	if !t.sys.SCSIDeviceExists(h) {
+		return nil
+	}
+	if err := writeAttr(t.sys.path("class", "scsi_device", h.String(), "device", "delete"), "1"); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("remove SCSI device %s: %w", h, err)
+	}
+	return nil
+}
+
+// logoutIfUnused logs out of sess when it has no SCSI device left, and
+// deletes the node record with it.
+func (t *Transport) logoutIfUnused(ctx context.Context, v *Volume, p path, sess *Session) error {
+	luns, err := t.sys.LUNs(sess.ID)
+	if err != nil {
+		return err
+	}
+	if len(luns) > 0 {
+		t.log.Debug("iSCSI session kept: other LUNs use it", "session", sess.ID, "target", v.IQN, "luns", len(luns))
+		return nil
+	}
+	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsSessionLogout(sess.ID)...); err != nil {
+		switch exitCode(err) {
+		case ISCSI_ERR_SESS_NOT_FOUND, ISCSI_ERR_NO_OBJS_FOUND:
+		default:
+			return t.iscsiadmError(fmt.Sprintf("log out of session %d (%s at %s)", sess.ID, v.IQN, p), err)
+		}
+	}
+	return t.deleteRecord(ctx, v, p)
+}
+
+func (t *Transport) deleteRecord(ctx context.Context, v *Volume, p path) error {
+	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeDelete(v.IQN, p.IP, p.Port, v.Iface)...); err != nil {
+		if c := exitCode(err); c == ISCSI_ERR_NO_OBJS_FOUND || c == ISCSI_ERR_SESS_NOT_FOUND {
+			return nil
+		}
+		return t.iscsiadmError(fmt.Sprintf("delete the node record of %s at %s", v.IQN, p), err)
+	}
+	return nil
+}
+
+// Expand rescans every path of the LUN, resizes its multipath map and
+// returns the new size once every path and the map report it.
+func (tg *Target) Expand(ctx context.Context) (int64, error) {
+	t, v := tg.t, tg.v
+	paths, _ := resolve(ctx, v.Portals)
+	pds, err := t.findPaths(v, paths)
+	if err != nil {
+		return 0, err
+	}
+	var size int64 = -1
+	for _, pd := range pds {
+		if pd.dev == nil {
+			continue
+		}
+		if err := t.sys.Rescan(pd.hctl); err != nil {
+			return 0, fmt.Errorf("rescan %s (%s): %w", pd.dev.Path, pd.hctl, err)
+		}
+		// The rescan write returns after READ CAPACITY: the size is
+		// current now.
+		d, err := devices.Lookup(pd.dev.Name)
+		if err != nil {
+			return 0, err
+		}
+		if size >= 0 && d.Size != size {
+			return 0, fmt.Errorf("iSCSI %s LUN %d: path %s reports %d bytes, another path %d: %w", v.IQN, v.LUN, d.Path, d.Size, size, errdefs.ErrUnavailable)
+		}
+		size = d.Size
+	}
+	if size < 0 {
+		return 0, fmt.Errorf("iSCSI %s LUN %d is not attached on this node: %w", v.IQN, v.LUN, errdefs.ErrNotFound)
+	}
+	dm := t.mapOf(pds)
+	if dm == nil {
+		return size, nil
+	}
+	return t.resizeMap(ctx, dm, size)
+}
+
+// Health reports paths whose session is not logged in or whose disk is not
+// running.
+func (tg *Target) Health(ctx context.Context) (bool, string) {
+	t, v := tg.t, tg.v
+	paths, _ := resolve(ctx, v.Portals)
+	pds, err := t.findPaths(v, paths)
+	if err != nil {
+		return true, err.Error()
+	}
+	var bad []string
+	up := 0
+	for _, pd := range pds {
+		switch {
+		case pd.dev == nil:
+			bad = append(bad, fmt.Sprintf("portal %s: LUN %d not present", pd.path, v.LUN))
+		case pd.sess.State != "LOGGED_IN":
+			bad = append(bad, fmt.Sprintf("portal %s: session %d is %s", pd.path, pd.sess.ID, pd.sess.State))
+		case t.sys.SCSIDeviceState(pd.hctl) != "running":
+			bad = append(bad, fmt.Sprintf("portal %s: %s is %s", pd.path, pd.dev.Name, t.sys.SCSIDeviceState(pd.hctl)))
+		default:
+			up++
+		}
+	}
+	if up == 0 {
+		bad = append([]string{fmt.Sprintf("no working path to %s LUN %d", v.IQN, v.LUN)}, bad...)
+	}
+	if len(bad) > 0 {
+		return true, strings.Join(bad, "; ")
+	}
+	return false, fmt.Sprintf("%d path(s) up", up)
+}
+
+// holdersDir lists the holders of a disk in sysfs.
+func (t *Transport) holdersDir(name string) string {
+	return filepath.Join(t.sys.root, "class", "block", name, "holders")
+}

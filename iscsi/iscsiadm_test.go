@@ -1,0 +1,217 @@
+package iscsi
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+func TestSentinelForExit(t *testing.T) {
+	tests := []struct {
+		code int
+		want error
+	}{
+		{ISCSI_ERR_LOGIN_AUTH_FAILED, errdefs.ErrPermissionDenied},
+		{ISCSI_ERR_ISCSID_NOTCONN, errdefs.ErrUnavailable},
+		{ISCSI_ERR_ISCSID_COMM_ERR, errdefs.ErrUnavailable},
+		{ISCSI_ERR_TRANS_TIMEOUT, errdefs.ErrUnavailable},
+		{ISCSI_ERR_TRANS_NOT_FOUND, errdefs.ErrUnavailable},
+		{ISCSI_ERR_FATAL_LOGIN, errdefs.ErrFailedPrecondition},
+		{ISCSI_ERR_NO_OBJS_FOUND, errdefs.ErrNotFound},
+		{ISCSI_ERR_SESS_EXISTS, errdefs.ErrAlreadyExists},
+		{ISCSI_ERR_INTERNAL, nil},
+	}
+	for _, tt := range tests {
+		if got := sentinelForExit(tt.code); got != tt.want {
+			t.Errorf("exit %d: %v, want %v", tt.code, got, tt.want)
+		}
+	}
+	// The numbers are iscsi_err.h's.
+	if ISCSI_ERR_SESS_EXISTS != 15 || ISCSI_ERR_ISCSID_NOTCONN != 20 || ISCSI_ERR_NO_OBJS_FOUND != 21 || ISCSI_ERR_LOGIN_AUTH_FAILED != 24 || ISCSI_ERR_TRANS_TIMEOUT != 8 {
+		t.Fatal("exit code constants drifted from include/iscsi_err.h")
+	}
+}
+
+// TestExecRunnerExitCode runs a stand-in iscsiadm that fails like a CHAP
+// rejection and checks the error carries the code, the message and the
+// sentinel.
+func TestExecRunnerExitCode(t *testing.T) {
+	bin := filepath.Join(t.TempDir(), "iscsiadm")
+	script := "#!/bin/sh\necho 'iscsiadm: Login failed to authenticate with target' >&2\nexit 24\n"
+	if err := os.WriteFile(bin, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	_, err := execRunner{}.run(context.Background(), bin, "-m", "node", "--login")
+	if !errors.Is(err, errdefs.ErrPermissionDenied) || exitCode(err) != 24 {
+		t.Fatalf("got %v (code %d)", err, exitCode(err))
+	}
+	if !strings.Contains(err.Error(), "failed to authenticate") || !strings.Contains(err.Error(), "CHAP authentication failed") {
+		t.Fatalf("message lacks the tool's words: %v", err)
+	}
+	tr := &Transport{opts: Options{Iscsiadm: bin}}
+	werr := tr.iscsiadmError("log in", err)
+	if !errors.Is(werr, errdefs.ErrPermissionDenied) || !strings.Contains(werr.Error(), "secret") {
+		t.Fatalf("login error: %v", werr)
+	}
+	if strings.Contains(strings.ToLower(werr.Error()), "timed out") {
+		t.Fatalf("auth failure reads like a timeout: %v", werr)
+	}
+
+	_, err = execRunner{}.run(context.Background(), filepath.Join(t.TempDir(), "missing"))
+	if werr := tr.iscsiadmError("log in", err); !errors.Is(werr, errdefs.ErrUnavailable) {
+		t.Fatalf("missing binary: %v", werr)
+	}
+}
+
+// fakeRunner records argument vectors and plays iscsiadm's record creation.
+type fakeRunner struct {
+	nodes string
+	argv  [][]string
+	fail  map[string]int // first argv element after the mode flag -> exit code
+}
+
+func (f *fakeRunner) run(ctx context.Context, name string, args ...string) ([]byte, error) {
+	f.argv = append(f.argv, append([]string{name}, args...))
+	joined := strings.Join(args, " ")
+	for k, code := range f.fail {
+		if strings.Contains(joined, k) {
+			return nil, &CommandError{Args: append([]string{name}, args...), ExitCode: code, Err: sentinelForExit(code)}
+		}
+	}
+	if strings.Contains(joined, "-o new") && args[1] == "node" {
+		var target, portal, iface string
+		for i := 0; i+1 < len(args); i++ {
+			switch args[i] {
+			case "-T":
+				target = args[i+1]
+			case "-p":
+				portal = args[i+1]
+			case "-I":
+				iface = args[i+1]
+			}
+		}
+		hp, tpgt, ok := strings.Cut(portal, ",")
+		if !ok {
+			tpgt = "-1"
+		}
+		host, port, _ := strings.Cut(hp, ":")
+		dir := filepath.Join(f.nodes, target, host+","+port+","+tpgt)
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return nil, err
+		}
+		return nil, os.WriteFile(filepath.Join(dir, iface), []byte(sampleRecord), 0o644)
+	}
+	return nil, nil
+}
+
+func testTransport(t *testing.T, r runner) *Transport {
+	dir := t.TempDir()
+	return &Transport{
+		opts: Options{Iscsiadm: "iscsiadm", Multipathd: "multipathd", Params: map[string]int{ParamReplacementTimeout: 20, ParamLoginTimeout: 9}},
+		log:  slog.New(slog.NewTextHandler(io.Discard, nil)),
+		sys:  sysfs{root: filepath.Join(dir, "sys")},
+		db:   recordDB{nodes: filepath.Join(dir, "nodes"), lockDir: filepath.Join(dir, "lock")},
+		run:  r,
+	}
+}
+
+// TestLoginKeepsSecretsOutOfArgv logs in with mutual CHAP through the fake
+// iscsiadm: every argument vector is free of the credentials, which end up
+// in the 0600 record with the manual scan and session parameters.
+func TestLoginKeepsSecretsOutOfArgv(t *testing.T) {
+	v, err := ParseVolume(ctxWith("sessionCHAPAuth", "true", ParamLoginTimeout, "4"), chapSecrets)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fr := &fakeRunner{}
+	tr := testTransport(t, fr)
+	fr.nodes = tr.db.nodes
+	p := path{Portal: v.Portals[0], IP: "10.0.0.1"}
+	if err := tr.login(context.Background(), v, p); err != nil {
+		t.Fatal(err)
+	}
+	if len(fr.argv) != 2 {
+		t.Fatalf("want node new + login, got %q", fr.argv)
+	}
+	for _, argv := range fr.argv {
+		for _, a := range argv {
+			for k, s := range chapSecrets {
+				if strings.Contains(a, s) {
+					t.Fatalf("argv %q holds secret %s", argv, k)
+				}
+			}
+			if strings.Contains(a, "auth") {
+				t.Fatalf("argv %q names an auth field", argv)
+			}
+		}
+	}
+	f := filepath.Join(tr.db.nodes, testIQN, "10.0.0.1,3260,-1", "default")
+	b, err := os.ReadFile(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := parseRecord(b)
+	for k, want := range map[string]string{
+		"node.startup": "manual", "node.session.scan": "manual", "node.session.auth.authmethod": "CHAP",
+		SecretSessionUsername: "user1", SecretSessionPassword: "s3cret-Passw0rd",
+		SecretSessionUsernameIn: "target1", SecretSessionPasswordIn: "s3cret-Mutual99",
+		ParamReplacementTimeout: "20", // node-wide
+		ParamLoginTimeout:       "4",  // the volume's value wins
+	} {
+		if rec[k] != want {
+			t.Errorf("record %s = %q, want %q", k, rec[k], want)
+		}
+	}
+	if st, _ := os.Stat(f); st.Mode().Perm() != 0o600 {
+		t.Errorf("record mode %v", st.Mode().Perm())
+	}
+}
+
+// TestLoginFailureDeletesRecord: a failed login leaves no record (and no
+// credentials) and names authentication.
+func TestLoginFailureDeletesRecord(t *testing.T) {
+	v, err := ParseVolume(ctxWith("sessionCHAPAuth", "true"), chapSecrets)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fr := &fakeRunner{fail: map[string]int{"--login": ISCSI_ERR_LOGIN_AUTH_FAILED}}
+	tr := testTransport(t, fr)
+	fr.nodes = tr.db.nodes
+	err = tr.login(context.Background(), v, path{Portal: v.Portals[0], IP: "10.0.0.1"})
+	if !errors.Is(err, errdefs.ErrPermissionDenied) || !strings.Contains(err.Error(), "CHAP authentication failed") {
+		t.Fatalf("got %v", err)
+	}
+	last := strings.Join(fr.argv[len(fr.argv)-1], " ")
+	if !strings.Contains(last, "-o delete") {
+		t.Fatalf("record not deleted after failed login: %q", fr.argv)
+	}
+}
+
+func TestArgv(t *testing.T) {
+	got := strings.Join(argsNodeNew(testIQN, "fd00::1", 3260, 2, "default"), " ")
+	want := "-m node -o new -T " + testIQN + " -p [fd00::1]:3260,2 -I default"
+	if got != want {
+		t.Fatalf("got %q want %q", got, want)
+	}
+	if got := strings.Join(argsSessionLogout(7), " "); got != "-m session -r 7 -u" {
+		t.Fatal(got)
+	}
+	if got := strings.Join(argsDiscover("10.0.0.1", 3260, "default"), " "); got != "-m discoverydb -t sendtargets -p 10.0.0.1:3260 -I default --discover -o nonpersistent" {
+		t.Fatal(got)
+	}
+}
+
+func TestParseDiscovery(t *testing.T) {
+	out := "10.0.0.1:3260,1 iqn.2003-01.org.example:a\n[fd00::1]:3260,2 IQN.2003-01.org.example:A\ngarbage\n"
+	d := parseDiscovery([]byte(out))
+	if len(d) != 2 || d[0].IP != "10.0.0.1" || d[0].TPGT != 1 || d[1].IP != "fd00::1" || d[1].Target != "iqn.2003-01.org.example:a" {
+		t.Fatalf("%+v", d)
+	}
+}

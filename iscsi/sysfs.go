@@ -1,0 +1,290 @@
+package iscsi
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// Session is an iSCSI session as the kernel shows it in sysfs:
+//
+//	/sys/class/iscsi_session/sessionN/{targetname,tpgt,ifacename,state,target_id}
+//	/sys/class/iscsi_connection/connectionN:0/{persistent_address,persistent_port,address,port}
+//	/sys/class/iscsi_session/sessionN -> .../hostH/sessionN/iscsi_session/sessionN
+//	/sys/class/iscsi_session/sessionN/device/targetH:C:T/H:C:T:L
+type Session struct {
+	ID     int    // N of sessionN, the SID iscsiadm -r takes
+	Target string // target name, lower case
+	TPGT   int    // -1 when unknown
+	Iface  string // open-iscsi interface name ("default")
+	State  string // LOGGED_IN, FAILED, FREE
+	// Host is the SCSI host number H the session's LUNs appear under.
+	Host int
+	// TargetID is the SCSI target id T, -1 when the kernel does not show it.
+	TargetID int
+	// PersistentAddress and PersistentPort are the portal iscsiadm logged
+	// in to; Address and Port the current connection (after a redirect).
+	PersistentAddress string
+	PersistentPort    int
+	Address           string
+	Port              int
+}
+
+// HCTL is a SCSI address.
+type HCTL struct{ Host, Channel, Target, LUN int }
+
+func (h HCTL) String() string {
+	return fmt.Sprintf("%d:%d:%d:%d", h.Host, h.Channel, h.Target, h.LUN)
+}
+
+var (
+	sessionDirRE = regexp.MustCompile(`^session([0-9]+)$`)
+	hostDirRE    = regexp.MustCompile(`^host([0-9]+)$`)
+	targetDirRE  = regexp.MustCompile(`^target[0-9]+:[0-9]+:[0-9]+$`)
+	hctlRE       = regexp.MustCompile(`^([0-9]+):([0-9]+):([0-9]+):([0-9]+)$`)
+)
+
+// sysfs reads the kernel's iSCSI and SCSI objects below root ("/sys", or
+// a saved tree in tests).
+type sysfs struct{ root string }
+
+func (s sysfs) path(p ...string) string { return filepath.Join(append([]string{s.root}, p...)...) }
+
+func readAttr(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	return strings.TrimSpace(string(b)), nil
+}
+
+// Sessions lists every iSCSI session. A session that disappears while it is
+// read is skipped.
+func (s sysfs) Sessions() ([]Session, error) {
+	ents, err := os.ReadDir(s.path("class", "iscsi_session"))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil // scsi_transport_iscsi not loaded: no sessions
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list iSCSI sessions: %w", err)
+	}
+	var out []Session
+	for _, e := range ents {
+		m := sessionDirRE.FindStringSubmatch(e.Name())
+		if m == nil {
+			continue
+		}
+		id, _ := strconv.Atoi(m[1])
+		sess, err := s.Session(id)
+		if errors.Is(err, errdefs.ErrNotFound) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, *sess)
+	}
+	slices.SortFunc(out, func(a, b Session) int { return a.ID - b.ID })
+	return out, nil
+}
+
+// Session reads one session; ErrNotFound when it does not exist.
+func (s sysfs) Session(id int) (*Session, error) {
+	name := "session" + strconv.Itoa(id)
+	dir := s.path("class", "iscsi_session", name)
+	real, err := filepath.EvalSymlinks(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("iSCSI %s: %w", name, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("iSCSI %s: %w", name, err)
+	}
+	sess := &Session{ID: id, TPGT: -1, TargetID: -1, Host: -1}
+	for _, part := range strings.Split(real, string(filepath.Separator)) {
+		if m := hostDirRE.FindStringSubmatch(part); m != nil {
+			sess.Host, _ = strconv.Atoi(m[1])
+		}
+	}
+	if sess.Host < 0 {
+		return nil, fmt.Errorf("iSCSI %s: no SCSI host in its sysfs path %s", name, real)
+	}
+	target, err := readAttr(filepath.Join(dir, "targetname"))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("iSCSI %s: %w", name, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("iSCSI %s: %w", name, err)
+	}
+	sess.Target = strings.ToLower(target)
+	if v, err := readAttr(filepath.Join(dir, "tpgt")); err == nil {
+		if n, err := strconv.Atoi(v); err == nil {
+			sess.TPGT = n
+		}
+	}
+	if v, err := readAttr(filepath.Join(dir, "target_id")); err == nil {
+		if n, err := strconv.Atoi(v); err == nil {
+			sess.TargetID = n
+		}
+	}
+	sess.Iface, _ = readAttr(filepath.Join(dir, "ifacename"))
+	if sess.Iface == "" || sess.Iface == "<NULL>" || sess.Iface == "(null)" {
+		sess.Iface = "default"
+	}
+	sess.State, _ = readAttr(filepath.Join(dir, "state"))
+
+	conn := s.path("class", "iscsi_connection", "connection"+strconv.Itoa(id)+":0")
+	sess.PersistentAddress, _ = readAttr(filepath.Join(conn, "persistent_address"))
+	sess.Address, _ = readAttr(filepath.Join(conn, "address"))
+	if v, err := readAttr(filepath.Join(conn, "persistent_port")); err == nil {
+		sess.PersistentPort, _ = strconv.Atoi(v)
+	}
+	if v, err := readAttr(filepath.Join(conn, "port")); err == nil {
+		sess.Port, _ = strconv.Atoi(v)
+	}
+	sess.PersistentAddress = canonicalIP(sess.PersistentAddress)
+	sess.Address = canonicalIP(sess.Address)
+	return sess, nil
+}
+
+func canonicalIP(s string) string {
+	if a, err := netip.ParseAddr(s); err == nil {
+		return a.Unmap().WithZone("").String()
+	}
+	return strings.ToLower(s)
+}
+
+// Matches reports whether the session is the login of target through the
+// portal ip:port on iface. The persistent address is the one iscsiadm
+// logged in to; the current address is accepted too, for targets that
+// redirect.
+func (s *Session) Matches(target, ip string, port int, iface string) bool {
+	if s.Target != target || s.Iface != iface {
+		return false
+	}
+	ip = canonicalIP(ip)
+	return (s.PersistentAddress == ip && s.PersistentPort == port) || (s.Address == ip && s.Port == port)
+}
+
+// LUNs returns the SCSI devices the session has: the H:C:T:L entries below
+// its target directories.
+func (s sysfs) LUNs(id int) ([]HCTL, error) {
+	dir := s.path("class", "iscsi_session", "session"+strconv.Itoa(id), "device")
+	targets, err := os.ReadDir(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list LUNs of iSCSI session%d: %w", id, err)
+	}
+	var out []HCTL
+	for _, t := range targets {
+		if !targetDirRE.MatchString(t.Name()) {
+			continue
+		}
+		ents, err := os.ReadDir(filepath.Join(dir, t.Name()))
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("list LUNs of iSCSI session%d: %w", id, err)
+		}
+		for _, e := range ents {
+			if h, ok := parseHCTL(e.Name()); ok {
+				out = append(out, h)
+			}
+		}
+	}
+	slices.SortFunc(out, func(a, b HCTL) int { return a.LUN - b.LUN })
+	return out, nil
+}
+
+func parseHCTL(s string) (HCTL, bool) {
+	m := hctlRE.FindStringSubmatch(s)
+	if m == nil {
+		return HCTL{}, false
+	}
+	var n [4]int
+	for i := range n {
+		v, err := strconv.Atoi(m[i+1])
+		if err != nil {
+			return HCTL{}, false
+		}
+		n[i] = v
+	}
+	return HCTL{n[0], n[1], n[2], n[3]}, true
+}
+
+// BlockDevice returns the kernel name ("sdb") of the disk at h, or
+// ErrNotFound while it has none.
+func (s sysfs) BlockDevice(h HCTL) (string, error) {
+	ents, err := os.ReadDir(s.path("class", "scsi_device", h.String(), "device", "block"))
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", fmt.Errorf("SCSI device %s has no block device: %w", h, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return "", fmt.Errorf("SCSI device %s: %w", h, err)
+	}
+	for _, e := range ents {
+		return e.Name(), nil
+	}
+	return "", fmt.Errorf("SCSI device %s has no block device: %w", h, errdefs.ErrNotFound)
+}
+
+// SCSIDeviceExists reports whether the kernel knows the SCSI device h.
+func (s sysfs) SCSIDeviceExists(h HCTL) bool {
+	_, err := os.Stat(s.path("class", "scsi_device", h.String()))
+	return err == nil
+}
+
+// SCSIDeviceState reads device/state ("running", "offline", "blocked",
+// "transport-offline").
+func (s sysfs) SCSIDeviceState(h HCTL) string {
+	v, _ := readAttr(s.path("class", "scsi_device", h.String(), "device", "state"))
+	return v
+}
+
+// Scan asks the kernel to probe exactly one LUN of the session's target:
+// "C T L" written to the host's scan attribute. The write returns when the
+// probe is over; the block device follows through a uevent.
+func (s sysfs) Scan(sess *Session, lun int) error {
+	t := "-"
+	if sess.TargetID >= 0 {
+		t = strconv.Itoa(sess.TargetID)
+	}
+	return writeAttr(s.path("class", "scsi_host", "host"+strconv.Itoa(sess.Host), "scan"), fmt.Sprintf("0 %s %d", t, lun))
+}
+
+// Rescan makes the kernel re-read the capacity of a disk.
+func (s sysfs) Rescan(h HCTL) error {
+	return writeAttr(s.path("class", "scsi_device", h.String(), "device", "rescan"), "1")
+}
+
+// Offline sets a SCSI device offline so that the I/O its removal issues
+// (SYNCHRONIZE CACHE) fails at once instead of waiting for a dead target.
+func (s sysfs) Offline(h HCTL) error {
+	return writeAttr(s.path("class", "scsi_device", h.String(), "device", "state"), "offline")
+}
+
+func writeAttr(path, v string) error {
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		return fmt.Errorf("write %q to %s: %w", v, path, err)
+	}
+	_, err = f.WriteString(v)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("write %q to %s: %w", v, path, err)
+	}
+	return nil
+}

@@ -1,0 +1,218 @@
+package iscsi
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"strings"
+	"sync"
+
+	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// Options configures the iSCSI transport of a node.
+type Options struct {
+	// Iscsiadm is the iscsiadm executable, or a wrapper that runs the
+	// host's iscsiadm (see the package documentation). Default "iscsiadm".
+	Iscsiadm string
+	// Multipathd is the multipathd executable or wrapper. Default
+	// "multipathd".
+	Multipathd string
+	// NodeDir is open-iscsi's node record directory; "" finds it
+	// (/etc/iscsi/nodes, then /var/lib/iscsi/nodes).
+	NodeDir string
+	// LockDir is open-iscsi's lock directory. Default /run/lock/iscsi.
+	LockDir string
+	// InitiatorNameFile is checked before a login. Default
+	// /etc/iscsi/initiatorname.iscsi.
+	InitiatorNameFile string
+	// SysfsRoot is where sysfs is mounted. Default /sys.
+	SysfsRoot string
+	// Params are node-wide session parameters (Param* names), applied to
+	// every new node record; a volume's own values win.
+	Params map[string]int
+	// Listener receives the kernel's block device events.
+	Listener *devices.Listener
+	// Logger; default slog.Default().
+	Logger *slog.Logger
+}
+
+// ParseParam validates one node-wide session parameter given as
+// "name=value" (a command-line flag).
+func ParseParam(s string) (string, int, error) {
+	name, value, ok := strings.Cut(s, "=")
+	if !ok {
+		return "", 0, fmt.Errorf("iSCSI parameter %q: want name=value: %w", s, errdefs.ErrInvalidArgument)
+	}
+	name = strings.TrimSpace(name)
+	r, ok := paramRanges[name]
+	if !ok {
+		return "", 0, fmt.Errorf("iSCSI parameter %q: unknown; supported: %s, %s, %s: %w", name,
+			ParamReplacementTimeout, ParamLoginTimeout, ParamLoginRetryMax, errdefs.ErrInvalidArgument)
+	}
+	n, err := parseIntField(name, value, r[0], r[1])
+	return name, n, err
+}
+
+// Transport attaches iSCSI volumes through open-iscsi. It is safe for
+// concurrent use; operations on the same session (target, portal,
+// interface) are serialized so that a LUN scanned in by one volume is
+// never logged out from under it by another.
+type Transport struct {
+	opts  Options
+	log   *slog.Logger
+	sys   sysfs
+	db    recordDB
+	run   runner
+	locks keyedMutex
+}
+
+// New returns the transport. It does not touch the node: readiness is
+// checked when a volume is attached.
+func New(opts Options) (*Transport, error) {
+	if opts.Iscsiadm == "" {
+		opts.Iscsiadm = "iscsiadm"
+	}
+	if opts.Multipathd == "" {
+		opts.Multipathd = "multipathd"
+	}
+	if opts.InitiatorNameFile == "" {
+		opts.InitiatorNameFile = "/etc/iscsi/initiatorname.iscsi"
+	}
+	if opts.SysfsRoot == "" {
+		opts.SysfsRoot = "/sys"
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	for name, v := range opts.Params {
+		r, ok := paramRanges[name]
+		if !ok {
+			return nil, fmt.Errorf("iSCSI parameter %q: unknown: %w", name, errdefs.ErrInvalidArgument)
+		}
+		if v < r[0] || v > r[1] {
+			return nil, fmt.Errorf("iSCSI parameter %q: %d is out of range %d-%d: %w", name, v, r[0], r[1], errdefs.ErrInvalidArgument)
+		}
+	}
+	if opts.Listener == nil {
+		return nil, fmt.Errorf("iscsi.New: a device listener is required: %w", errdefs.ErrInvalidArgument)
+	}
+	return &Transport{
+		opts: opts,
+		log:  opts.Logger,
+		sys:  sysfs{root: opts.SysfsRoot},
+		db:   recordDB{nodes: opts.NodeDir, lockDir: opts.LockDir},
+		run:  execRunner{},
+	}, nil
+}
+
+// Name is the transport's name in volume_context "transport".
+func (t *Transport) Name() string { return "iscsi" }
+
+// Parse validates volume_context and secrets; see ParseVolume.
+func (t *Transport) Parse(volumeContext, secrets map[string]string) (*Target, error) {
+	v, err := ParseVolume(volumeContext, secrets)
+	if err != nil {
+		return nil, err
+	}
+	return &Target{t: t, v: v}, nil
+}
+
+// Target is one volume's LUN.
+type Target struct {
+	t *Transport
+	v *Volume
+}
+
+// Key is the canonical identity of the LUN.
+func (tg *Target) Key() string { return tg.v.Key() }
+
+// Volume returns the parsed volume.
+func (tg *Target) Volume() *Volume { return tg.v }
+
+// keyedMutex serializes work per key, honouring the context while waiting.
+type keyedMutex struct {
+	mu sync.Mutex
+	m  map[string]*keyedLock
+}
+
+type keyedLock struct {
+	ch   chan struct{}
+	refs int
+}
+
+func (k *keyedMutex) lock(ctx context.Context, key string) (func(), error) {
+	k.mu.Lock()
+	if k.m == nil {
+		k.m = map[string]*keyedLock{}
+	}
+	l := k.m[key]
+	if l == nil {
+		l = &keyedLock{ch: make(chan struct{}, 1)}
+		k.m[key] = l
+	}
+	l.refs++
+	k.mu.Unlock()
+	release := func() {
+		k.mu.Lock()
+		l.refs--
+		if l.refs == 0 {
+			delete(k.m, key)
+		}
+		k.mu.Unlock()
+	}
+	select {
+	case l.ch <- struct{}{}:
+		return func() { <-l.ch; release() }, nil
+	case <-ctx.Done():
+		release()
+		return nil, fmt.Errorf("wait for another operation on %s: %w", key, ctx.Err())
+	}
+}
+
+// path is one portal of a volume, resolved.
+type path struct {
+	Portal
+	IP string
+}
+
+func (p path) key(target, iface string) string {
+	return target + "|" + net.JoinHostPort(p.IP, fmt.Sprint(p.Port)) + "|" + iface
+}
+
+func (p path) String() string {
+	if p.Host == p.IP {
+		return net.JoinHostPort(p.IP, fmt.Sprint(p.Port))
+	}
+	return fmt.Sprintf("%s (%s)", net.JoinHostPort(p.Host, fmt.Sprint(p.Port)), p.IP)
+}
+
+// resolve turns the portals into IP addresses: sysfs and node records know
+// portals only by address. A name resolving to several addresses uses the
+// first, IPv4 preferred, as iscsiadm does.
+func resolve(ctx context.Context, portals []Portal) ([]path, []error) {
+	var out []path
+	var errs []error
+	for _, p := range portals {
+		if ip := net.ParseIP(p.Host); ip != nil {
+			out = append(out, path{Portal: p, IP: p.Host})
+			continue
+		}
+		addrs, err := net.DefaultResolver.LookupIPAddr(ctx, p.Host)
+		if err != nil || len(addrs) == 0 {
+			errs = append(errs, unavailable("resolve iSCSI portal %s: %v", p.Host, err))
+			continue
+		}
+		best := addrs[0].IP
+		for _, a := range addrs {
+			if a.IP.To4() != nil {
+				best = a.IP
+				break
+			}
+		}
+		out = append(out, path{Portal: p, IP: canonicalIP(best.String())})
+	}
+	return out, errs
+}
