@@ -1,0 +1,167 @@
+// Package metrics exposes berth's Prometheus metrics: the latency of every
+// CSI call, in the same histogram the Kubernetes CSI sidecars use, and the
+// state of each staged volume and its paths, read when scraped.
+package metrics
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
+)
+
+// OperationBuckets are the csi-lib-utils operation latency buckets, so
+// berth's histogram aggregates with the sidecars' csi_sidecar_operations_seconds.
+var OperationBuckets = []float64{.1, .25, .5, 1, 2.5, 5, 10, 15, 25, 50, 120, 300, 600}
+
+// Volume is the state of one staged volume at scrape time.
+type Volume struct {
+	ID        string
+	Transport string         // "iscsi", "nvmeof", "file"
+	Paths     map[string]int // number of paths per state, e.g. "live": 2, "failed": 1
+	Abnormal  bool           // what NodeGetVolumeStats reports as volume condition
+}
+
+// VolumeLister returns the volumes staged on this node. It is called on
+// every scrape and should answer from memory and sysfs, not from the target.
+type VolumeLister func(ctx context.Context) []Volume
+
+// Metrics holds berth's collectors in a registry of its own, so that no
+// library registering on the global default registry adds series to it.
+type Metrics struct {
+	driver   string
+	reg      *prometheus.Registry
+	ops      *prometheus.HistogramVec
+	inflight *prometheus.GaugeVec
+	volumes  *volumeCollector
+}
+
+// New returns the metrics of the CSI driver named driver. volumes may be
+// nil when the caller has no volume table (then only call latency is kept).
+func New(driver string, volumes VolumeLister) *Metrics {
+	m := &Metrics{
+		driver: driver,
+		reg:    prometheus.NewRegistry(),
+		ops: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Namespace: "csi",
+			Subsystem: "plugin",
+			Name:      "operations_seconds",
+			Help:      "Container Storage Interface operation duration with gRPC error code status total",
+			Buckets:   OperationBuckets,
+		}, []string{"driver_name", "method_name", "grpc_status_code"}),
+		inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "berth_operations_in_flight",
+			Help: "CSI calls being served now, by method; a value that stays up points at a stuck mount, mkfs or login.",
+		}, []string{"method_name"}),
+		volumes: &volumeCollector{list: volumes},
+	}
+	m.reg.MustRegister(m.ops, m.inflight, m.volumes,
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// Registry returns the registry behind /metrics.
+func (m *Metrics) Registry() *prometheus.Registry { return m.reg }
+
+// UnaryServerInterceptor records each call's duration and gRPC status code.
+// Install it with grpc.ChainUnaryInterceptor on the CSI server.
+func (m *Metrics) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		g := m.inflight.WithLabelValues(info.FullMethod)
+		g.Inc()
+		defer g.Dec()
+		start := time.Now()
+		resp, err := handler(ctx, req)
+		m.ops.WithLabelValues(m.driver, info.FullMethod, status.Code(err).String()).Observe(time.Since(start).Seconds())
+		return resp, err
+	}
+}
+
+// Handler serves the registry in the Prometheus exposition formats.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{Registry: m.reg})
+}
+
+// ListenAndServe serves /metrics on address (host:port) until ctx ends.
+func (m *Metrics) ListenAndServe(ctx context.Context, address string) error {
+	l, err := net.Listen("tcp", address)
+	if err != nil {
+		return fmt.Errorf("metrics: listen on %s: %w", address, err)
+	}
+	return m.Serve(ctx, l)
+}
+
+// Serve serves /metrics on l until ctx ends; it closes l.
+func (m *Metrics) Serve(ctx context.Context, l net.Listener) error {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", m.Handler())
+	srv := &http.Server{
+		Handler:           mux,
+		ReadHeaderTimeout: 10 * time.Second,
+		BaseContext:       func(net.Listener) context.Context { return ctx },
+	}
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+	}()
+	err := srv.Serve(l)
+	if errors.Is(err, http.ErrServerClosed) {
+		<-stopped
+		return nil
+	}
+	return fmt.Errorf("metrics: serve on %s: %w", l.Addr(), err)
+}
+
+var (
+	descStaged = prometheus.NewDesc("berth_volume_staged",
+		"1 for each volume staged on this node.",
+		[]string{"volume_id", "transport"}, nil)
+	descPaths = prometheus.NewDesc("berth_volume_paths",
+		"Paths to a staged volume's target by state; fewer live paths than configured portals means lost redundancy.",
+		[]string{"volume_id", "transport", "state"}, nil)
+	descAbnormal = prometheus.NewDesc("berth_volume_abnormal",
+		"1 when a staged volume's health check reports it abnormal (the NodeGetVolumeStats volume condition).",
+		[]string{"volume_id", "transport"}, nil)
+)
+
+// volumeCollector reads the volume table at scrape time, so a volume that
+// was unstaged disappears from the next scrape without bookkeeping.
+type volumeCollector struct{ list VolumeLister }
+
+func (c *volumeCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- descStaged
+	ch <- descPaths
+	ch <- descAbnormal
+}
+
+func (c *volumeCollector) Collect(ch chan<- prometheus.Metric) {
+	if c.list == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, v := range c.list(ctx) {
+		ch <- prometheus.MustNewConstMetric(descStaged, prometheus.GaugeValue, 1, v.ID, v.Transport)
+		for state, n := range v.Paths {
+			ch <- prometheus.MustNewConstMetric(descPaths, prometheus.GaugeValue, float64(n), v.ID, v.Transport, state)
+		}
+		abnormal := 0.0
+		if v.Abnormal {
+			abnormal = 1
+		}
+		ch <- prometheus.MustNewConstMetric(descAbnormal, prometheus.GaugeValue, abnormal, v.ID, v.Transport)
+	}
+}
