@@ -34,7 +34,7 @@ vm-image:
 
 # Tests that boot QEMU guests with real NVMe/TCP and iSCSI targets.
 vm-test: build vm-image
-	$(GO) test -count=1 -timeout 25m -run '^TestVM' ./...
+	$(GO) test -count=1 -timeout 25m -run '^TestVM' -skip '^TestVMBench' ./...
 
 bench: build vm-image
 	./scripts/bench.sh

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# make bench: the speed figures, each measured side by side in one run.
+#
+# Every benchmark runs inside a QEMU guest (real nvmet and LIO targets on
+# loopback) through its package's TestVMBench* entry point, which only runs
+# when BERTH_BENCH=1. The tables they print are collected into one report.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+out=${BERTH_BENCH_OUT:-bench-results.txt}
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
+echo "berth bench: $(git describe --always --dirty 2>/dev/null || echo dev), $(date -u +%FT%TZ), $(nproc) cores" | tee "$out"
+BERTH_BENCH=1 go test -count=1 -timeout 30m -run '^TestVMBench' -v ./... 2>&1 | tee "$log" | grep -E '^(---|ok|FAIL|PASS)' || true
+
+# Lines the benchmarks mark with "BENCH " are the report.
+grep -h 'BENCH ' "$log" | sed 's/.*BENCH //' | tee -a "$out"
+if grep -q '^--- FAIL' "$log" || grep -q '^FAIL' "$log"; then
+	echo "bench: a benchmark failed; see the go test output above" >&2
+	exit 1
+fi
+echo "report written to $out"
