@@ -32,9 +32,10 @@ func checkFsType(fsType string) error {
 type Signature struct {
 	// Type is the blkid TYPE ("ext4", "xfs", "swap", "crypto_LUKS",
 	// "linux_raid_member", "LVM2_member", ...), the partition table type
-	// ("gpt", "dos") when only a partition table was found, "ambivalent"
-	// when blkid found several conflicting signatures, or "unknown-data"
-	// when blkid found nothing but the first MiB is not all zeros.
+	// ("gpt", "dos") when only a partition table was found, "gpt-backup"
+	// for a lone GPT backup header, "ambivalent" when blkid found several
+	// conflicting signatures, or "unknown-data" when nothing was
+	// recognised but the first or the last MiB is not all zeros.
 	Type string
 	// Usage is the blkid USAGE ("filesystem", "raid", "crypto", "other"),
 	// or "partition_table" for a partition table.
@@ -44,6 +45,8 @@ type Signature struct {
 	// PartitionTable is the blkid PTTYPE when a partition table was found
 	// alongside (or instead of) a superblock.
 	PartitionTable string
+	// Offset is where unknown-data starts: the first non-zero byte.
+	Offset int64
 }
 
 // Blank reports whether nothing at all was found.
@@ -56,7 +59,9 @@ func (s Signature) String() string {
 	var b strings.Builder
 	switch s.Type {
 	case typeUnknownData:
-		b.WriteString("unrecognised non-zero data in the first MiB")
+		fmt.Fprintf(&b, "unrecognised non-zero data (first non-zero byte at offset %d)", s.Offset)
+	case typeGPTBackup:
+		b.WriteString("a GPT backup header in the last block (primary GPT erased)")
 	case typeAmbivalent:
 		b.WriteString("several conflicting signatures (blkid -p reports an ambivalent result)")
 	default:
@@ -72,7 +77,7 @@ func (s Signature) String() string {
 	if s.Label != "" {
 		fmt.Fprintf(&b, " label=%q", s.Label)
 	}
-	if s.PartitionTable != "" && s.PartitionTable != s.Type {
+	if s.PartitionTable != "" && s.PartitionTable != s.Type && s.Type != typeGPTBackup {
 		fmt.Fprintf(&b, " and a %q partition table", s.PartitionTable)
 	}
 	return b.String()
@@ -80,6 +85,7 @@ func (s Signature) String() string {
 
 const (
 	typeUnknownData     = "unknown-data"
+	typeGPTBackup       = "gpt-backup"
 	typeAmbivalent      = "ambivalent"
 	usagePartitionTable = "partition_table"
 )

@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -15,20 +16,22 @@ import (
 // headSize is how much of the device Probe reads itself.
 const headSize = 1 << 20
 
-// Probe reports what the device holds. It reads the first MiB of devPath
-// and runs `blkid -p -o export`: low-level probing of superblocks (all
-// usages: filesystem, raid, crypto, other) and partition tables, without
-// the blkid cache. blkid also checks the places a first-MiB read cannot
-// see, such as the backup GPT header and the md 0.90/1.0 superblocks at
-// the end of the device. When blkid finds nothing but the first MiB is not
-// all zeros the result is Signature{Type: "unknown-data"}.
+// Probe reports what the device holds. It runs `blkid -p -o export`:
+// low-level probing of superblocks (all usages: filesystem, raid, crypto,
+// other) and partition tables, without the blkid cache. blkid also checks
+// places a first-MiB read cannot see, such as the md 0.90/1.0 superblocks
+// at the end of the device and superblocks beyond the first MiB. Probe
+// itself reads the first and the last MiB: when blkid finds nothing, a
+// GPT backup header in the last block gives Signature{Type: "gpt-backup"}
+// (blkid ignores a backup header without the protective MBR), and any
+// non-zero byte in either MiB gives Signature{Type: "unknown-data"}.
 //
 // Before probing, the kernel's buffer cache of a block device is flushed
 // and dropped (BLKFLSBUF), so that both readers see the medium and not
 // pages cached before the device's content changed (a reused loop device,
 // a LUN written from another node).
 func Probe(ctx context.Context, devPath string) (Signature, error) {
-	nz, err := readHead(devPath)
+	e, err := readEnds(devPath)
 	if err != nil {
 		return Signature{}, err
 	}
@@ -48,38 +51,102 @@ func Probe(ctx context.Context, devPath string) (Signature, error) {
 	if err != nil {
 		return Signature{}, fmt.Errorf("probe %s: %w", devPath, err)
 	}
-	if !found && nz >= 0 {
-		sig = Signature{Type: typeUnknownData}
+	if found {
+		return sig, nil
 	}
-	return sig, nil
+	// blkid accepts a GPT only with its protective MBR or primary
+	// header; a backup header left at the end still marks a disk that
+	// was partitioned.
+	switch {
+	case e.gptBackup:
+		return Signature{Type: typeGPTBackup, Usage: usagePartitionTable, PartitionTable: "gpt"}, nil
+	case e.headNonZero >= 0:
+		return Signature{Type: typeUnknownData, Offset: int64(e.headNonZero)}, nil
+	case e.tailNonZero >= 0:
+		return Signature{Type: typeUnknownData, Offset: e.tailStart + int64(e.tailNonZero)}, nil
+	}
+	return Signature{}, nil
 }
 
-// readHead returns the offset of the first non-zero byte in the first MiB
-// of path, or -1. It reads with O_DIRECT where the file allows it.
-func readHead(path string) (int, error) {
+// ends is what Probe read itself at both ends of a device.
+type ends struct {
+	headNonZero int  // offset of the first non-zero byte in the first MiB, or -1
+	tailNonZero int  // offset of the first non-zero byte in the last MiB, or -1
+	gptBackup   bool // a GPT header signature in the last logical block
+	tailStart   int64
+}
+
+// gptSignature starts a GPT header (UEFI spec, "EFI PART").
+var gptSignature = []byte("EFI PART")
+
+// readEnds reads the first and the last MiB of path, with O_DIRECT where
+// the file allows it.
+func readEnds(path string) (ends, error) {
+	var e ends
 	f, err := openDevice(path, unix.O_RDONLY|unix.O_DIRECT)
 	if errors.Is(err, unix.EINVAL) {
 		f, err = openDevice(path, unix.O_RDONLY)
 	}
 	if err != nil {
-		return 0, fmt.Errorf("probe %s: %w", path, err)
+		return e, fmt.Errorf("probe %s: %w", path, err)
 	}
 	defer f.Close()
-	if fi, err := f.Stat(); err == nil && fi.Mode()&os.ModeDevice != 0 {
+	fi, err := f.Stat()
+	if err != nil {
+		return e, fmt.Errorf("probe %s: %w", path, err)
+	}
+	size := fi.Size()
+	if fi.Mode()&os.ModeDevice != 0 {
 		// Best effort: a failure only means cached pages may be read.
 		_ = unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0)
+		n, err := unix.IoctlGetUint64(int(f.Fd()), unix.BLKGETSIZE64)
+		if err != nil {
+			return e, fmt.Errorf("probe %s: ioctl BLKGETSIZE64: %w", path, err)
+		}
+		size = int64(n)
 	}
 	// An anonymous mapping is page aligned, as O_DIRECT requires.
 	buf, err := unix.Mmap(-1, 0, headSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
-		return 0, fmt.Errorf("probe %s: allocate read buffer: %w", path, err)
+		return e, fmt.Errorf("probe %s: allocate read buffer: %w", path, err)
 	}
 	defer unix.Munmap(buf)
-	n, err := io.ReadFull(f, buf)
-	if err != nil && !errors.Is(err, io.ErrUnexpectedEOF) && !errors.Is(err, io.EOF) {
-		return 0, fmt.Errorf("probe %s: read first MiB: %w", path, err)
+
+	n, err := readAtFull(f, buf, 0)
+	if err != nil {
+		return e, fmt.Errorf("probe %s: read the first MiB: %w", path, err)
 	}
-	return firstNonZero(buf[:n]), nil
+	e.headNonZero = firstNonZero(buf[:n])
+
+	e.tailStart = max(0, (size-headSize)&^4095)
+	n, err = readAtFull(f, buf, e.tailStart)
+	if err != nil {
+		return e, fmt.Errorf("probe %s: read the last MiB: %w", path, err)
+	}
+	tail := buf[:n]
+	e.tailNonZero = firstNonZero(tail)
+	for _, lbs := range []int{512, 4096} {
+		if len(tail) >= lbs && bytes.HasPrefix(tail[len(tail)-lbs:], gptSignature) {
+			e.gptBackup = true
+		}
+	}
+	return e, nil
+}
+
+// readAtFull reads into buf at off until buf is full or the file ends.
+func readAtFull(f *os.File, buf []byte, off int64) (int, error) {
+	n := 0
+	for n < len(buf) {
+		m, err := f.ReadAt(buf[n:], off+int64(n))
+		n += m
+		if errors.Is(err, io.EOF) || (err == nil && m == 0) {
+			break
+		}
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
 }
 
 // openDevice opens a block device or file and names the sentinel for the
