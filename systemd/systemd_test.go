@@ -4,14 +4,20 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"net"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/coreos/go-systemd/v22/journal"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 // requireTool skips when a host tool is missing, except in CI where the
@@ -202,5 +208,57 @@ func TestFieldName(t *testing.T) {
 		if got := fieldName(in); got != want {
 			t.Errorf("fieldName(%q) = %q, want %q", in, got, want)
 		}
+	}
+}
+
+type probeServer struct {
+	csi.UnimplementedIdentityServer
+	err   error
+	block chan struct{}
+}
+
+func (s *probeServer) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+	if s.block != nil {
+		select {
+		case <-s.block:
+		case <-ctx.Done():
+		}
+	}
+	return &csi.ProbeResponse{}, s.err
+}
+
+func TestProbeEndpoint(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		srv   *probeServer
+		alive bool
+	}{
+		{"answers", &probeServer{}, true},
+		{"node not ready", &probeServer{err: status.Error(codes.FailedPrecondition, "iscsid is not reachable")}, true},
+		{"wedged", &probeServer{block: make(chan struct{})}, false},
+		{"no server", nil, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sock := filepath.Join(t.TempDir(), "csi.sock")
+			if tc.srv != nil {
+				l, err := net.Listen("unix", sock)
+				if err != nil {
+					t.Fatal(err)
+				}
+				srv := grpc.NewServer()
+				csi.RegisterIdentityServer(srv, tc.srv)
+				go srv.Serve(l)
+				defer srv.Stop()
+				if tc.srv.block != nil {
+					defer close(tc.srv.block)
+				}
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+			defer cancel()
+			err := ProbeEndpoint(sock)(ctx)
+			if (err == nil) != tc.alive {
+				t.Fatalf("ProbeEndpoint = %v, want alive=%v", err, tc.alive)
+			}
+		})
 	}
 }
