@@ -1,0 +1,74 @@
+// Package nvmeof attaches NVMe over Fabrics namespaces (NVMe/TCP; RDMA
+// passed through) for berth's CSI node service.
+//
+// Connecting writes a validated option string to /dev/nvme-fabrics and
+// reads back "instance=N,cntlid=M" from the same file descriptor: no
+// nvme-cli is needed at run time. Every field is checked before anything
+// is written: a comma, '=', newline, NUL or a malformed value in any of
+// them is an error wrapping errdefs.ErrInvalidArgument that names the
+// field.
+//
+// # volume_context
+//
+// berth's keys (csi-driver-nvmf's attribute names in parentheses are
+// accepted too, so that volumes made for it keep working):
+//
+//	transport       "nvmeof"; the agent infers it from nqn or targetTrAddr.
+//	nqn             subsystem NQN (required): nqn.yyyy-mm.reverse.domain:name
+//	                or nqn.2014-08.org.nvmexpress:uuid:<uuid>, at most 223 bytes.
+//	nsid            namespace ID, 1..4294967294.
+//	uuid            (deviceUUID) namespace UUID.
+//	nguid           namespace NGUID, 32 hex digits, dashes allowed.
+//	                At least one of nsid, uuid, nguid is required; all that
+//	                are given must match the namespace found.
+//	trtype          (targetTrType) "tcp" (default) or "rdma".
+//	traddr          (targetTrAddr) target address, or a comma-separated list
+//	                of addresses that share trsvcid: one path each.
+//	trsvcid         (targetTrPort) port, default 4420.
+//	targets         comma-separated paths "host:port", "[ipv6]:port" or
+//	                "host" (port = trsvcid), e.g.
+//	                "10.0.0.5:4420,10.0.1.5:4420". Merged with traddr.
+//	hostTrAddr      local IP address to connect from (host_traddr).
+//	hostIface       local interface to connect through (host_iface, tcp).
+//	ctrlLossTmo     seconds before a lost controller is given up, -1..604800
+//	                (-1 = reconnect forever); kernel default 600.
+//	reconnectDelay  seconds between reconnect attempts, 1..3600.
+//	keepAliveTmo    keep-alive timeout in seconds, 1..3600.
+//	fastIOFailTmo   seconds I/O waits on a reconnecting path before failing
+//	                over, -1..604800 (-1 = off).
+//	nrIOQueues      number of I/O queues, 1..1024.
+//
+// Host names in traddr and targets are resolved once per attach through
+// net.DefaultResolver, bounded by the call's context, and the first
+// address is written to the kernel, which takes addresses only. The
+// agent's state keeps the name, so a changed DNS record takes effect at
+// the next attach.
+//
+// # Host identity
+//
+// hostnqn and hostid come from /etc/nvme/hostnqn and /etc/nvme/hostid so
+// that berth, nvme-cli and the array's host registration agree; missing
+// files are created (see LoadHostIdentity). Before connecting, berth
+// refuses an identity that pairs its hostnqn or hostid differently from
+// an existing controller, which the kernel would reject with a bare
+// EINVAL.
+//
+// # Paths and multipath
+//
+// Each distinct address is one controller. With native NVMe multipath
+// (CONFIG_NVME_MULTIPATH=y, the default of distribution kernels) the
+// kernel joins the controllers' paths under one head device, /dev/nvmeXnY,
+// which is what Attach returns. Target.Health reports each path's
+// controller state (live, connecting, resetting, deleting) and ANA state
+// (/sys/block/nvmeXcYnZ/ana_state).
+//
+// An existing controller to the same subsystem, transport, address,
+// port, host address and interface for the same hostnqn is reused, never
+// duplicated. Detach deletes a controller only when no other volume needs
+// it: see Options.Staged.
+//
+// # RDMA
+//
+// The rdma transport is validated and passed to the kernel like tcp, but
+// berth's test VMs have no RDMA hardware, so it is untested.
+package nvmeof

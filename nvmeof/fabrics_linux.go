@@ -1,0 +1,152 @@
+package nvmeof
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// DefaultFabricsDevice is the kernel's fabrics connect interface.
+const DefaultFabricsDevice = "/dev/nvme-fabrics"
+
+// errDuplicate reports that the kernel refused a connect because a
+// controller with the same options already exists.
+var errDuplicate = errors.New("a controller with these options already exists")
+
+// connectResult is what one write to /dev/nvme-fabrics produced.
+type connectResult struct {
+	instance, cntlid int
+	err              error
+}
+
+// fabricsConnect writes one connect string to dev and reads back the new
+// controller's instance. The write blocks in the kernel for as long as
+// the connect takes (up to its own connect timeout); when ctx ends first
+// the call returns ctx's error and the kernel finishes on its own: a
+// controller it creates then is found and reused by the next attach, or
+// removed by the next detach.
+func fabricsConnect(ctx context.Context, dev, opts string) (instance int, err error) {
+	ch := make(chan connectResult, 1)
+	go func() {
+		i, c, err := fabricsConnectSync(dev, opts)
+		ch <- connectResult{i, c, err}
+	}()
+	select {
+	case r := <-ch:
+		return r.instance, r.err
+	case <-ctx.Done():
+		return 0, fmt.Errorf("connect: %w", ctx.Err())
+	}
+}
+
+func fabricsConnectSync(dev, opts string) (instance, cntlid int, err error) {
+	f, err := os.OpenFile(dev, os.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return 0, 0, fmt.Errorf("open %s: the nvme-fabrics module is not loaded (modprobe nvme-tcp): %w", dev, errdefs.ErrUnavailable)
+		}
+		return 0, 0, fmt.Errorf("open %s: %w", dev, err)
+	}
+	defer f.Close()
+	if _, err := f.Write([]byte(opts)); err != nil {
+		return 0, 0, connectError(err)
+	}
+	buf := make([]byte, 128)
+	n, err := f.Read(buf)
+	if err != nil && n == 0 {
+		return 0, 0, fmt.Errorf("read back from %s: %w", dev, err)
+	}
+	return parseConnectReply(buf[:n])
+}
+
+// connectError names what an errno of a fabrics connect means.
+func connectError(err error) error {
+	var errno unix.Errno
+	if !errors.As(err, &errno) {
+		return fmt.Errorf("connect: %w", err)
+	}
+	switch errno {
+	case unix.EALREADY, unix.EBUSY:
+		return fmt.Errorf("connect: %w (%v)", errDuplicate, errno)
+	case unix.ECONNREFUSED:
+		return fmt.Errorf("connect: the target refused the connection (no NVMe/TCP listener at that address and port?): %w", errdefs.ErrUnavailable)
+	case unix.ETIMEDOUT, unix.EHOSTUNREACH, unix.ENETUNREACH, unix.EHOSTDOWN:
+		return fmt.Errorf("connect: target unreachable (%v): %w", errno, errdefs.ErrUnavailable)
+	case unix.EINVAL:
+		return fmt.Errorf("connect: the kernel rejected the connect options (%v); check dmesg: a hostnqn paired with another hostid, a transport module missing, or a target refusing this host: %w", errno, errdefs.ErrFailedPrecondition)
+	case unix.EIO, unix.EPROTO, unix.ECONNRESET:
+		return fmt.Errorf("connect: the target rejected the connect (%v); check that the subsystem exists and allows this hostnqn: %w", errno, errdefs.ErrFailedPrecondition)
+	case unix.ENOMEM, unix.ENOSPC:
+		return fmt.Errorf("connect: %v: %w", errno, errdefs.ErrResourceExhausted)
+	}
+	return fmt.Errorf("connect: %w", err)
+}
+
+// deleteController removes a fabrics controller through sysfs. The
+// write returns once the kernel has torn the controller down. A
+// controller that is already gone is success.
+func deleteController(sysRoot, name string) error {
+	p := filepath.Join(sysRoot, "class", "nvme", name, "delete_controller")
+	f, err := os.OpenFile(p, os.O_WRONLY|unix.O_CLOEXEC, 0)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("delete controller %s: %w", name, err)
+	}
+	defer f.Close()
+	if _, err := f.Write([]byte("1")); err != nil && !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, unix.ENODEV) {
+		return fmt.Errorf("delete controller %s: %w", name, err)
+	}
+	return nil
+}
+
+// rescanController asks a controller to identify its namespaces again,
+// which picks up size changes the target did not announce by AEN.
+func rescanController(sysRoot, name string) error {
+	p := filepath.Join(sysRoot, "class", "nvme", name, "rescan_controller")
+	if err := os.WriteFile(p, []byte("1"), 0); err != nil {
+		return fmt.Errorf("rescan controller %s: %w", name, err)
+	}
+	return nil
+}
+
+// flushDevice writes back the page cache of a block device and asks the
+// device to flush its volatile cache (fsync on a block device issues a
+// flush), then drops the clean buffers.
+func flushDevice(path string) error {
+	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENXIO) || errors.Is(err, unix.ENODEV) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("flush %s: %w", path, err)
+	}
+	defer f.Close()
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("flush %s: %w", path, err)
+	}
+	if err := unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0); err != nil {
+		return fmt.Errorf("flush %s: BLKFLSBUF: %w", path, err)
+	}
+	return nil
+}
+
+// openedExclusively reports whether a block device is mounted, held by
+// a device mapper table or otherwise opened exclusively: an O_EXCL open
+// of a block device fails with EBUSY then.
+func openedExclusively(path string) bool {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return errors.Is(err, unix.EBUSY)
+	}
+	unix.Close(fd)
+	return false
+}

@@ -1,0 +1,24 @@
+//go:build !linux
+
+package nvmeof
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// DefaultFabricsDevice is the kernel's fabrics connect interface.
+const DefaultFabricsDevice = "/dev/nvme-fabrics"
+
+var errDuplicate = errors.New("a controller with these options already exists")
+
+var errNotLinux = fmt.Errorf("NVMe over Fabrics needs Linux: %w", errdefs.ErrUnsupported)
+
+func fabricsConnect(context.Context, string, string) (int, error) { return 0, errNotLinux }
+func deleteController(string, string) error                       { return errNotLinux }
+func rescanController(string, string) error                       { return errNotLinux }
+func flushDevice(string) error                                    { return errNotLinux }
+func openedExclusively(string) bool                               { return false }

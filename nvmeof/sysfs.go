@@ -1,0 +1,321 @@
+package nvmeof
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+)
+
+// Controller states as /sys/class/nvme/nvmeN/state prints them.
+const (
+	StateNew        = "new"
+	StateLive       = "live"
+	StateResetting  = "resetting"
+	StateConnecting = "connecting"
+	StateDeleting   = "deleting"
+	StateDeletingIO = "deleting (no IO)"
+	StateDead       = "dead"
+)
+
+// Address is a parsed /sys/class/nvme/nvmeN/address, for example
+//
+//	traddr=10.0.0.5,trsvcid=4420,host_traddr=10.0.0.9,src_addr=10.0.0.9
+type Address struct {
+	TrAddr     string
+	TrSvcID    string
+	HostTrAddr string
+	HostIface  string
+	SrcAddr    string // local address of the admin queue socket, when connected
+}
+
+// ParseAddress parses the address attribute of a fabrics controller.
+// Unknown keys are ignored so that newer kernels keep working.
+func ParseAddress(b []byte) (Address, error) {
+	var a Address
+	s := strings.TrimSpace(string(b))
+	if s == "" {
+		return a, errors.New("parse controller address: empty")
+	}
+	for _, kv := range strings.Split(s, ",") {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			return a, fmt.Errorf("parse controller address %q: %q is not key=value", s, kv)
+		}
+		switch k {
+		case "traddr":
+			a.TrAddr = v
+		case "trsvcid":
+			a.TrSvcID = v
+		case "host_traddr":
+			a.HostTrAddr = v
+		case "host_iface":
+			a.HostIface = v
+		case "src_addr":
+			a.SrcAddr = v
+		}
+	}
+	if a.TrAddr == "" {
+		return a, fmt.Errorf("parse controller address %q: no traddr", s)
+	}
+	return a, nil
+}
+
+// Controller is what sysfs tells about one NVMe controller.
+type Controller struct {
+	Name      string // "nvme3"
+	Transport string // "tcp", "rdma", "pcie", "loop", ...
+	SubsysNQN string
+	State     string
+	HostNQN   string // empty for PCIe controllers
+	HostID    string
+	Address   Address // zero for PCIe controllers
+	// Paths are the per-controller namespace devices (nvme0c3n1) that
+	// native multipath puts under the subsystem's head devices.
+	Paths []string
+}
+
+// Deleting reports whether the controller is going away and must not be
+// reused.
+func (c *Controller) Deleting() bool {
+	switch c.State {
+	case StateDeleting, StateDeletingIO, StateDead:
+		return true
+	}
+	return false
+}
+
+var ctrlNameRE = regexp.MustCompile(`^nvme[0-9]+$`)
+
+// pathNameRE matches a multipath path device: nvme<subsys>c<ctrl>n<ns>.
+var pathNameRE = regexp.MustCompile(`^nvme([0-9]+)c([0-9]+)n([0-9]+)$`)
+
+// headNameRE matches a namespace head (or non-multipath namespace) device.
+var headNameRE = regexp.MustCompile(`^nvme([0-9]+)n([0-9]+)$`)
+
+func readAttr(dir, name string) (string, error) {
+	b, err := os.ReadFile(filepath.Join(dir, name))
+	if err != nil {
+		return "", err
+	}
+	return string(bytes.TrimRight(b, "\n\x00 ")), nil
+}
+
+// readControllers lists every controller under sysRoot/class/nvme. A
+// controller that disappears while it is read is left out; a missing
+// class directory (nvme-core not loaded) is an empty list.
+func readControllers(sysRoot string) ([]Controller, error) {
+	dir := filepath.Join(sysRoot, "class", "nvme")
+	ents, err := os.ReadDir(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list NVMe controllers: %w", err)
+	}
+	var out []Controller
+	for _, e := range ents {
+		if !ctrlNameRE.MatchString(e.Name()) {
+			continue
+		}
+		c, err := readController(filepath.Join(dir, e.Name()))
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, c)
+	}
+	slices.SortFunc(out, func(a, b Controller) int { return ctrlNum(a.Name) - ctrlNum(b.Name) })
+	return out, nil
+}
+
+func ctrlNum(name string) int {
+	n, _ := strconv.Atoi(strings.TrimPrefix(name, "nvme"))
+	return n
+}
+
+func readController(dir string) (Controller, error) {
+	c := Controller{Name: filepath.Base(dir)}
+	var err error
+	if c.Transport, err = readAttr(dir, "transport"); err != nil {
+		return c, fmt.Errorf("read controller %s: %w", c.Name, err)
+	}
+	if c.SubsysNQN, err = readAttr(dir, "subsysnqn"); err != nil {
+		return c, fmt.Errorf("read controller %s: %w", c.Name, err)
+	}
+	if c.State, err = readAttr(dir, "state"); err != nil {
+		return c, fmt.Errorf("read controller %s: %w", c.Name, err)
+	}
+	// hostnqn, hostid and address exist for fabrics controllers only.
+	if c.HostNQN, err = readAttr(dir, "hostnqn"); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return c, fmt.Errorf("read controller %s: %w", c.Name, err)
+	}
+	if c.HostID, err = readAttr(dir, "hostid"); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return c, fmt.Errorf("read controller %s: %w", c.Name, err)
+	}
+	if c.Transport != "pcie" {
+		a, err := readAttr(dir, "address")
+		switch {
+		case errors.Is(err, fs.ErrNotExist):
+		case err != nil:
+			return c, fmt.Errorf("read controller %s: %w", c.Name, err)
+		case a != "":
+			// The kernel prints an empty address while a controller is
+			// being set up; such a controller matches nothing yet.
+			if c.Address, err = ParseAddress([]byte(a)); err != nil {
+				return c, fmt.Errorf("read controller %s: %w", c.Name, err)
+			}
+		}
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return c, fmt.Errorf("read controller %s: %w", c.Name, err)
+	}
+	for _, e := range ents {
+		if pathNameRE.MatchString(e.Name()) || headNameRE.MatchString(e.Name()) {
+			c.Paths = append(c.Paths, e.Name())
+		}
+	}
+	return c, nil
+}
+
+// Path is one way to a target: a transport address and port.
+type Path struct {
+	TrType     string
+	TrAddr     string // an IP address, or a host name resolved at attach time
+	TrSvcID    string
+	HostTrAddr string
+	HostIface  string
+}
+
+func (p Path) String() string {
+	a := p.TrAddr
+	if strings.Contains(a, ":") {
+		a = "[" + a + "]"
+	}
+	return p.TrType + ":" + a + ":" + p.TrSvcID
+}
+
+// sameIP compares two address strings as IP addresses, so that the
+// kernel's spelling ("::1") and ours ("0::1") agree.
+func sameIP(a, b string) bool {
+	if a == b {
+		return true
+	}
+	x, err1 := netip.ParseAddr(a)
+	y, err2 := netip.ParseAddr(b)
+	return err1 == nil && err2 == nil && x == y
+}
+
+func samePort(a, b string) bool {
+	if a == "" {
+		a = DefaultPort
+	}
+	if b == "" {
+		b = DefaultPort
+	}
+	x, err1 := strconv.Atoi(a)
+	y, err2 := strconv.Atoi(b)
+	return err1 == nil && err2 == nil && x == y
+}
+
+// matches reports whether the controller c is a connection to subsystem
+// nqn through path p for host hostNQN, the same test the kernel makes
+// before it refuses a duplicate connect: host_traddr and host_iface must
+// be both unset or both equal. Deleting controllers never match.
+func (c *Controller) matches(nqn, hostNQN string, p Path) bool {
+	if c.Deleting() || c.SubsysNQN != nqn || c.Transport != p.TrType {
+		return false
+	}
+	if hostNQN != "" && c.HostNQN != hostNQN {
+		return false
+	}
+	if !sameIP(c.Address.TrAddr, p.TrAddr) || !samePort(c.Address.TrSvcID, p.TrSvcID) {
+		return false
+	}
+	if (c.Address.HostTrAddr == "") != (p.HostTrAddr == "") ||
+		(p.HostTrAddr != "" && !sameIP(c.Address.HostTrAddr, p.HostTrAddr)) {
+		return false
+	}
+	return c.Address.HostIface == p.HostIface
+}
+
+// parseConnectReply parses what /dev/nvme-fabrics returns after a
+// successful connect: "instance=3,cntlid=1\n".
+func parseConnectReply(b []byte) (instance, cntlid int, err error) {
+	s := strings.TrimRight(string(b), "\n\x00")
+	instance, cntlid = -1, -1
+	for _, kv := range strings.Split(s, ",") {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			return 0, 0, fmt.Errorf("parse nvme-fabrics reply %q: %q is not key=value", s, kv)
+		}
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return 0, 0, fmt.Errorf("parse nvme-fabrics reply %q: %s is not a number", s, k)
+		}
+		switch k {
+		case "instance":
+			instance = n
+		case "cntlid":
+			cntlid = n
+		}
+	}
+	if instance < 0 || cntlid < 0 {
+		return 0, 0, fmt.Errorf("parse nvme-fabrics reply %q: want instance=N,cntlid=M", s)
+	}
+	return instance, cntlid, nil
+}
+
+// NamespacePath is one path of a multipath namespace.
+type NamespacePath struct {
+	Name       string // "nvme0c3n1"
+	Controller string // "nvme3"
+	ANAState   string // "optimized", "non-optimized", "inaccessible", ... or "" without ANA
+}
+
+// readNamespacePaths lists the paths of a namespace head device from
+// sysRoot/block/<head>/multipath. A head without that directory is a
+// namespace without native multipath: it is its own single path, and
+// its controller is found through its "device" link.
+func readNamespacePaths(sysRoot, head string) ([]NamespacePath, error) {
+	dir := filepath.Join(sysRoot, "block", head, "multipath")
+	ents, err := os.ReadDir(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		if _, err := os.Stat(filepath.Join(sysRoot, "block", head)); err != nil {
+			return nil, fmt.Errorf("read paths of %s: %w", head, err)
+		}
+		link, err := os.Readlink(filepath.Join(sysRoot, "block", head, "device"))
+		if err != nil {
+			return nil, fmt.Errorf("read paths of %s: %w", head, err)
+		}
+		return []NamespacePath{{Name: head, Controller: filepath.Base(link)}}, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read paths of %s: %w", head, err)
+	}
+	var out []NamespacePath
+	for _, e := range ents {
+		m := pathNameRE.FindStringSubmatch(e.Name())
+		if m == nil {
+			continue
+		}
+		p := NamespacePath{Name: e.Name(), Controller: "nvme" + m[2]}
+		s, err := readAttr(filepath.Join(sysRoot, "block", e.Name()), "ana_state")
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return nil, fmt.Errorf("read ANA state of %s: %w", e.Name(), err)
+		}
+		p.ANAState = s
+		out = append(out, p)
+	}
+	return out, nil
+}

@@ -1,0 +1,742 @@
+package nvmeof
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// DefaultNamespaceTimeout bounds the wait for a namespace device after
+// its controllers are connected, when the caller's context allows more.
+const DefaultNamespaceTimeout = 30 * time.Second
+
+// Options configure a Transport. Only Listener is required for real use;
+// the roots exist so that tests can point the transport at fake trees.
+type Options struct {
+	// Listener delivers the block device uevents Attach and Expand wait on.
+	Listener *devices.Listener
+	// Staged lists the volume_context (merged with publish_context, as
+	// the agent persists it) of every volume the agent has staged or is
+	// staging on this node, of any transport. Detach keeps a controller
+	// while another volume listed here uses the same subsystem and path.
+	// Without it Detach can only see other volumes of the subsystem
+	// that are mounted or held open, not raw block volumes.
+	Staged func(ctx context.Context) ([]map[string]string, error)
+	// Host fixes the host identity; nil loads (or creates) it from HostDir.
+	Host *HostIdentity
+	// HostDir holds hostnqn and hostid; default DefaultHostDir.
+	HostDir string
+	// SysRoot is where sysfs is mounted; default "/sys".
+	SysRoot string
+	// DevRoot holds block device nodes; default "/dev".
+	DevRoot string
+	// FabricsDevice is the connect interface; default DefaultFabricsDevice.
+	FabricsDevice string
+	// Resolver resolves target host names; default net.DefaultResolver.
+	Resolver *net.Resolver
+	// NamespaceTimeout bounds the wait for the namespace after connecting;
+	// default DefaultNamespaceTimeout.
+	NamespaceTimeout time.Duration
+	// Logger receives connect and disconnect events; default slog.Default().
+	Logger *slog.Logger
+}
+
+// Transport attaches NVMe over Fabrics namespaces. It is safe for
+// concurrent use; operations on one subsystem are serialized.
+type Transport struct {
+	opts Options
+	log  *slog.Logger
+
+	hostMu sync.Mutex
+	host   *HostIdentity
+
+	locks keyedMutex
+
+	mu sync.Mutex
+	// released holds the keys of volumes this process has detached (and
+	// not attached again). Detach ignores them in Staged's answer: when
+	// two volumes of one subsystem are unstaged at once, each sees the
+	// other still listed, and the second must not keep the controllers
+	// for the first.
+	released map[string]bool
+}
+
+// NewTransport returns a transport. It does not touch the system: the
+// host identity is loaded at the first Attach.
+func NewTransport(opts Options) (*Transport, error) {
+	if opts.HostDir == "" {
+		opts.HostDir = DefaultHostDir
+	}
+	if opts.SysRoot == "" {
+		opts.SysRoot = "/sys"
+	}
+	if opts.DevRoot == "" {
+		opts.DevRoot = "/dev"
+	}
+	if opts.FabricsDevice == "" {
+		opts.FabricsDevice = DefaultFabricsDevice
+	}
+	if opts.Resolver == nil {
+		opts.Resolver = net.DefaultResolver
+	}
+	if opts.NamespaceTimeout <= 0 {
+		opts.NamespaceTimeout = DefaultNamespaceTimeout
+	}
+	if opts.Host != nil {
+		if err := ValidateNQN("hostnqn", opts.Host.NQN); err != nil {
+			return nil, err
+		}
+		if err := validateUUID("hostid", opts.Host.ID); err != nil {
+			return nil, err
+		}
+	}
+	t := &Transport{opts: opts, log: opts.Logger, host: opts.Host, released: make(map[string]bool)}
+	if t.log == nil {
+		t.log = slog.Default()
+	}
+	return t, nil
+}
+
+// Name is the transport's volume_context "transport" value.
+func (t *Transport) Name() string { return "nvmeof" }
+
+// Parse validates a volume_context; see the package documentation for
+// its keys. Secrets are not used: NVMe in-band authentication is not
+// supported, and a volume that asks for it (dhchap keys) is refused.
+func (t *Transport) Parse(volumeContext, secrets map[string]string) (*Target, error) {
+	for k := range secrets {
+		if strings.Contains(strings.ToLower(k), "dhchap") {
+			return nil, fmt.Errorf("secret %q: NVMe in-band authentication (DH-HMAC-CHAP) is not supported: %w", k, errdefs.ErrUnsupported)
+		}
+	}
+	v, err := ParseVolumeContext(volumeContext)
+	if err != nil {
+		return nil, err
+	}
+	return &Target{t: t, vol: v}, nil
+}
+
+// HostIdentity returns the host NQN and ID, loading or creating them on
+// first use.
+func (t *Transport) HostIdentity() (HostIdentity, error) {
+	t.hostMu.Lock()
+	defer t.hostMu.Unlock()
+	if t.host != nil {
+		return *t.host, nil
+	}
+	id, err := LoadHostIdentity(t.opts.HostDir)
+	if err != nil {
+		return HostIdentity{}, err
+	}
+	t.host = &id
+	return id, nil
+}
+
+// Target is one parsed NVMe-oF volume.
+type Target struct {
+	t   *Transport
+	vol *Volume
+}
+
+// Volume returns the parsed volume_context.
+func (g *Target) Volume() *Volume { return g.vol }
+
+// Key is the canonical identity of the namespace (see Volume.Key).
+func (g *Target) Key() string { return g.vol.Key() }
+
+func (g *Target) matcher() devices.Matcher {
+	return devices.MatchNVMe(g.vol.NQN, g.vol.NSID, g.vol.UUID, g.vol.NGUID)
+}
+
+// resolve returns p with a host name replaced by its first address.
+func (g *Target) resolve(ctx context.Context, p Path) (Path, error) {
+	if _, err := netip.ParseAddr(p.TrAddr); err == nil {
+		return p, nil
+	}
+	addrs, err := g.t.opts.Resolver.LookupNetIP(ctx, "ip", p.TrAddr)
+	if err != nil {
+		return p, fmt.Errorf("resolve target %s: %w: %w", p.TrAddr, err, errdefs.ErrUnavailable)
+	}
+	if len(addrs) == 0 {
+		return p, fmt.Errorf("resolve target %s: no addresses: %w", p.TrAddr, errdefs.ErrUnavailable)
+	}
+	p.TrAddr = addrs[0].Unmap().String()
+	return p, nil
+}
+
+// pathResult is the outcome of attaching one path.
+type pathResult struct {
+	path    Path
+	ctrl    string // controller name
+	created bool
+	err     error
+}
+
+// Attach connects every path of the volume that has no live (or
+// reconnecting) controller yet, reusing existing ones, then waits for
+// the namespace device and returns it. It succeeds when at least one
+// path is connected and the namespace appears; failed paths show in
+// Health and are retried by the next Attach.
+func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
+	t := g.t
+	if t.opts.Listener == nil {
+		return nil, fmt.Errorf("attach %s: the transport has no device listener: %w", g.Key(), errdefs.ErrFailedPrecondition)
+	}
+	host, err := t.HostIdentity()
+	if err != nil {
+		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+	}
+	unlock, err := t.locks.lock(ctx, g.vol.NQN)
+	if err != nil {
+		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+	}
+	defer unlock()
+	t.mu.Lock()
+	delete(t.released, g.Key())
+	t.mu.Unlock()
+
+	// Subscribe before connecting so that the namespace's uevent cannot
+	// be missed.
+	w := t.opts.Listener.Subscribe(g.matcher())
+	defer w.Close()
+
+	ctrls, err := readControllers(t.opts.SysRoot)
+	if err != nil {
+		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+	}
+	if err := checkHostConflict(ctrls, host); err != nil {
+		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+	}
+
+	results := make([]pathResult, len(g.vol.Paths))
+	var wg sync.WaitGroup
+	for i, p := range g.vol.Paths {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			results[i] = g.attachPath(ctx, host, ctrls, p)
+		}()
+	}
+	wg.Wait()
+
+	var created []string
+	var errs []error
+	connected := 0
+	for _, r := range results {
+		switch {
+		case r.err != nil:
+			errs = append(errs, fmt.Errorf("path %s: %w", r.path, r.err))
+		case r.created:
+			created = append(created, r.ctrl)
+			connected++
+		default:
+			connected++
+		}
+	}
+	defer func() {
+		if retErr == nil || len(created) == 0 {
+			return
+		}
+		// Undo the controllers this call created, unless another
+		// volume of the subsystem uses them.
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+		defer cancel()
+		keep, _ := g.othersNeed(cctx)
+		for _, c := range created {
+			if keep(c) {
+				continue
+			}
+			if err := deleteController(t.opts.SysRoot, c); err != nil {
+				t.log.Warn("nvmeof: undo connect", "controller", c, "error", err)
+			}
+		}
+	}()
+	if connected == 0 {
+		return nil, fmt.Errorf("attach %s: no path connected: %w", g.Key(), errors.Join(errs...))
+	}
+	for _, e := range errs {
+		t.log.Warn("nvmeof: path not connected", "target", g.Key(), "error", e)
+	}
+
+	wctx, cancel := context.WithTimeout(ctx, t.opts.NamespaceTimeout)
+	defer cancel()
+	dev, err := w.Wait(wctx)
+	if err != nil {
+		if ctx.Err() == nil && wctx.Err() != nil {
+			return nil, fmt.Errorf("attach %s: connected (%d of %d paths) but no namespace appeared within %s: check nsid/uuid/nguid and that the subsystem exports the namespace to this host: %w",
+				g.Key(), connected, len(g.vol.Paths), t.opts.NamespaceTimeout, errdefs.ErrNotFound)
+		}
+		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+	}
+	if err := g.verify(dev); err != nil {
+		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+	}
+	return dev, nil
+}
+
+// verify checks that dev is the namespace the volume names.
+func (g *Target) verify(dev *devices.Device) error {
+	id := dev.ID
+	switch {
+	case id.Kind != devices.KindNVMe:
+		return fmt.Errorf("device %s is not an NVMe namespace: %w", dev, errdefs.ErrFailedPrecondition)
+	case id.NQN != g.vol.NQN:
+		return fmt.Errorf("device %s belongs to subsystem %s, not %s: %w", dev, id.NQN, g.vol.NQN, errdefs.ErrFailedPrecondition)
+	case g.vol.NSID != 0 && id.NSID != g.vol.NSID:
+		return fmt.Errorf("device %s is namespace %d, not %d: %w", dev, id.NSID, g.vol.NSID, errdefs.ErrFailedPrecondition)
+	case g.vol.UUID != "" && normalizeZeroID(id.UUID) != g.vol.UUID:
+		return fmt.Errorf("device %s has UUID %q, not %s: %w", dev, id.UUID, g.vol.UUID, errdefs.ErrFailedPrecondition)
+	case g.vol.NGUID != "" && normalizeZeroID(id.NGUID) != g.vol.NGUID:
+		return fmt.Errorf("device %s has NGUID %q, not %s: %w", dev, id.NGUID, g.vol.NGUID, errdefs.ErrFailedPrecondition)
+	}
+	return dev.Verify()
+}
+
+// attachPath reuses the controller for p or connects a new one.
+func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Controller, p Path) pathResult {
+	t := g.t
+	r := pathResult{path: p}
+	rp, err := g.resolve(ctx, p)
+	if err != nil {
+		r.err = err
+		return r
+	}
+	find := func(cs []Controller) string {
+		for i := range cs {
+			if cs[i].matches(g.vol.NQN, host.NQN, rp) {
+				return cs[i].Name
+			}
+		}
+		return ""
+	}
+	if c := find(ctrls); c != "" {
+		t.log.Debug("nvmeof: reusing controller", "target", g.Key(), "path", p.String(), "controller", c)
+		r.ctrl = c
+		return r
+	}
+	o := ConnectOptions{
+		Transport:  rp.TrType,
+		TrAddr:     rp.TrAddr,
+		TrSvcID:    rp.TrSvcID,
+		NQN:        g.vol.NQN,
+		HostNQN:    host.NQN,
+		HostID:     host.ID,
+		HostTrAddr: rp.HostTrAddr,
+		HostIface:  rp.HostIface,
+		Tunables:   g.vol.Tunables,
+	}
+	s, err := o.Encode()
+	if err != nil {
+		r.err = err
+		return r
+	}
+	inst, err := fabricsConnect(ctx, t.opts.FabricsDevice, s)
+	if errors.Is(err, errDuplicate) {
+		// Another connect (nvme-cli, a concurrent berth) won the race.
+		cs, rerr := readControllers(t.opts.SysRoot)
+		if rerr != nil {
+			r.err = rerr
+			return r
+		}
+		if c := find(cs); c != "" {
+			r.ctrl = c
+			return r
+		}
+		r.err = fmt.Errorf("%w, but no such controller is visible in sysfs; retry: %w", err, errdefs.ErrUnavailable)
+		return r
+	}
+	if err != nil {
+		r.err = err
+		return r
+	}
+	r.ctrl = fmt.Sprintf("nvme%d", inst)
+	r.created = true
+	t.log.Info("nvmeof: connected", "target", g.Key(), "path", p.String(), "controller", r.ctrl)
+	return r
+}
+
+// head returns the namespace device of the volume, or ok false.
+func (g *Target) head() (Head, bool, error) {
+	hs, err := readHeads(g.t.opts.SysRoot, g.vol.NQN)
+	if err != nil {
+		return Head{}, false, err
+	}
+	for _, h := range hs {
+		if h.matches(g.vol) {
+			return h, true, nil
+		}
+	}
+	return Head{}, false, nil
+}
+
+// othersNeed returns a test for whether a controller must stay for
+// other users of the subsystem: volumes listed by Options.Staged (other
+// than this one and those this process has released) whose paths it
+// serves, or, when another namespace of the subsystem is mounted or held
+// open, every controller of the subsystem.
+func (g *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error) {
+	t := g.t
+	heads, err := readHeads(t.opts.SysRoot, g.vol.NQN)
+	if err != nil {
+		return nil, err
+	}
+	for _, h := range heads {
+		if h.matches(g.vol) {
+			continue
+		}
+		if openedExclusively(filepath.Join(t.opts.DevRoot, h.Name)) {
+			t.log.Debug("nvmeof: subsystem in use", "target", g.Key(), "namespace", h.Name)
+			return func(string) bool { return true }, nil
+		}
+	}
+	var others []*Volume
+	if t.opts.Staged != nil {
+		vcs, err := t.opts.Staged(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("list staged volumes: %w", err)
+		}
+		t.mu.Lock()
+		for _, vc := range vcs {
+			v, err := ParseVolumeContext(vc)
+			if err != nil || v.NQN != g.vol.NQN || v.Key() == g.Key() || t.released[v.Key()] {
+				continue
+			}
+			others = append(others, v)
+		}
+		t.mu.Unlock()
+	}
+	if len(others) == 0 {
+		return func(string) bool { return false }, nil
+	}
+	ctrls, err := readControllers(t.opts.SysRoot)
+	if err != nil {
+		return nil, err
+	}
+	need := make(map[string]bool)
+	for _, v := range others {
+		for _, p := range v.Paths {
+			rp, err := (&Target{t: t, vol: v}).resolve(ctx, p)
+			if err != nil {
+				// Unknown address: keep every controller of the subsystem.
+				return func(string) bool { return true }, nil
+			}
+			for i := range ctrls {
+				if ctrls[i].matches(g.vol.NQN, "", rp) {
+					need[ctrls[i].Name] = true
+				}
+			}
+		}
+	}
+	return func(c string) bool { return need[c] }, nil
+}
+
+// Detach flushes the namespace and deletes the volume's controllers
+// that no other volume needs (see Options.Staged). It refuses while the
+// namespace itself is still mounted or held open. Controllers that are
+// already gone are success, so Detach can be repeated.
+func (g *Target) Detach(ctx context.Context) error {
+	t := g.t
+	unlock, err := t.locks.lock(ctx, g.vol.NQN)
+	if err != nil {
+		return fmt.Errorf("detach %s: %w", g.Key(), err)
+	}
+	defer unlock()
+
+	h, ok, err := g.head()
+	if err != nil {
+		return fmt.Errorf("detach %s: %w", g.Key(), err)
+	}
+	if ok {
+		dev := filepath.Join(t.opts.DevRoot, h.Name)
+		if openedExclusively(dev) {
+			return fmt.Errorf("detach %s: %s is still mounted or held open: %w", g.Key(), dev, errdefs.ErrBusy)
+		}
+		if err := flushDevice(dev); err != nil {
+			return fmt.Errorf("detach %s: %w", g.Key(), err)
+		}
+	}
+	t.mu.Lock()
+	t.released[g.Key()] = true
+	t.mu.Unlock()
+
+	keep, err := g.othersNeed(ctx)
+	if err != nil {
+		return fmt.Errorf("detach %s: %w", g.Key(), err)
+	}
+	ctrls, err := readControllers(t.opts.SysRoot)
+	if err != nil {
+		return fmt.Errorf("detach %s: %w", g.Key(), err)
+	}
+	var host string
+	if id, err := t.HostIdentity(); err == nil {
+		host = id.NQN
+	}
+	var errs []error
+	for _, p := range g.vol.Paths {
+		rp, rerr := g.resolve(ctx, p)
+		for i := range ctrls {
+			c := &ctrls[i]
+			var match bool
+			if rerr == nil {
+				match = c.matches(g.vol.NQN, host, rp)
+			} else {
+				// The name does not resolve now: take every controller
+				// of the subsystem at that port.
+				match = !c.Deleting() && c.SubsysNQN == g.vol.NQN && c.Transport == p.TrType &&
+					samePort(c.Address.TrSvcID, p.TrSvcID) && (host == "" || c.HostNQN == host)
+			}
+			if !match {
+				continue
+			}
+			if keep(c.Name) {
+				t.log.Debug("nvmeof: keeping controller for other volumes", "target", g.Key(), "controller", c.Name)
+				continue
+			}
+			if err := deleteController(t.opts.SysRoot, c.Name); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+			t.log.Info("nvmeof: disconnected", "target", g.Key(), "path", p.String(), "controller", c.Name)
+		}
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("detach %s: %w", g.Key(), errors.Join(errs...))
+	}
+	return nil
+}
+
+// Expand returns the namespace's size after asking its controllers to
+// rescan. The caller that knows the size it expects should use ExpandTo,
+// which waits for it.
+func (g *Target) Expand(ctx context.Context) (int64, error) {
+	return g.ExpandTo(ctx, 0)
+}
+
+// ExpandTo waits until the namespace reports at least minBytes. Targets
+// announce a new size by an asynchronous event (AEN); the kernel then
+// changes the device's size and sends a "change" uevent. ExpandTo
+// subscribes to those events, checks sysfs once, asks live controllers
+// to rescan (for targets that send no AEN), then waits until ctx ends.
+func (g *Target) ExpandTo(ctx context.Context, minBytes int64) (int64, error) {
+	t := g.t
+	h, ok, err := g.head()
+	if err != nil {
+		return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
+	}
+	if !ok {
+		return 0, fmt.Errorf("expand %s: namespace not attached: %w", g.Key(), errdefs.ErrNotFound)
+	}
+	var w *devices.Waiter
+	if minBytes > 0 {
+		if t.opts.Listener == nil {
+			return 0, fmt.Errorf("expand %s: the transport has no device listener: %w", g.Key(), errdefs.ErrFailedPrecondition)
+		}
+		w = t.opts.Listener.Subscribe(sizeMatcher{name: h.Name, min: minBytes})
+		defer w.Close()
+	}
+	size, err := readSize(filepath.Join(t.opts.SysRoot, "block", h.Name))
+	if err != nil {
+		return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
+	}
+	if minBytes > 0 && size >= minBytes {
+		return size, nil
+	}
+	if paths, err := readNamespacePaths(t.opts.SysRoot, h.Name); err == nil {
+		ctrls, _ := readControllers(t.opts.SysRoot)
+		for _, p := range paths {
+			for _, c := range ctrls {
+				if c.Name == p.Controller && c.State == StateLive {
+					if err := rescanController(t.opts.SysRoot, c.Name); err != nil {
+						t.log.Debug("nvmeof: rescan", "controller", c.Name, "error", err)
+					}
+				}
+			}
+		}
+	}
+	if minBytes <= 0 {
+		return size, nil
+	}
+	start := time.Now()
+	dev, err := w.Wait(ctx)
+	if err != nil {
+		if ctx.Err() != nil {
+			cur, _ := readSize(filepath.Join(t.opts.SysRoot, "block", h.Name))
+			return cur, fmt.Errorf("expand %s: namespace %s still reports %d bytes after %s, want %d; the target has not announced the new size: %w",
+				g.Key(), h.Name, cur, time.Since(start).Round(time.Millisecond), minBytes, errdefs.ErrUnavailable)
+		}
+		return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
+	}
+	return dev.Size, nil
+}
+
+// sizeMatcher matches a block device once it has at least min bytes.
+type sizeMatcher struct {
+	name string
+	min  int64
+}
+
+func (m sizeMatcher) Match(d *devices.Device) bool {
+	return d != nil && d.Name == m.name && d.Size >= m.min
+}
+func (m sizeMatcher) String() string {
+	return fmt.Sprintf("%s with at least %d bytes", m.name, m.min)
+}
+
+// PathStatus is the state of one path of a volume.
+type PathStatus struct {
+	Path       string // "tcp:10.0.0.5:4420"; "" for a path the volume did not ask for
+	Controller string // "nvme3", "" when no controller exists
+	State      string // controller state: live, connecting, resetting, ...
+	ANAState   string // optimized, non-optimized, inaccessible, ...; "" without ANA
+}
+
+// Healthy reports whether I/O can use this path.
+func (s PathStatus) Healthy() bool {
+	return s.State == StateLive && (s.ANAState == "" || s.ANAState == "optimized" || s.ANAState == "non-optimized")
+}
+
+func (s PathStatus) String() string {
+	p := s.Path
+	if p == "" {
+		p = "extra path"
+	}
+	if s.Controller == "" {
+		return p + ": no controller"
+	}
+	st := p + " (" + s.Controller + "): " + s.State
+	if s.ANAState != "" {
+		st += ", " + s.ANAState
+	}
+	return st
+}
+
+// Status returns the namespace device name and the state of every path
+// the volume asked for, plus any other path of the namespace.
+func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, err error) {
+	t := g.t
+	h, ok, err := g.head()
+	if err != nil {
+		return "", nil, err
+	}
+	ctrls, err := readControllers(t.opts.SysRoot)
+	if err != nil {
+		return "", nil, err
+	}
+	ana := make(map[string]string) // controller -> ANA state of our namespace
+	var nsPaths []NamespacePath
+	if ok {
+		head = h.Name
+		if nsPaths, err = readNamespacePaths(t.opts.SysRoot, h.Name); err != nil {
+			return "", nil, err
+		}
+		for _, p := range nsPaths {
+			ana[p.Controller] = p.ANAState
+		}
+	}
+	var hostNQN string
+	if id, err := t.HostIdentity(); err == nil {
+		hostNQN = id.NQN
+	}
+	seen := make(map[string]bool)
+	for _, p := range g.vol.Paths {
+		st := PathStatus{Path: p.String()}
+		if rp, err := g.resolve(ctx, p); err == nil {
+			for i := range ctrls {
+				if c := &ctrls[i]; c.matches(g.vol.NQN, hostNQN, rp) {
+					st.Controller, st.State, st.ANAState = c.Name, c.State, ana[c.Name]
+					seen[c.Name] = true
+					break
+				}
+			}
+		}
+		paths = append(paths, st)
+	}
+	for _, p := range nsPaths {
+		if seen[p.Controller] {
+			continue
+		}
+		st := PathStatus{Controller: p.Controller, ANAState: p.ANAState}
+		if i := slices.IndexFunc(ctrls, func(c Controller) bool { return c.Name == p.Controller }); i >= 0 {
+			st.State = ctrls[i].State
+		}
+		paths = append(paths, st)
+	}
+	return head, paths, nil
+}
+
+// Health reports the volume abnormal when its namespace is gone or any
+// path it asked for is not live or not ANA-accessible; the message
+// lists every path.
+func (g *Target) Health(ctx context.Context) (abnormal bool, message string) {
+	head, paths, err := g.Status(ctx)
+	if err != nil {
+		return true, err.Error()
+	}
+	if head == "" {
+		return true, fmt.Sprintf("namespace of %s not attached", g.Key())
+	}
+	var parts []string
+	up, want := 0, 0
+	for _, p := range paths {
+		parts = append(parts, p.String())
+		if p.Path == "" {
+			continue
+		}
+		want++
+		if p.Healthy() {
+			up++
+		}
+	}
+	msg := fmt.Sprintf("%s: %d of %d paths up: %s", head, up, want, strings.Join(parts, "; "))
+	return up < want, msg
+}
+
+// keyedMutex serializes operations per key (a subsystem NQN).
+type keyedMutex struct {
+	mu    sync.Mutex
+	locks map[string]*keyedLock
+}
+
+type keyedLock struct {
+	ch   chan struct{}
+	refs int
+}
+
+func (k *keyedMutex) lock(ctx context.Context, key string) (func(), error) {
+	k.mu.Lock()
+	if k.locks == nil {
+		k.locks = make(map[string]*keyedLock)
+	}
+	l := k.locks[key]
+	if l == nil {
+		l = &keyedLock{ch: make(chan struct{}, 1)}
+		k.locks[key] = l
+	}
+	l.refs++
+	k.mu.Unlock()
+	release := func() {
+		k.mu.Lock()
+		if l.refs--; l.refs == 0 {
+			delete(k.locks, key)
+		}
+		k.mu.Unlock()
+	}
+	select {
+	case l.ch <- struct{}{}:
+		return func() { <-l.ch; release() }, nil
+	case <-ctx.Done():
+		release()
+		return nil, fmt.Errorf("wait for another operation on subsystem %s: %w", key, ctx.Err())
+	}
+}
