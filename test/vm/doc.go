@@ -1,0 +1,54 @@
+// Package vm runs Go tests inside QEMU guests that boot Debian's cloud kernel,
+// so that code talking to NVMe/TCP, iSCSI (open-iscsi and LIO), nvmet,
+// dm-multipath and udev is tested against the real kernel, never against the
+// host (whose kernel has none of them).
+//
+// A package keeps the host half and the guest half of a VM test side by side:
+//
+//	// The host entry point: builds this package's test binary, boots a guest,
+//	// runs the in-guest tests there and reports each one as a subtest.
+//	func TestVMNVMe(t *testing.T) {
+//		vm.RunGuestTests(t, vm.WithTestRun("^TestGuestNVMe"))
+//	}
+//
+//	// Runs as root inside the guest; skipped on the host.
+//	func TestGuestNVMeConnect(t *testing.T) {
+//		vm.RequireGuest(t)
+//		tgt := target.NewNVMeTarget(t, target.NVMeNamespace{Size: 64 << 20})
+//		...
+//	}
+//
+// Host entry points are named TestVM* (make vm-test runs -run '^TestVM'); the
+// in-guest tests have other names and call RequireGuest.
+//
+// What RunGuestTests does: it runs test/vm/image/build.sh once per test process
+// (a cached Debian cloud kernel with its modules and a Debian root made with
+// mmdebstrap, kept in $BERTH_VM_CACHE or ~/.cache/berth-vm), builds the calling
+// package with `go test -c` and the berth binary with `go build` (both
+// CGO_ENABLED=0), packs them into an initramfs next to busybox, the storage
+// tools and the kernel modules, and boots it with TCG. The guest's init mounts
+// /proc, /sys, devtmpfs, configfs and tmpfs on /run and /tmp, loads the
+// requested modules, starts the requested daemons and runs the test binary as
+// root with -test.v=test2json. The console (ttyS0) goes to t.Logf; the test
+// output travels over a second serial port (ttyS1) and is decoded with
+// `go tool test2json`, so every in-guest test becomes a host subtest of its own
+// with its output. A kernel panic, a guest that hangs past its timeout or one
+// that never reports its exit status fails the host test with the console tail
+// and the QEMU command line that reproduces the run; the run directory (kernel
+// command line, initramfs) is kept when the test fails.
+//
+// In the guest: the berth binary is /usr/bin/berth; the package's testdata
+// directory is the working directory's testdata; env BERTH_VM_GUEST=1; the
+// kernel modules of the storage stack are available through modprobe (the
+// helpers of package target load what they use).
+//
+// Several guests on one host test: Boot starts a guest and returns at once;
+// NewLink gives two guests a private Ethernet link (QEMU socket netdev over
+// host loopback), WithNIC gives a guest an address on it; SignalHost and
+// WaitHost (guest side) with Machine.WaitSignal and Machine.Send (host side)
+// let the host sequence the guests, for example to kill a target guest while
+// an initiator guest watches its path go down.
+//
+// When QEMU or the image is missing the VM tests skip, unless BERTH_CI=1 is
+// set: then they fail.
+package vm

@@ -1,0 +1,201 @@
+package vm
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+)
+
+// image is the cached guest image made by test/vm/image/build.sh.
+type image struct {
+	kernelVersion string
+	kernel        string
+	baseInitramfs string
+	rootDisk      string
+}
+
+var (
+	imageOnce sync.Once
+	imageVal  *image
+	imageErr  error
+	imageLog  string
+
+	berthOnce sync.Once
+	berthBin  string
+	berthErr  error
+
+	rootOnce sync.Once
+	rootDir  string
+	rootErr  error
+)
+
+// goTool returns the go command that built this test binary, or the one on PATH.
+func goTool() string {
+	if p := filepath.Join(runtime.GOROOT(), "bin", "go"); fileExists(p) {
+		return p
+	}
+	return "go"
+}
+
+func fileExists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
+}
+
+// moduleRoot is the directory of the berth module's go.mod.
+func moduleRoot() (string, error) {
+	rootOnce.Do(func() {
+		out, err := exec.Command(goTool(), "env", "GOMOD").Output()
+		if err != nil {
+			rootErr = fmt.Errorf("go env GOMOD: %w", err)
+			return
+		}
+		gomod := strings.TrimSpace(string(out))
+		if gomod == "" || gomod == os.DevNull {
+			rootErr = errors.New("not inside a Go module")
+			return
+		}
+		dir := filepath.Dir(gomod)
+		// A nested module (test/sanity) is not the berth module: walk up.
+		for !fileExists(filepath.Join(dir, "test", "vm", "image", "build.sh")) {
+			parent := filepath.Dir(dir)
+			if parent == dir {
+				rootErr = fmt.Errorf("no test/vm/image/build.sh above %s", gomod)
+				return
+			}
+			dir = parent
+		}
+		rootDir = dir
+	})
+	return rootDir, rootErr
+}
+
+// loadImage runs build.sh once per process: it returns at once when the cache
+// is current and builds what is missing otherwise.
+func loadImage() (*image, string, error) {
+	imageOnce.Do(func() {
+		root, err := moduleRoot()
+		if err != nil {
+			imageErr = err
+			return
+		}
+		var stdout, stderr bytes.Buffer
+		cmd := exec.Command(filepath.Join(root, "test", "vm", "image", "build.sh"))
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		err = cmd.Run()
+		imageLog = stderr.String()
+		if err != nil {
+			imageErr = fmt.Errorf("test/vm/image/build.sh: %w\n%s", err, tail(imageLog, 30))
+			return
+		}
+		dir := strings.TrimSpace(lastLine(stdout.String()))
+		imageVal, imageErr = readImageEnv(filepath.Join(dir, "image.env"))
+	})
+	return imageVal, imageLog, imageErr
+}
+
+func readImageEnv(p string) (*image, error) {
+	f, err := os.Open(p)
+	if err != nil {
+		return nil, fmt.Errorf("guest image: %w", err)
+	}
+	defer f.Close()
+	kv := map[string]string{}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if k, v, ok := strings.Cut(sc.Text(), "="); ok {
+			kv[k] = v
+		}
+	}
+	img := &image{
+		kernelVersion: kv["KERNEL_VERSION"],
+		kernel:        kv["KERNEL"],
+		baseInitramfs: kv["BASE_INITRAMFS"],
+		rootDisk:      kv["ROOT_DISK"],
+	}
+	for _, f := range []string{img.kernel, img.baseInitramfs} {
+		if f == "" || !fileExists(f) {
+			return nil, fmt.Errorf("guest image %s: missing %q (rerun test/vm/image/build.sh)", p, f)
+		}
+	}
+	return img, sc.Err()
+}
+
+// processDir is a directory for what the runs of this test process share. It
+// is named after the process; directories of processes that are gone are
+// removed.
+func processDir() (string, error) {
+	base := filepath.Join(os.TempDir(), "berth-vm-proc")
+	if err := os.MkdirAll(base, 0o755); err != nil {
+		return "", err
+	}
+	if ents, err := os.ReadDir(base); err == nil {
+		for _, e := range ents {
+			if pid, err := strconv.Atoi(e.Name()); err == nil && !fileExists(fmt.Sprintf("/proc/%d", pid)) {
+				os.RemoveAll(filepath.Join(base, e.Name()))
+			}
+		}
+	}
+	dir := filepath.Join(base, strconv.Itoa(os.Getpid()))
+	return dir, os.MkdirAll(dir, 0o755)
+}
+
+// buildBerth builds the berth binary from the module root once per process.
+func buildBerth() (string, error) {
+	berthOnce.Do(func() {
+		root, err := moduleRoot()
+		if err != nil {
+			berthErr = err
+			return
+		}
+		dir, err := processDir()
+		if err != nil {
+			berthErr = err
+			return
+		}
+		berthBin = filepath.Join(dir, "berth")
+		cmd := exec.Command(goTool(), "build", "-o", berthBin, ".")
+		cmd.Dir = root
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			berthErr = fmt.Errorf("go build berth: %w\n%s", err, out)
+		}
+	})
+	return berthBin, berthErr
+}
+
+// buildTestBinary builds the test binary of the package in pkgDir.
+func buildTestBinary(pkgDir, out string) error {
+	cmd := exec.Command(goTool(), "test", "-c", "-o", out, ".")
+	cmd.Dir = pkgDir
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("go test -c in %s: %w\n%s", pkgDir, err, b)
+	}
+	return nil
+}
+
+func lastLine(s string) string {
+	s = strings.TrimRight(s, "\n")
+	if i := strings.LastIndexByte(s, '\n'); i >= 0 {
+		return s[i+1:]
+	}
+	return s
+}
+
+// tail returns the last n lines of s.
+func tail(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}

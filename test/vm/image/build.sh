@@ -1,0 +1,279 @@
+#!/usr/bin/env bash
+# Builds and caches the guest image of berth's VM test suite, outside the repo:
+#
+#   kernel-<key>/  vmlinuz + lib/modules of Debian's cloud kernel (never installed on the host)
+#   root-<key>/    Debian root made with mmdebstrap (tools, udev, systemd)
+#   image-<key>/   base.cpio.gz: busybox, storage tools with their libraries, kernel modules;
+#                  root.ext4: the Debian root as a disk image for guests booting systemd;
+#                  image.env: paths and kernel version read by the Go harness
+#   current ->     the image-<key> directory of the last successful build
+#
+# Each key is a hash of the inputs of its stage (the code of the stage, the package list,
+# the kernel package version, the apt sources), so a changed input rebuilds that stage and
+# an unchanged one is reused without downloading anything.
+#
+# Environment: BERTH_VM_CACHE (cache directory), BERTH_VM_APT_SOURCES (apt sources file
+# given to mmdebstrap; default: the host's own), BERTH_VM_KERNEL (kernel package name).
+set -euo pipefail
+
+log() { printf 'vm-image: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+script_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo_root=$(cd "$script_dir/../../.." && pwd)
+cache=${BERTH_VM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/berth-vm}
+
+[ "$(id -u)" = 0 ] || die "must run as root (mmdebstrap, apt-get download)"
+
+# Host prerequisites.
+missing=0
+for tool in qemu-system-x86_64 busybox cpio mmdebstrap depmod modprobe mkfs.ext4 zstd; do
+	command -v "$tool" >/dev/null 2>&1 || missing=1
+done
+[ -x /bin/busybox ] && /bin/busybox --list | grep -qx ash || missing=1
+if [ "$missing" = 1 ]; then
+	log "installing host prerequisites with scripts/install-deps.sh"
+	"$repo_root/scripts/install-deps.sh"
+fi
+ldd /bin/busybox >/dev/null 2>&1 && die "/bin/busybox is not static (install busybox-static)"
+
+mkdir -p "$cache"
+exec 9>"$cache/.lock"
+if ! flock -n 9; then
+	log "waiting for another build in $cache"
+	flock 9
+fi
+
+# Apt sources given to mmdebstrap as its MIRROR argument (the file is copied into the root).
+sources=${BERTH_VM_APT_SOURCES:-}
+if [ -z "$sources" ]; then
+	if [ -s /etc/apt/sources.list ] && grep -q '^[[:space:]]*deb ' /etc/apt/sources.list; then
+		sources=/etc/apt/sources.list
+	else
+		for f in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list.d/*.list; do
+			[ -f "$f" ] && grep -qi debian "$f" && { sources=$f; break; }
+		done
+	fi
+fi
+[ -n "$sources" ] && [ -f "$sources" ] || die "no apt sources file found (set BERTH_VM_APT_SOURCES)"
+. /etc/os-release
+suite=${VERSION_CODENAME:?no VERSION_CODENAME in /etc/os-release}
+
+# Guest packages (the Debian root) and the tools copied into the initramfs.
+packages=(
+	open-iscsi e2fsprogs xfsprogs util-linux mount nvme-cli multipath-tools udev kmod
+	systemd dbus iproute2 sg3-utils procps fdisk
+)
+tools=(
+	/usr/sbin/iscsiadm /usr/sbin/iscsid /usr/sbin/iscsi-iname
+	/usr/sbin/nvme
+	/usr/sbin/multipath /usr/sbin/multipathd /usr/sbin/kpartx /usr/sbin/dmsetup
+	/usr/sbin/mke2fs /usr/sbin/mkfs.ext4 /usr/sbin/mkfs.ext3 /usr/sbin/e2fsck /usr/sbin/fsck.ext4
+	/usr/sbin/resize2fs /usr/sbin/tune2fs /usr/sbin/dumpe2fs /usr/sbin/e2label
+	/usr/sbin/mkfs.xfs /usr/sbin/xfs_repair /usr/sbin/xfs_growfs /usr/sbin/xfs_db
+	/usr/sbin/xfs_admin /usr/sbin/xfs_info /usr/sbin/fsck.xfs /usr/sbin/xfs_io /usr/sbin/xfs_spaceman
+	/usr/sbin/blkid /usr/sbin/wipefs /usr/sbin/losetup /usr/sbin/blockdev /usr/sbin/sfdisk
+	/usr/sbin/fsck /usr/bin/lsblk /usr/bin/findmnt /usr/bin/mount /usr/bin/umount
+	/usr/bin/kmod /usr/sbin/modprobe /usr/sbin/insmod /usr/sbin/rmmod /usr/sbin/lsmod
+	/usr/bin/udevadm /usr/lib/systemd/systemd-udevd
+	/usr/lib/udev/scsi_id /usr/lib/udev/ata_id /usr/lib/udev/cdrom_id
+	/usr/bin/sg_inq /usr/bin/sg_vpd /usr/bin/sg_readcap
+	/usr/sbin/ip
+)
+# Kernel modules available in every guest (loaded on demand with modprobe).
+modules=(
+	loop brd null_blk configfs dm_mod dm_multipath dm_round_robin dm_service_time
+	dm_queue_length scsi_dh_alua scsi_dh_emc scsi_dh_rdac sd_mod sg
+	nvme_tcp nvme_fabrics nvmet nvmet_tcp
+	iscsi_tcp libiscsi libiscsi_tcp scsi_transport_iscsi
+	target_core_mod target_core_iblock target_core_file target_core_pscsi iscsi_target_mod
+	xfs ext4 virtio_net virtio_pci virtio_blk virtio_console virtio_rng
+	crc32c_generic crc32c_intel crct10dif_pclmul crc64_rocksoft af_packet
+	overlay squashfs
+)
+
+sha() { sha256sum | cut -c1-16; }
+
+# ---- kernel ----------------------------------------------------------------
+kpkg=${BERTH_VM_KERNEL:-}
+kernel_candidates() {
+	apt-cache depends linux-image-cloud-amd64 2>/dev/null |
+		sed -n 's/^ *Depends: \(linux-image-[0-9].*-cloud-amd64\)$/\1/p' | head -n1
+}
+if [ -z "$kpkg" ]; then
+	kpkg=$(kernel_candidates)
+	if [ -z "$kpkg" ]; then
+		log "apt lists have no linux-image-cloud-amd64: apt-get update"
+		apt-get update -qq
+		kpkg=$(kernel_candidates)
+	fi
+fi
+[ -n "$kpkg" ] || die "cannot find the cloud kernel package through linux-image-cloud-amd64"
+kversion=$(apt-cache policy "$kpkg" | sed -n 's/^ *Candidate: //p')
+[ -n "$kversion" ] && [ "$kversion" != "(none)" ] || die "no candidate version for $kpkg"
+kver=${kpkg#linux-image-}
+
+build_kernel() { # $1: output dir
+	local out=$1 tmp
+	tmp=$(mktemp -d "$cache/.kernel.XXXXXX")
+	log "downloading $kpkg=$kversion"
+	(cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root "$kpkg=$kversion" >&2)
+	log "extracting $(ls "$tmp"/*.deb)"
+	mkdir -p "$tmp/x"
+	dpkg-deb -x "$tmp"/*.deb "$tmp/x"
+	mkdir -p "$tmp/out/lib"
+	cp "$tmp/x/boot/vmlinuz-$kver" "$tmp/out/vmlinuz"
+	mv "$tmp/x/lib/modules" "$tmp/out/lib/modules"
+	depmod -b "$tmp/out" "$kver"
+	rm -rf "$tmp/x" "$tmp"/*.deb
+	mv "$tmp/out" "$out"
+	rmdir "$tmp"
+}
+kernel_key=$( { declare -f build_kernel; echo "$kpkg=$kversion"; } | sha)
+kernel_dir=$cache/kernel-$kernel_key
+if [ -d "$kernel_dir" ]; then
+	log "kernel $kver ($kversion) cached in $kernel_dir"
+else
+	t0=$SECONDS
+	build_kernel "$kernel_dir"
+	log "kernel $kver ready in $((SECONDS - t0)) s"
+fi
+
+# ---- Debian root -------------------------------------------------------------
+build_root() { # $1: output dir
+	local out=$1 tmp
+	tmp=$(mktemp -d "$cache/.root.XXXXXX")
+	log "mmdebstrap $suite (variant essential) with: ${packages[*]}"
+	mmdebstrap --quiet --variant=essential --mode=root \
+		--include="$(IFS=,; echo "${packages[*]}")" \
+		--dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
+		--dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
+		"$suite" "$tmp/root" "$sources" >&2
+	mv "$tmp/root" "$out"
+	rmdir "$tmp"
+}
+root_key=$( { declare -f build_root; echo "$suite ${packages[*]}"; cat "$sources"; } | sha)
+root_dir=$cache/root-$root_key
+if [ -d "$root_dir" ]; then
+	log "Debian root cached in $root_dir"
+else
+	t0=$SECONDS
+	build_root "$root_dir"
+	log "Debian root ready in $((SECONDS - t0)) s ($(du -sh "$root_dir" | cut -f1))"
+fi
+
+# ---- initramfs base and root disk image --------------------------------------
+# copy_with_libs ROOT DEST PATH: copies PATH from ROOT to DEST with its shared libraries.
+copy_with_libs() {
+	local root=$1 dest=$2 path=$3 real lib
+	[ -e "$root$path" ] || [ -L "$root$path" ] || { log "warning: $path not in the Debian root"; return 0; }
+	mkdir -p "$dest$(dirname "$path")"
+	if [ -L "$root$path" ]; then
+		cp -a "$root$path" "$dest$path"
+		real=$(readlink "$root$path")
+		case $real in /*) ;; *) real=$(dirname "$path")/$real ;; esac
+		copy_with_libs "$root" "$dest" "$(realpath -m "$real")"
+		return 0
+	fi
+	cp -a "$root$path" "$dest$path"
+	# ldd of the root's binary, run inside the root so its own loader and libraries answer.
+	for lib in $(chroot "$root" /usr/bin/ldd "$path" 2>/dev/null |
+		sed -n 's/.*=> \(\/[^ ]*\).*/\1/p; s/^[[:space:]]*\(\/[^ ]*\) (.*/\1/p'); do
+		[ -e "$dest$lib" ] && continue
+		copy_with_libs "$root" "$dest" "$lib"
+	done
+}
+
+build_image() { # $1: output dir
+	local out=$1 tmp ir m
+	tmp=$(mktemp -d "$cache/.image.XXXXXX")
+	ir=$tmp/initramfs
+	mkdir -p "$ir"/{usr/bin,usr/sbin,usr/lib,usr/lib64,etc,proc,sys,dev,run,tmp,root,var/lib,mnt}
+	ln -s usr/bin "$ir/bin"; ln -s usr/sbin "$ir/sbin"; ln -s usr/lib "$ir/lib"; ln -s usr/lib64 "$ir/lib64"
+	ln -s /run "$ir/var/run"
+	log "copying ${#tools[@]} tools and their libraries"
+	for t in "${tools[@]}"; do copy_with_libs "$root_dir" "$ir" "$t"; done
+	# Libraries loaded at run time (NSS for iscsid's peer check, multipath checkers).
+	for m in "$root_dir"/usr/lib/x86_64-linux-gnu/libnss_files.so* \
+		"$root_dir"/usr/lib/x86_64-linux-gnu/multipath/*.so; do
+		[ -e "$m" ] && copy_with_libs "$root_dir" "$ir" "${m#"$root_dir"}"
+	done
+	# udev rules and helpers, iscsi and multipath configuration.
+	cp -a "$root_dir/usr/lib/udev/rules.d" "$ir/usr/lib/udev/" 2>/dev/null || true
+	mkdir -p "$ir/etc/udev" "$ir/etc/iscsi" "$ir/var/lib/iscsi"
+	cp -a "$root_dir/etc/udev/udev.conf" "$ir/etc/udev/" 2>/dev/null || true
+	cp -a "$root_dir/etc/iscsi/iscsid.conf" "$ir/etc/iscsi/"
+	# Busybox applets only where no real tool was copied.
+	cp /bin/busybox "$ir/usr/bin/busybox"
+	/bin/busybox --list-full | while read -r a; do
+		case $a in bin/* | sbin/* | usr/bin/* | usr/sbin/*) ;; *) continue ;; esac
+		a=${a#usr/}
+		[ -e "$ir/usr/$a" ] || [ -L "$ir/usr/$a" ] || ln -s /usr/bin/busybox "$ir/usr/$a"
+	done
+	# Kernel modules: the closure of the list above, with the module index.
+	log "copying kernel modules"
+	local kdir=$kernel_dir/lib/modules/$kver
+	mkdir -p "$ir/usr/lib/modules/$kver"
+	for m in $(modprobe -d "$kernel_dir" -S "$kver" -a --show-depends "${modules[@]}" 2>/dev/null |
+		awk '$1 == "insmod" {print $2}' | sort -u); do
+		m=${m#"$kernel_dir"}
+		m=${m#/usr}
+		mkdir -p "$ir/usr$(dirname "$m")"
+		cp "$kernel_dir$m" "$ir/usr$m"
+	done
+	cp "$kdir"/modules.order "$kdir"/modules.builtin* "$ir/usr/lib/modules/$kver/"
+	depmod -b "$ir/usr" "$kver"
+	# Identity files the tools expect.
+	printf 'root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n' >"$ir/etc/passwd"
+	printf 'root:x:0:\ndisk:x:6:\nnogroup:x:65534:\n' >"$ir/etc/group"
+	printf 'passwd: files\ngroup: files\nshadow: files\nhosts: files\n' >"$ir/etc/nsswitch.conf"
+	printf '127.0.0.1 localhost\n' >"$ir/etc/hosts"
+	echo 'InitiatorName=iqn.2004-10.com.example:guest' >"$ir/etc/iscsi/initiatorname.iscsi"
+	printf 'defaults {\n\tuser_friendly_names no\n\tfind_multipaths no\n}\n' >"$ir/etc/multipath.conf"
+	mkdir -p "$out.tmp"
+	log "packing base.cpio.gz"
+	(cd "$ir" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) | gzip -1 >"$out.tmp/base.cpio.gz"
+	# The Debian root as an ext4 image for guests that boot systemd.
+	log "packing root.ext4"
+	mkdir -p "$tmp/rootimg"
+	cp -a "$root_dir/." "$tmp/rootimg/"
+	cp -a "$ir/etc/iscsi/initiatorname.iscsi" "$ir/etc/multipath.conf" "$tmp/rootimg/etc/" 2>/dev/null || true
+	mv "$tmp/rootimg/etc/initiatorname.iscsi" "$tmp/rootimg/etc/iscsi/"
+	echo berth-guest >"$tmp/rootimg/etc/hostname"
+	mkdir -p "$tmp/rootimg/usr/lib/modules"
+	cp -a "$kernel_dir/lib/modules/$kver" "$tmp/rootimg/usr/lib/modules/"
+	: >"$tmp/rootimg/etc/machine-id"
+	mkfs.ext4 -q -F -L berth-root -d "$tmp/rootimg" "$out.tmp/root.ext4" 1G
+	cp "$kernel_dir/vmlinuz" "$out.tmp/vmlinuz"
+	cat >"$out.tmp/image.env" <<EOF
+KERNEL_VERSION=$kver
+KERNEL_PACKAGE=$kpkg=$kversion
+KERNEL=$out/vmlinuz
+BASE_INITRAMFS=$out/base.cpio.gz
+ROOT_DISK=$out/root.ext4
+ROOT_DIR=$root_dir
+EOF
+	rm -rf "$tmp"
+	mv "$out.tmp" "$out"
+}
+image_key=$( { cat "${BASH_SOURCE[0]}"; echo "$kernel_key $root_key"; } | sha)
+image_dir=$cache/image-$image_key
+if [ -d "$image_dir" ]; then
+	log "image cached in $image_dir"
+else
+	t0=$SECONDS
+	rm -rf "$image_dir.tmp"
+	build_image "$image_dir"
+	log "image ready in $((SECONDS - t0)) s ($(du -sh --apparent-size "$image_dir/base.cpio.gz" | cut -f1) initramfs)"
+fi
+ln -sfn "image-$image_key" "$cache/current.tmp"
+mv -T "$cache/current.tmp" "$cache/current"
+
+# Drop stages no longer referenced.
+for d in "$cache"/kernel-* "$cache"/root-* "$cache"/image-*; do
+	[ -d "$d" ] || continue
+	case $d in "$kernel_dir" | "$root_dir" | "$image_dir") continue ;; esac
+	log "removing stale $d"
+	rm -rf "$d"
+done
+echo "$image_dir"

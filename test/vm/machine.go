@@ -1,0 +1,576 @@
+package vm
+
+import (
+	"bufio"
+	"bytes"
+	_ "embed"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+//go:embed init.sh
+var initScript []byte
+
+const (
+	exitMarker   = "BERTH-VM-EXIT "
+	startMarker  = "BERTH-VM-START"
+	signalMarker = "BERTH-VM-SIGNAL "
+	consoleKeep  = 60
+)
+
+// A Machine is a running (or finished) guest.
+type Machine struct {
+	t    testing.TB
+	name string
+	cfg  *config
+	dir  string
+	args []string // QEMU argv
+
+	cmd     *exec.Cmd
+	done    chan struct{} // closed when QEMU exited and its streams are drained
+	started time.Time
+	booted  time.Duration // until the test binary started
+
+	mu        sync.Mutex
+	cond      *sync.Cond
+	console   []string // last consoleKeep lines
+	exitCode  int      // from the exit marker; -1 when the guest never reported
+	panicked  bool
+	timedOut  bool
+	killed    bool
+	waitErr   error
+	signals   map[string]bool
+	guestOut  bytes.Buffer // raw in-guest test output (CR stripped)
+	events    []testEvent
+	conn      net.Conn
+	qemuStats string
+}
+
+var machineSeq atomic.Uint32
+
+// Boot builds and starts a guest running this package's test binary and
+// returns without waiting for it. The guest is killed when the test ends.
+// Use Wait and ReportTests, or RunGuestTests for the one-guest case.
+func Boot(t testing.TB, opts ...Option) *Machine {
+	t.Helper()
+	cfg := defaultConfig()
+	for _, o := range opts {
+		o(cfg)
+	}
+	if err := cfg.validate(); err != nil {
+		t.Fatal(err)
+	}
+	if cfg.name == "" {
+		cfg.name = t.Name()
+	}
+	if InGuest() {
+		t.Fatalf("vm: Boot called inside a guest (name the host entry test TestVM* and the in-guest tests otherwise)")
+	}
+	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+		unavailable(t, "qemu-system-x86_64 not found (run make deps): %v", err)
+	}
+	if os.Geteuid() != 0 {
+		unavailable(t, "the VM image is built as root (mmdebstrap): run as root")
+	}
+	t0 := time.Now()
+	img, buildLog, err := loadImage()
+	if err != nil {
+		unavailable(t, "guest image: %v", err)
+	}
+	if d := time.Since(t0); d > 5*time.Second {
+		t.Logf("vm: image build took %v:\n%s", d.Round(time.Millisecond), buildLog)
+	}
+
+	m := &Machine{
+		t: t, name: cfg.name, cfg: cfg,
+		done:     make(chan struct{}),
+		exitCode: -1,
+		signals:  map[string]bool{},
+	}
+	m.cond = sync.NewCond(&m.mu)
+	m.dir, err = os.MkdirTemp("", "berth-vm-run-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		m.Kill()
+		<-m.done
+		if t.Failed() {
+			t.Logf("vm %s: run directory kept: %s", m.name, m.dir)
+			return
+		}
+		os.RemoveAll(m.dir)
+	})
+	if err := m.prepare(img); err != nil {
+		close(m.done)
+		t.Fatalf("vm %s: %v", m.name, err)
+	}
+	if err := m.start(); err != nil {
+		close(m.done)
+		t.Fatalf("vm %s: %v", m.name, err)
+	}
+	return m
+}
+
+// unavailable skips, or fails under BERTH_CI=1.
+func unavailable(t testing.TB, format string, args ...any) {
+	t.Helper()
+	if os.Getenv("BERTH_CI") == "1" {
+		t.Fatalf("vm: "+format+" (BERTH_CI=1: a VM test that cannot run is a failure)", args...)
+	}
+	t.Skipf("vm: "+format+" (skipping; BERTH_CI=1 makes this a failure)", args...)
+}
+
+// prepare builds the binaries and the initramfs of this run and the QEMU argv.
+func (m *Machine) prepare(img *image) error {
+	cfg := m.cfg
+	t0 := time.Now()
+	pkgDir, err := filepath.Abs(cfg.pkgDir)
+	if err != nil {
+		return err
+	}
+	testBin := filepath.Join(m.dir, "guest.test")
+	if err := buildTestBinary(pkgDir, testBin); err != nil {
+		return err
+	}
+	berth, err := buildBerth()
+	if err != nil {
+		return err
+	}
+	tBuild := time.Since(t0)
+
+	// The per-run archive, appended to the cached base archive.
+	initrd := filepath.Join(m.dir, "initrd")
+	f, err := os.Create(initrd)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	base, err := os.Open(img.baseInitramfs)
+	if err != nil {
+		return err
+	}
+	n, err := io.Copy(f, base)
+	base.Close()
+	if err != nil {
+		return err
+	}
+	// The kernel looks for the next archive at a 4-byte boundary, skipping zeros.
+	if _, err := f.Write(make([]byte, (4-n%4)%4)); err != nil {
+		return err
+	}
+	bw := bufio.NewWriterSize(f, 1<<20)
+	c := newCPIOWriter(bw)
+	c.Bytes("init", 0o755, initScript)
+	c.Bytes("berth-vm/config.sh", 0o644, m.configScript(img))
+	c.File("berth-vm/guest.test", testBin)
+	c.File("usr/bin/berth", berth)
+	c.Dir("berth-vm/pkg")
+	if td := filepath.Join(pkgDir, "testdata"); fileExists(td) {
+		c.File("berth-vm/pkg/testdata", td)
+	}
+	hosts := make([]string, 0, len(cfg.files))
+	for h := range cfg.files {
+		hosts = append(hosts, h)
+	}
+	sort.Strings(hosts)
+	for _, h := range hosts {
+		c.File(cfg.files[h], h)
+	}
+	if err := c.Close(); err != nil {
+		return fmt.Errorf("initramfs: %w", err)
+	}
+	if err := bw.Flush(); err != nil {
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+
+	seq := machineSeq.Add(1)
+	m.args = []string{
+		"qemu-system-x86_64",
+		"-nodefaults", "-display", "none", "-no-reboot",
+		"-accel", "tcg", "-cpu", "max",
+		"-smp", strconv.Itoa(cfg.cpus), "-m", strconv.Itoa(cfg.memoryMB),
+		"-kernel", img.kernel, "-initrd", initrd,
+		"-append", "console=ttyS0 panic=-1 quiet net.ifnames=0 rdinit=/init",
+		"-serial", "stdio",
+		"-chardev", "socket,id=io,path=" + filepath.Join(m.dir, "io.sock"),
+		"-serial", "chardev:io",
+	}
+	for i, n := range cfg.nics {
+		netdev, err := n.link.netdev()
+		if err != nil {
+			return err
+		}
+		m.args = append(m.args,
+			"-netdev", fmt.Sprintf("socket,id=n%d,%s", i, netdev),
+			"-device", fmt.Sprintf("virtio-net-pci,netdev=n%d,mac=52:54:00:%02x:%02x:%02x", i, os.Getpid()&0xff, seq&0xff, i))
+	}
+	if cfg.systemd {
+		if img.rootDisk == "" || !fileExists(img.rootDisk) {
+			return errors.New("WithSystemd: the image has no root disk")
+		}
+		m.args = append(m.args, "-drive", "file="+img.rootDisk+",if=virtio,format=raw,snapshot=on")
+	}
+	m.t.Logf("vm %s: built test binary and initramfs in %v", m.name, tBuild.Round(time.Millisecond))
+	return nil
+}
+
+// configScript is /berth-vm/config.sh, sourced by the guest's init.
+func (m *Machine) configScript(img *image) []byte {
+	cfg := m.cfg
+	var b bytes.Buffer
+	set := func(k, v string) { fmt.Fprintf(&b, "%s=%s\n", k, shellQuote(v)) }
+	flag := func(k string, v bool) {
+		if v {
+			set(k, "1")
+		}
+	}
+	set("BERTH_VM_HOSTNAME", sanitizeHost(m.name))
+	set("BERTH_VM_MODULES", strings.Join(cfg.modules, " "))
+	var nics []string
+	for _, n := range cfg.nics {
+		nics = append(nics, n.addr)
+	}
+	set("BERTH_VM_NICS", strings.Join(nics, " "))
+	flag("BERTH_VM_UDEV", cfg.udev)
+	flag("BERTH_VM_ISCSID", cfg.iscsid)
+	flag("BERTH_VM_MULTIPATHD", cfg.multipathd)
+	flag("BERTH_VM_SYSTEMD", cfg.systemd)
+	fmt.Fprintf(&b, "export BERTH_VM_GUEST=1\n")
+	fmt.Fprintf(&b, "export BERTH_VM_KERNEL=%s\n", shellQuote(img.kernelVersion))
+	keys := make([]string, 0, len(cfg.env))
+	for k := range cfg.env {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		fmt.Fprintf(&b, "export %s=%s\n", k, shellQuote(cfg.env[k]))
+	}
+	guestTimeout := cfg.timeout - 20*time.Second
+	args := []string{"-test.v=test2json", "-test.timeout=" + guestTimeout.String()}
+	if cfg.run != "" {
+		args = append(args, "-test.run="+cfg.run)
+	}
+	args = append(args, cfg.testArgs...)
+	b.WriteString("set --")
+	for _, a := range args {
+		b.WriteString(" " + shellQuote(a))
+	}
+	b.WriteString("\n")
+	return b.Bytes()
+}
+
+func shellQuote(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+func sanitizeHost(s string) string {
+	s = regexp.MustCompile(`[^A-Za-z0-9-]+`).ReplaceAllString(s, "-")
+	if len(s) > 60 {
+		s = s[:60]
+	}
+	return strings.Trim(s, "-")
+}
+
+// start launches QEMU and the goroutines that read its serial ports.
+func (m *Machine) start() error {
+	ln, err := net.Listen("unix", filepath.Join(m.dir, "io.sock"))
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command(m.args[0], m.args[1:]...)
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	cmd.Stderr = cmd.Stdout
+	m.cmd = cmd
+	m.started = time.Now()
+	if err := cmd.Start(); err != nil {
+		ln.Close()
+		return fmt.Errorf("start %s: %w", m.Command(), err)
+	}
+	m.t.Logf("vm %s: booting: %s", m.name, m.Command())
+
+	// QEMU connects to the socket while it starts; it exits on failure.
+	connc := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		ln.Close()
+		if err != nil {
+			close(connc)
+			return
+		}
+		connc <- c
+	}()
+
+	j, err := newTest2JSON(m.name)
+	if err != nil {
+		cmd.Process.Kill()
+		cmd.Wait()
+		return err
+	}
+
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { // console
+		defer wg.Done()
+		m.readConsole(stdout)
+	}()
+	go func() { // test output
+		defer wg.Done()
+		c, ok := <-connc
+		if !ok {
+			return
+		}
+		m.mu.Lock()
+		m.conn = c
+		m.mu.Unlock()
+		m.readGuestOutput(c, j)
+	}()
+	timer := time.AfterFunc(m.cfg.timeout, func() {
+		m.mu.Lock()
+		m.timedOut = true
+		m.mu.Unlock()
+		cmd.Process.Kill()
+	})
+	go func() {
+		err := cmd.Wait()
+		timer.Stop()
+		ln.Close()
+		m.mu.Lock()
+		if m.conn != nil {
+			// QEMU closed its end; reading drains what is buffered.
+		}
+		m.waitErr = err
+		m.mu.Unlock()
+		wg.Wait()
+		events, jerr := j.finish()
+		m.mu.Lock()
+		m.events = events
+		if jerr != nil && m.waitErr == nil {
+			m.waitErr = jerr
+		}
+		m.cond.Broadcast()
+		m.mu.Unlock()
+		close(m.done)
+	}()
+	return nil
+}
+
+func (m *Machine) readConsole(r io.Reader) {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := strings.TrimRight(sc.Text(), "\r")
+		m.mu.Lock()
+		m.console = append(m.console, line)
+		if len(m.console) > consoleKeep {
+			m.console = m.console[len(m.console)-consoleKeep:]
+		}
+		if s, ok := strings.CutPrefix(line, exitMarker); ok {
+			if n, err := strconv.Atoi(strings.TrimSpace(s)); err == nil {
+				m.exitCode = n
+			}
+		}
+		if line == startMarker && m.booted == 0 {
+			m.booted = time.Since(m.started)
+		}
+		if strings.Contains(line, "Kernel panic") {
+			m.panicked = true
+		}
+		m.mu.Unlock()
+		m.t.Logf("%s console: %s", m.name, line)
+	}
+}
+
+func (m *Machine) readGuestOutput(r io.Reader, j *test2json) {
+	br := bufio.NewReader(r)
+	for {
+		line, err := br.ReadString('\n')
+		if len(line) > 0 {
+			line = strings.ReplaceAll(line, "\r", "")
+			j.write(line)
+			m.mu.Lock()
+			m.guestOut.WriteString(line)
+			if i := strings.Index(line, signalMarker); i >= 0 {
+				m.signals[strings.TrimSpace(line[i+len(signalMarker):])] = true
+				m.cond.Broadcast()
+			}
+			m.mu.Unlock()
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// Command is the QEMU command line of this guest, shell-quoted.
+func (m *Machine) Command() string {
+	q := make([]string, len(m.args))
+	for i, a := range m.args {
+		if regexp.MustCompile(`^[A-Za-z0-9_./:=,@+-]+$`).MatchString(a) {
+			q[i] = a
+		} else {
+			q[i] = shellQuote(a)
+		}
+	}
+	return strings.Join(q, " ")
+}
+
+// reproduce tells how to rerun the guest by hand, with the test output in a file.
+func (m *Machine) reproduce() string {
+	cmd := strings.Replace(m.Command(), "socket,id=io,path="+filepath.Join(m.dir, "io.sock"),
+		"file,id=io,path="+filepath.Join(m.dir, "guest-output.txt"), 1)
+	return "reproduce with (test output in " + filepath.Join(m.dir, "guest-output.txt") + "):\n  " + cmd
+}
+
+// Kill stops the guest at once (like pulling the power cord).
+func (m *Machine) Kill() {
+	m.mu.Lock()
+	m.killed = true
+	m.mu.Unlock()
+	if m.cmd != nil && m.cmd.Process != nil {
+		m.cmd.Process.Kill()
+	}
+}
+
+// Done is closed when the guest has stopped.
+func (m *Machine) Done() <-chan struct{} { return m.done }
+
+// Wait waits for the guest to stop (it powers off after its tests).
+func (m *Machine) Wait() { <-m.done }
+
+// BootTime is the time from starting QEMU to starting the test binary.
+func (m *Machine) BootTime() time.Duration {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.booted
+}
+
+// WaitSignal waits until the guest called SignalHost(name). It fails the
+// test when the guest stops first or timeout passes.
+func (m *Machine) WaitSignal(name string, timeout time.Duration) {
+	m.t.Helper()
+	deadline := time.AfterFunc(timeout, func() {
+		m.mu.Lock()
+		m.cond.Broadcast()
+		m.mu.Unlock()
+	})
+	defer deadline.Stop()
+	end := time.Now().Add(timeout)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for !m.signals[name] {
+		select {
+		case <-m.done:
+			m.t.Fatalf("vm %s: stopped before signalling %q\n%s", m.name, name, m.diagnosticsLocked())
+		default:
+		}
+		if time.Now().After(end) {
+			m.t.Fatalf("vm %s: no signal %q within %v\n%s", m.name, name, timeout, m.diagnosticsLocked())
+		}
+		m.cond.Wait()
+	}
+}
+
+// Send writes a line to the guest, read there by WaitHost.
+func (m *Machine) Send(name string) {
+	m.t.Helper()
+	m.mu.Lock()
+	c := m.conn
+	m.mu.Unlock()
+	if c == nil {
+		m.t.Fatalf("vm %s: guest is not connected", m.name)
+	}
+	if _, err := io.WriteString(c, name+"\n"); err != nil {
+		m.t.Fatalf("vm %s: send %q: %v", m.name, name, err)
+	}
+}
+
+func (m *Machine) diagnosticsLocked() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "--- console tail ---\n%s\n", strings.Join(m.console, "\n"))
+	fmt.Fprintf(&b, "--- guest test output tail ---\n%s\n", tail(m.guestOut.String(), 40))
+	b.WriteString(m.reproduce())
+	return b.String()
+}
+
+// ReportTests maps each in-guest top-level test to a subtest of t with its
+// result and output, and fails t when the guest crashed, hung, ran no test
+// or its test binary failed outside any test. It waits for the guest.
+func (m *Machine) ReportTests(t *testing.T) {
+	t.Helper()
+	m.Wait()
+	m.mu.Lock()
+	events := m.events
+	exitCode, panicked, timedOut, killed := m.exitCode, m.panicked, m.timedOut, m.killed
+	diag := m.diagnosticsLocked()
+	booted := m.booted
+	m.mu.Unlock()
+
+	results := collectResults(events)
+	anyFailed := false
+	for _, r := range results {
+		r := r
+		if r.action == "fail" || r.action == "" {
+			anyFailed = true
+		}
+		t.Run(r.name, func(t *testing.T) {
+			for _, l := range r.output {
+				t.Log(strings.TrimRight(l, "\n"))
+			}
+			switch r.action {
+			case "fail":
+				t.Errorf("in-guest test %s failed (%.2fs)", r.name, r.elapsed)
+			case "skip":
+				t.SkipNow()
+			case "pass":
+			default:
+				t.Errorf("in-guest test %s did not finish", r.name)
+			}
+		})
+	}
+	t.Logf("vm %s: boot %v, total %v, %d in-guest tests", m.name, booted.Round(time.Millisecond),
+		time.Since(m.started).Round(time.Millisecond), len(results))
+	switch {
+	case timedOut:
+		t.Errorf("vm %s: guest did not finish within %v\n%s", m.name, m.cfg.timeout, diag)
+	case panicked:
+		t.Errorf("vm %s: kernel panic\n%s", m.name, diag)
+	case exitCode < 0 && !killed:
+		t.Errorf("vm %s: guest stopped without reporting its exit status\n%s", m.name, diag)
+	case exitCode < 0:
+	case len(results) == 0:
+		t.Errorf("vm %s: no in-guest test ran (check WithTestRun and that the tests exist)\n%s", m.name, diag)
+	case exitCode != 0 && !anyFailed:
+		t.Errorf("vm %s: in-guest test binary exited %d\n%s", m.name, exitCode, diag)
+	case anyFailed:
+		t.Log(m.reproduce())
+	}
+}
+
+// RunGuestTests runs this package's in-guest tests in a new guest and reports
+// each of them as a subtest of t.
+func RunGuestTests(t *testing.T, opts ...Option) {
+	t.Helper()
+	m := Boot(t, opts...)
+	m.ReportTests(t)
+}
