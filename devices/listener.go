@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -67,6 +68,8 @@ type Listener struct {
 	state map[string]*devState // by kernel name, block devices only
 	err   error                // why the receive loop stopped
 
+	overflows atomic.Uint64
+
 	done      chan struct{} // closed when the receive loop has stopped
 	closeOnce sync.Once
 
@@ -98,6 +101,10 @@ func newListener(cfg listenerConfig, udev bool) *Listener {
 	}
 	return l
 }
+
+// Overflows returns how often the kernel dropped uevents because the
+// receive queue was full (each time, all waiters rescanned sysfs).
+func (l *Listener) Overflows() uint64 { return l.overflows.Load() }
 
 // Udev reports whether the listener waits for udev to process devices.
 func (l *Listener) Udev() bool { return l.udev }
@@ -197,6 +204,7 @@ func (l *Listener) lastEvents(name string) devState {
 // queue was full: every waiter scans sysfs again, and what the listener knew
 // about udev's progress is forgotten, since some of it was lost.
 func (l *Listener) overflow() {
+	l.overflows.Add(1)
 	l.mu.Lock()
 	clear(l.state)
 	subs := make([]*Waiter, 0, len(l.subs))
@@ -329,6 +337,9 @@ type Waiter struct {
 	gone       *Device
 	subscribed time.Time
 
+	// scanned, when set (tests), is called after the first sysfs scan.
+	scanned func()
+
 	mu     sync.Mutex
 	queue  []*event
 	rescan bool
@@ -429,6 +440,9 @@ func (w *Waiter) Wait(ctx context.Context) (*Device, error) {
 	} else if ok {
 		return d, nil
 	}
+	if w.scanned != nil {
+		w.scanned()
+	}
 	for {
 		select {
 		case <-ctx.Done():
@@ -462,7 +476,7 @@ func (w *Waiter) scan() (*Device, bool, error) {
 		return nil, false, nil
 	}
 	var found *Device
-	err := scanBlock(w.kind, func(d *Device) bool {
+	err := scanBlock(w.kind, w.m, func(d *Device) bool {
 		if !w.m.Match(d) || !nodeMatches(d) {
 			return false
 		}

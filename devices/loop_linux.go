@@ -24,6 +24,11 @@ const loFlagsReadOnly = 1
 // the free loop device we were given before we do (EBUSY).
 const maxFreeLoopAttempts = 16
 
+// loopAllocMu serialises, within the agent, the two ioctls that take a free
+// loop device, so concurrent attaches do not all race for the same one; other
+// processes are handled by the EBUSY retry.
+var loopAllocMu sync.Mutex
+
 // loopConfigureMissing caches that the kernel has no LOOP_CONFIGURE (before
 // 5.8); LOOP_SET_FD and LOOP_SET_STATUS64 are used instead.
 var loopConfigureMissing atomic.Bool
@@ -136,12 +141,15 @@ func configureFreeLoop(ctx context.Context, backing *os.File, path string, readO
 		if err := ctx.Err(); err != nil {
 			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
 		}
+		loopAllocMu.Lock()
 		n, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
 		if err != nil {
+			loopAllocMu.Unlock()
 			return "", fmt.Errorf("attach loop device for %s: LOOP_CTL_GET_FREE: %w", path, err)
 		}
 		name := "loop" + strconv.Itoa(n)
 		err = configureLoop(name, backing, path, readOnly)
+		loopAllocMu.Unlock()
 		if err == nil {
 			return name, nil
 		}
@@ -211,7 +219,7 @@ func openLoop(name string) (*os.File, error) {
 func FindLoop(file string) (*Device, error) {
 	path := canonicalFile(file)
 	var found *Device
-	err := scanBlock(KindLoop, func(d *Device) bool {
+	err := scanBlock(KindLoop, loopMatcher{file: path}, func(d *Device) bool {
 		if d.ID.Kind == KindLoop && d.ID.BackingFile == path {
 			found = d
 			return true

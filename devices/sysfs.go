@@ -189,18 +189,25 @@ func parseUeventFile(b []byte) map[string]string {
 
 // scanBlock reads every block device in sysfs and calls fn for it until fn
 // returns true. Devices of another kind than kind (when not "") are passed
-// without identity.
-func scanBlock(kind string, fn func(*Device) bool) error {
+// without identity. When m can reject a device from one attribute (see
+// prefilter) the others are not read at all: a scan over hundreds of loop
+// devices then costs one read per device.
+func scanBlock(kind string, m Matcher, fn func(*Device) bool) error {
 	dir := filepath.Join(sysfsRoot, "class", "block")
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return fmt.Errorf("list block devices: %w", err)
 	}
+	pf, _ := m.(prefilter)
 	for _, e := range ents {
 		if kind != "" && !nameMayBeKind(e.Name(), kind) {
 			continue
 		}
-		d, err := readDevice(filepath.Join(dir, e.Name()), kind)
+		sysPath := filepath.Join(dir, e.Name())
+		if pf != nil && !pf.mayMatch(sysPath) {
+			continue
+		}
+		d, err := readDevice(sysPath, kind)
 		if err != nil {
 			continue // removed meanwhile
 		}
@@ -209,6 +216,35 @@ func scanBlock(kind string, fn func(*Device) bool) error {
 		}
 	}
 	return nil
+}
+
+// prefilter is implemented by matchers that can rule a device out from a
+// single sysfs attribute, before the whole device is read.
+type prefilter interface {
+	mayMatch(sysPath string) bool
+}
+
+func (m loopMatcher) mayMatch(sysPath string) bool {
+	f, err := readAttr(sysPath, "loop/backing_file")
+	return err == nil && f == m.file
+}
+
+func (m nvmeMatcher) mayMatch(sysPath string) bool {
+	nqn, err := readAttr(sysPath, "device/subsysnqn")
+	return err == nil && nqn == m.nqn
+}
+
+func (m scsiMatcher) mayMatch(sysPath string) bool {
+	if m.hctl == "" {
+		return true
+	}
+	target, err := os.Readlink(filepath.Join(sysPath, "device"))
+	return err == nil && hctlHasPrefix(filepath.Base(target), m.hctl)
+}
+
+func (m dmMatcher) mayMatch(sysPath string) bool {
+	uuid, err := readAttr(sysPath, "dm/uuid")
+	return err == nil && NormalizeWWID(uuid) == m.wwid
 }
 
 // nameMayBeKind skips devices by name where the kernel's naming settles it.

@@ -102,7 +102,7 @@ func TestHoldersSlaves(t *testing.T) {
 func TestMatchers(t *testing.T) {
 	fakeSys(t, "sysfs.txt")
 	all := map[string]*Device{}
-	if err := scanBlock("", func(d *Device) bool { all[d.Name] = d; return false }); err != nil {
+	if err := scanBlock("", nil, func(d *Device) bool { all[d.Name] = d; return false }); err != nil {
 		t.Fatal(err)
 	}
 	if len(all) != 11 {

@@ -1,0 +1,428 @@
+package devices
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// requireRoot skips a test that needs root, or fails it in CI (BERTH_CI=1),
+// where a skip would hide a regression.
+func requireRoot(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() == 0 {
+		return
+	}
+	if os.Getenv("BERTH_CI") == "1" {
+		t.Fatal("this test needs root (loop devices, netlink uevents); BERTH_CI=1 forbids skipping it")
+	}
+	t.Skip("needs root: loop devices and netlink uevents")
+}
+
+func newTestListener(t testing.TB, opts ...ListenerOption) *Listener {
+	t.Helper()
+	l, err := NewListener(opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l
+}
+
+func testFile(t testing.TB, dir, name string, size int64) string {
+	t.Helper()
+	p := filepath.Join(dir, name)
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// attachForTest attaches file and detaches it when the test ends.
+func attachForTest(t testing.TB, ctx context.Context, l *Listener, file string) *Device {
+	t.Helper()
+	d, err := AttachLoop(ctx, l, file, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { detachForTest(t, d) })
+	return d
+}
+
+func detachForTest(t testing.TB, d *Device) {
+	if err := DetachLoop(d); err != nil {
+		t.Errorf("cleanup: %v", err)
+	}
+}
+
+func testContext(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func TestLoopAttachDetach(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	file := testFile(t, dir, "vol.img", 4<<20)
+	// A symbolic link resolves to the same backing file.
+	link := filepath.Join(dir, "link.img")
+	if err := os.Symlink(file, link); err != nil {
+		t.Fatal(err)
+	}
+
+	d := attachForTest(t, ctx, l, link)
+	if d.ID.Kind != KindLoop || d.ID.BackingFile != file || d.Size != 4<<20 || !strings.HasPrefix(d.Name, "loop") {
+		t.Fatalf("attached %+v", d)
+	}
+	if maj, min, err := statBlockNode(d.Path); err != nil || maj != d.Major || min != d.Minor {
+		t.Fatalf("node %s: %d:%d %v", d.Path, maj, min, err)
+	}
+	if err := d.Verify(); err != nil {
+		t.Fatal(err)
+	}
+	if ro, _ := readAttr(d.sysPath, "ro"); ro != "0" {
+		t.Errorf("read-only = %q", ro)
+	}
+	// The kernel must not clear it when the last opener (the agent) goes.
+	lf, err := os.Open(d.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := unix.IoctlLoopGetStatus64(int(lf.Fd()))
+	lf.Close()
+	if err != nil || info.Flags&4 != 0 {
+		t.Fatalf("loop flags %+v %v: autoclear set", info, err)
+	}
+
+	// Attaching again returns the same device.
+	again, err := AttachLoop(ctx, l, file, false)
+	if err != nil || again.Name != d.Name || again.ID != d.ID {
+		t.Fatalf("second attach: %v %v, want %s", again, err, d)
+	}
+	if _, err := AttachLoop(ctx, l, file, true); !errors.Is(err, errdefs.ErrAlreadyExists) {
+		t.Errorf("attach read-only over read-write: %v, want ErrAlreadyExists", err)
+	}
+	if f, err := FindLoop(file); err != nil || f.Name != d.Name {
+		t.Errorf("FindLoop = %v %v", f, err)
+	}
+
+	// Growing the file and refreshing the capacity.
+	if err := os.Truncate(file, 6<<20); err != nil {
+		t.Fatal(err)
+	}
+	size, err := RefreshLoopCapacity(ctx, d)
+	if err != nil || size != 6<<20 || d.Size != 6<<20 {
+		t.Errorf("RefreshLoopCapacity = %d %v (dev size %d), want %d", size, err, d.Size, 6<<20)
+	}
+
+	if err := DetachLoop(d); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := FindLoop(file); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("FindLoop after detach: %v", err)
+	}
+	if err := DetachLoop(d); err != nil {
+		t.Errorf("second detach: %v", err)
+	}
+	if err := d.Verify(); !errors.Is(err, errdefs.ErrFailedPrecondition) {
+		t.Errorf("Verify after detach: %v", err)
+	}
+	if _, err := RefreshLoopCapacity(ctx, d); !errors.Is(err, errdefs.ErrFailedPrecondition) {
+		t.Errorf("RefreshLoopCapacity after detach: %v", err)
+	}
+}
+
+func TestLoopReadOnly(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	file := testFile(t, t.TempDir(), "ro.img", 1<<20)
+	d, err := AttachLoop(ctx, l, file, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { detachForTest(t, d) })
+	if ro, _ := readAttr(d.sysPath, "ro"); ro != "1" {
+		t.Errorf("read-only = %q, want 1", ro)
+	}
+	if f, err := os.OpenFile(d.Path, os.O_WRONLY, 0); err == nil {
+		_, werr := f.Write(make([]byte, 4096))
+		f.Close()
+		if werr == nil {
+			t.Error("wrote to a read-only loop device")
+		}
+	}
+}
+
+func TestLoopAttachErrors(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	if _, err := AttachLoop(ctx, l, filepath.Join(dir, "missing"), false); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("missing file: %v", err)
+	}
+	if _, err := AttachLoop(ctx, l, dir, false); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("directory: %v", err)
+	}
+	if _, err := AttachLoop(ctx, l, "", false); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("empty: %v", err)
+	}
+	if _, err := AttachLoop(ctx, nil, "/x", false); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("nil listener: %v", err)
+	}
+	// A cancelled context attaches nothing.
+	file := testFile(t, dir, "c.img", 1<<20)
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	if _, err := AttachLoop(cctx, l, file, false); !errors.Is(err, context.Canceled) {
+		t.Errorf("cancelled: %v", err)
+	}
+	if d, err := FindLoop(file); err == nil {
+		DetachLoop(d)
+		t.Errorf("cancelled attach left %s", d)
+	}
+	if err := DetachLoop(&Device{Name: "sda", ID: Identity{Kind: KindSCSI}}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("DetachLoop(scsi): %v", err)
+	}
+}
+
+// TestWaitersAroundAttach: a waiter that subscribed and scanned before the
+// attach sees it by its event, one that starts after finds it in sysfs, and
+// one whose context is cancelled returns an error naming the file.
+func TestWaitersAroundAttach(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	file := testFile(t, t.TempDir(), "w.img", 1<<20)
+
+	before := l.Subscribe(MatchLoop(file))
+	defer before.Close()
+	resBefore := startWait(t, ctx, before)
+
+	cancelled := l.Subscribe(MatchLoop(file))
+	defer cancelled.Close()
+	cctx, cancel := context.WithCancel(ctx)
+	resCancelled := startWait(t, cctx, cancelled)
+	cancel()
+	if r := <-resCancelled; !errors.Is(r.err, context.Canceled) || !strings.Contains(r.err.Error(), file) {
+		t.Errorf("cancelled waiter: %v %v", r.dev, r.err)
+	}
+
+	d := attachForTest(t, ctx, l, file)
+	got := expectDevice(t, resBefore, d.Name)
+	tr := before.Trace()
+	if tr.FromScan || tr.KernelEvent.Seqnum == 0 || tr.KernelEvent.Action != "change" || tr.Found.Before(tr.KernelEvent.Received) {
+		t.Errorf("waiter before attach: trace %+v, want found by the kernel's change event", tr)
+	}
+	if got.ID != d.ID || got.DiskSeq != d.DiskSeq {
+		t.Errorf("waiter got %+v, attach returned %+v", got, d)
+	}
+
+	after := l.Subscribe(MatchLoop(file))
+	defer after.Close()
+	if d2, err := after.Wait(ctx); err != nil || d2.Name != d.Name || !after.Trace().FromScan {
+		t.Errorf("waiter after attach: %v %v", d2, err)
+	}
+}
+
+// TestManyConcurrentWaiters attaches 100 files at once while 100 waiters,
+// subscribed before, wait for them.
+func TestManyConcurrentWaiters(t *testing.T) {
+	requireRoot(t)
+	const n = 100
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	files := make([]string, n)
+	waiters := make([]*Waiter, n)
+	results := make([]<-chan waitResult, n)
+	for i := range n {
+		files[i] = testFile(t, dir, fmt.Sprintf("%03d.img", i), 1<<20)
+		waiters[i] = l.Subscribe(MatchLoop(files[i]))
+		defer waiters[i].Close()
+	}
+	for i := range n {
+		results[i] = startWait(t, ctx, waiters[i])
+	}
+	attached := make([]*Device, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() { attached[i], errs[i] = AttachLoop(ctx, l, files[i], false) })
+	}
+	wg.Wait()
+	t.Cleanup(func() {
+		for _, d := range attached {
+			if d != nil {
+				detachForTest(t, d)
+			}
+		}
+	})
+	names := map[string]bool{}
+	for i := range n {
+		if errs[i] != nil {
+			t.Fatalf("attach %s: %v", files[i], errs[i])
+		}
+		d := expectDevice(t, results[i], attached[i].Name)
+		if d.ID.BackingFile != files[i] {
+			t.Errorf("waiter %d got %s backed by %s", i, d.Name, d.ID.BackingFile)
+		}
+		if names[d.Name] {
+			t.Errorf("%s attached twice", d.Name)
+		}
+		names[d.Name] = true
+	}
+}
+
+// TestVerifyDetectsSwappedBackingFile re-binds the same loop device to
+// another file behind the Device's back.
+func TestVerifyDetectsSwappedBackingFile(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	a := testFile(t, dir, "a.img", 1<<20)
+	b := testFile(t, dir, "b.img", 1<<20)
+	d, err := AttachLoop(ctx, l, a, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := clearLoop(d.Name); err != nil {
+		t.Fatal(err)
+	}
+	bf, err := os.OpenFile(b, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bf.Close()
+	if err := configureLoop(d.Name, bf, b, false); err != nil {
+		t.Fatal(err)
+	}
+	swapped, err := Lookup(d.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { detachForTest(t, swapped) })
+
+	err = d.Verify()
+	if !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), a) || !strings.Contains(err.Error(), b) {
+		t.Fatalf("Verify after swap: %v; want ErrFailedPrecondition naming %s and %s", err, a, b)
+	}
+	t.Log(err)
+	// DetachLoop with the stale Device leaves the other file's device alone.
+	if err := DetachLoop(d); err != nil {
+		t.Fatal(err)
+	}
+	if cur, err := FindLoop(b); err != nil || cur.Name != d.Name {
+		t.Errorf("DetachLoop of the stale device detached %s: %v", b, err)
+	}
+	// Same file again on the same name: the disk sequence number tells.
+	if err := clearLoop(d.Name); err != nil {
+		t.Fatal(err)
+	}
+	af, err := os.OpenFile(a, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer af.Close()
+	if err := configureLoop(d.Name, af, a, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Verify(); !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "sequence") {
+		t.Errorf("Verify after re-attach of the same file: %v", err)
+	}
+}
+
+func TestDetachBusy(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	file := testFile(t, t.TempDir(), "busy.img", 1<<20)
+	d, err := AttachLoop(ctx, l, file, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	holder, err := os.Open(d.Path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := DetachLoop(d); !errors.Is(err, errdefs.ErrBusy) {
+		t.Errorf("detach while open: %v, want ErrBusy", err)
+	}
+	holder.Close()
+	// The kernel detached it at the last close.
+	if err := DetachLoop(d); err != nil {
+		t.Errorf("detach after close: %v", err)
+	}
+	if _, err := FindLoop(file); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("still attached: %v", err)
+	}
+}
+
+// TestOverflowRescan fills the socket's receive queue while the receive
+// loop is stalled, so the attach event is lost: the waiter must still
+// find the device through the rescan that ENOBUFS triggers.
+func TestOverflowRescan(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	stall := make(chan struct{})
+	var once sync.Once
+	stalled := make(chan struct{})
+	hook := func(EventInfo) {
+		once.Do(func() { close(stalled); <-stall })
+	}
+	l := newTestListener(t, WithReceiveBuffer(4096), WithEventHook(hook), WithUdev(false))
+	helper := newTestListener(t)
+	dir := t.TempDir()
+	flood := attachForTest(t, ctx, helper, testFile(t, dir, "flood.img", 1<<20))
+	file := testFile(t, dir, "x.img", 1<<20)
+
+	w := l.Subscribe(MatchLoop(file))
+	defer w.Close()
+	res := startWait(t, ctx, w)
+	// The first event stalls the receive loop; the rest overflow the queue.
+	for range 200 {
+		if err := os.WriteFile(filepath.Join(flood.sysPath, "uevent"), []byte("change"), 0o200); err != nil {
+			t.Fatal(err)
+		}
+	}
+	<-stalled
+	bf, err := os.OpenFile(file, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bf.Close()
+	name, err := configureFreeLoop(ctx, bf, file, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := Lookup(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { detachForTest(t, d) })
+	close(stall)
+	expectDevice(t, res, name)
+	if l.overflows.Load() == 0 {
+		t.Error("no overflow was seen; the test did not exercise the rescan")
+	}
+}
