@@ -1,0 +1,169 @@
+package devices
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// Device-mapper ioctl interface (<linux/dm-ioctl.h>), version 4.
+const (
+	dmVersionMajor   = 4
+	dmBufferFullFlag = 1 << 8
+	dmStatusBufSize  = 16 << 10
+	dmMaxBufSize     = 1 << 20
+)
+
+// dmControl is the device-mapper control node.
+func dmControl() string { return filepath.Join(devRoot, "mapper", "control") }
+
+// dmIoctl issues one device-mapper ioctl on the map with the given device
+// number. payload is placed after the header; the answer's header and data
+// area are returned. A buffer the kernel found too small is grown.
+func dmIoctl(req uint, major, minor uint32, flags uint32, payload []byte) (*unix.DmIoctl, []byte, error) {
+	ctl, err := os.OpenFile(dmControl(), os.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, nil, fmt.Errorf("open %s: %w (is dm_mod loaded?)", dmControl(), err)
+	}
+	defer ctl.Close()
+	size := dmStatusBufSize
+	for {
+		if size < unix.SizeofDmIoctl+len(payload) {
+			size = unix.SizeofDmIoctl + len(payload)
+		}
+		// uint64 backing keeps the header 8-byte aligned.
+		words := make([]uint64, (size+7)/8)
+		buf := unsafe.Slice((*byte)(unsafe.Pointer(&words[0])), len(words)*8)
+		hdr := (*unix.DmIoctl)(unsafe.Pointer(&words[0]))
+		hdr.Version = [3]uint32{dmVersionMajor, 0, 0}
+		hdr.Data_size = uint32(len(buf))
+		hdr.Data_start = unix.SizeofDmIoctl
+		hdr.Flags = flags
+		hdr.Dev = unix.Mkdev(major, minor)
+		copy(buf[unix.SizeofDmIoctl:], payload)
+		if err := ioctlPtr(ctl, req, &words[0]); err != nil {
+			return nil, nil, err
+		}
+		if hdr.Flags&dmBufferFullFlag != 0 && size < dmMaxBufSize {
+			size *= 4
+			continue
+		}
+		out := *hdr
+		end := min(int(hdr.Data_size), len(buf))
+		start := min(int(hdr.Data_start), end)
+		return &out, append([]byte(nil), buf[start:end]...), nil
+	}
+}
+
+// dmTarget is one target line of a table status.
+type dmTarget struct {
+	start, length uint64
+	typ           string
+	params        string
+}
+
+// dmTableStatus returns the status of the live table's targets
+// (DM_TABLE_STATUS, as `dmsetup status`).
+func dmTableStatus(major, minor uint32) (*unix.DmIoctl, []dmTarget, error) {
+	hdr, data, err := dmIoctl(unix.DM_TABLE_STATUS, major, minor, 0, nil)
+	if err != nil {
+		return nil, nil, fmt.Errorf("DM_TABLE_STATUS %d:%d: %w", major, minor, err)
+	}
+	var out []dmTarget
+	off := 0
+	for i := uint32(0); i < hdr.Target_count; i++ {
+		if off+unix.SizeofDmTargetSpec > len(data) {
+			return nil, nil, fmt.Errorf("DM_TABLE_STATUS %d:%d: target %d lies outside the answer", major, minor, i)
+		}
+		spec := (*unix.DmTargetSpec)(unsafe.Pointer(&data[off]))
+		params := data[off+unix.SizeofDmTargetSpec:]
+		if n := indexNUL(params); n >= 0 {
+			params = params[:n]
+		}
+		out = append(out, dmTarget{
+			start: spec.Sector_start, length: spec.Length,
+			typ:    string(spec.Target_type[:max(0, indexNUL(spec.Target_type[:]))]),
+			params: string(params),
+		})
+		if spec.Next == 0 {
+			break
+		}
+		off += int(spec.Next)
+	}
+	return hdr, out, nil
+}
+
+func indexNUL(b []byte) int {
+	for i, c := range b {
+		if c == 0 {
+			return i
+		}
+	}
+	return len(b)
+}
+
+// dmTargetMessage sends a message to the target at sector 0 of a map
+// (DM_TARGET_MSG, as `dmsetup message`).
+func dmTargetMessage(major, minor uint32, msg string) error {
+	payload := make([]byte, 8+len(msg)+1) // struct dm_target_msg { __u64 sector; char message[]; }
+	copy(payload[8:], msg)
+	if _, _, err := dmIoctl(unix.DM_TARGET_MSG, major, minor, 0, payload); err != nil {
+		return fmt.Errorf("DM_TARGET_MSG %d:%d %q: %w", major, minor, msg, err)
+	}
+	return nil
+}
+
+// dmRemove removes a map (DM_DEV_REMOVE). EBUSY means it is open.
+func dmRemove(major, minor uint32) error {
+	if _, _, err := dmIoctl(unix.DM_DEV_REMOVE, major, minor, 0, nil); err != nil {
+		return fmt.Errorf("DM_DEV_REMOVE %d:%d: %w", major, minor, err)
+	}
+	return nil
+}
+
+// dmOpenCount returns how many times the map is open (DM_DEV_STATUS).
+func dmOpenCount(major, minor uint32) (int, error) {
+	hdr, _, err := dmIoctl(unix.DM_DEV_STATUS, major, minor, 0, nil)
+	if err != nil {
+		return 0, fmt.Errorf("DM_DEV_STATUS %d:%d: %w", major, minor, err)
+	}
+	return int(hdr.Open_count), nil
+}
+
+// MultipathPaths lists the paths of a dm-multipath map with the map's view
+// of each (DM_TABLE_STATUS ioctl, no dmsetup or multipathd needed) and the
+// SCSI state of the path device.
+func MultipathPaths(dm *Device) ([]PathState, error) {
+	if dm == nil || dm.ID.Kind != KindDM {
+		return nil, fmt.Errorf("multipath paths: %v is not a device-mapper map: %w", dm, errdefs.ErrInvalidArgument)
+	}
+	_, targets, err := dmTableStatus(dm.Major, dm.Minor)
+	if err != nil {
+		return nil, fmt.Errorf("multipath paths of %s: %w", dm.Path, err)
+	}
+	var out []PathState
+	for _, t := range targets {
+		if t.typ != "multipath" {
+			return nil, fmt.Errorf("multipath paths of %s: target type %q, not multipath: %w", dm.Path, t.typ, errdefs.ErrInvalidArgument)
+		}
+		paths, err := parseMultipathStatus(t.params)
+		if err != nil {
+			return nil, fmt.Errorf("multipath paths of %s: %w", dm.Path, err)
+		}
+		for _, p := range paths {
+			maj, min, _ := parseMajorMinor(p.dev)
+			ps := PathState{Major: maj, Minor: min, Active: p.active, FailCount: p.failCount, Group: p.group, GroupState: p.groupState}
+			if link, err := os.Readlink(filepath.Join(sysfsRoot, "dev", "block", p.dev)); err == nil {
+				ps.Name = filepath.Base(link)
+				ps.SCSIState, _ = readAttr(filepath.Join(sysfsRoot, "class", "block", ps.Name), "device/state")
+			}
+			out = append(out, ps)
+		}
+	}
+	return out, nil
+}
