@@ -2,7 +2,9 @@ package fs
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
@@ -53,9 +55,10 @@ func mountsOfDevice(rdev uint64) ([]*mountinfo.Info, error) {
 }
 
 // Resize grows the filesystem on devPath to fill the device. ext4 is
-// grown with resize2fs on the device (online when mounted); xfs only
-// online, with xfs_growfs on mountPath. When mountPath is given it must be
-// the mount point of devPath. Growing a filesystem that already fills the
+// grown with resize2fs on the device: online when mounted, else after the
+// full `e2fsck -f -p` check resize2fs requires. xfs grows only online,
+// with xfs_growfs on mountPath. When mountPath is given it must be the
+// mount point of devPath. Growing a filesystem that already fills the
 // device succeeds and changes nothing.
 func Resize(ctx context.Context, devPath, mountPath, fsType string) error {
 	if err := checkFsType(fsType); err != nil {
@@ -88,7 +91,26 @@ func Resize(ctx context.Context, devPath, mountPath, fsType string) error {
 	defer release()
 	switch fsType {
 	case Ext4:
+		if mountPath == "" {
+			mounts, err := mountsOfDevice(rdev)
+			if err != nil {
+				return fmt.Errorf("resize %s: %w", devPath, err)
+			}
+			if len(mounts) == 0 {
+				// Offline, resize2fs insists on a fresh full check.
+				_, err := runTool(ctx, "e2fsck", "-f", "-p", "--", devPath)
+				if err := fsckResult(devPath, err); err != nil {
+					return fmt.Errorf("resize %s: %w", devPath, err)
+				}
+			}
+		}
 		_, err = runTool(ctx, "resize2fs", "--", devPath)
+		var te *ToolError
+		if errors.As(err, &te) && strings.Contains(te.Stderr, "Permission denied to resize") {
+			// EXT4_IOC_RESIZE_FS needs CAP_SYS_RESOURCE.
+			te.Kind = errdefs.ErrUnavailable
+			return fmt.Errorf("resize %s: the kernel refused the online resize; the agent needs CAP_SYS_RESOURCE: %w", devPath, err)
+		}
 	case XFS:
 		_, err = runTool(ctx, "xfs_growfs", "-d", "--", mountPath)
 	}

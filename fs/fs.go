@@ -59,11 +59,11 @@ func (s Signature) String() string {
 	var b strings.Builder
 	switch s.Type {
 	case typeUnknownData:
-		fmt.Fprintf(&b, "unrecognised non-zero data (first non-zero byte at offset %d)", s.Offset)
+		fmt.Fprintf(&b, "%s (unrecognised non-zero data, first non-zero byte at offset %d)", s.Type, s.Offset)
 	case typeGPTBackup:
-		b.WriteString("a GPT backup header in the last block (primary GPT erased)")
+		fmt.Fprintf(&b, "%s (a GPT backup header in the last block, primary GPT erased)", s.Type)
 	case typeAmbivalent:
-		b.WriteString("several conflicting signatures (blkid -p reports an ambivalent result)")
+		fmt.Fprintf(&b, "%s (several conflicting signatures)", s.Type)
 	default:
 		if s.Usage != "" {
 			fmt.Fprintf(&b, "%s signature %q", s.Usage, s.Type)

@@ -1,0 +1,762 @@
+package fs
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+const mib = 1 << 20
+
+// needRoot skips a host test when not root, but fails it in CI
+// (BERTH_CI=1), where a skip would hide a regression.
+func needRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		skipOrFail(t, "host test needs root (loop devices, mount)")
+	}
+}
+
+// needTools skips (fails in CI) when a tool the test drives is missing.
+func needTools(t *testing.T, names ...string) {
+	t.Helper()
+	for _, n := range names {
+		if _, err := lookTool(n); err != nil {
+			skipOrFail(t, fmt.Sprintf("host test needs %s (make deps): %v", n, err))
+		}
+	}
+}
+
+func skipOrFail(t *testing.T, why string) {
+	t.Helper()
+	if os.Getenv("BERTH_CI") == "1" {
+		t.Fatalf("%s; BERTH_CI=1 forbids skipping", why)
+	}
+	t.Skip(why)
+}
+
+func run(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	out, err := exec.Command(name, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %s: %v: %s", name, strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// sparseFile creates a sparse file of size bytes in a test directory and
+// lets prepare write to it before it is attached.
+func sparseFile(t *testing.T, size int64) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "backing.img")
+	f, err := os.Create(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// attachLoop attaches file to a free loop device, detached at cleanup.
+func attachLoop(t *testing.T, file string) string {
+	t.Helper()
+	dev := strings.TrimSpace(run(t, "losetup", "--find", "--show", "--", file))
+	t.Cleanup(func() {
+		if out, err := exec.Command("losetup", "--detach", dev).CombinedOutput(); err != nil {
+			t.Errorf("losetup --detach %s: %v: %s", dev, err, out)
+		}
+	})
+	return dev
+}
+
+// newLoop is a loop device over a fresh sparse file.
+func newLoop(t *testing.T, size int64) (dev, file string) {
+	t.Helper()
+	file = sparseFile(t, size)
+	return attachLoop(t, file), file
+}
+
+func hashFile(t *testing.T, p string) [32]byte {
+	t.Helper()
+	f, err := os.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		t.Fatal(err)
+	}
+	return [32]byte(h.Sum(nil))
+}
+
+func writeAt(t *testing.T, p string, off int64, b []byte) {
+	t.Helper()
+	f, err := os.OpenFile(p, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteAt(b, off); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestHostEnsureFilesystemFormatsBlank(t *testing.T) {
+	needRoot(t)
+	for _, tc := range []struct {
+		fsType, label string
+		size          int64
+	}{
+		{Ext4, "berth-ext4", 64 * mib},
+		{XFS, "berth-xfs", 320 * mib}, // xfsprogs refuses filesystems under 300 MB
+	} {
+		t.Run(tc.fsType, func(t *testing.T) {
+			needTools(t, "blkid", "mkfs."+tc.fsType)
+			dev, _ := newLoop(t, tc.size)
+			ctx := context.Background()
+			if sig, err := Probe(ctx, dev); err != nil || !sig.Blank() {
+				t.Fatalf("fresh device: Probe = %+v, %v; want blank", sig, err)
+			}
+			formatted, err := EnsureFilesystem(ctx, dev, tc.fsType, MkfsOptions{Label: tc.label})
+			if err != nil || !formatted {
+				t.Fatalf("EnsureFilesystem = %v, %v; want formatted", formatted, err)
+			}
+			sig, err := Probe(ctx, dev)
+			if err != nil || sig.Type != tc.fsType || sig.Label != tc.label || sig.UUID == "" {
+				t.Fatalf("after format: Probe = %+v, %v", sig, err)
+			}
+			formatted, err = EnsureFilesystem(ctx, dev, tc.fsType, MkfsOptions{Label: "other"})
+			if err != nil || formatted {
+				t.Fatalf("second EnsureFilesystem = %v, %v; want reuse", formatted, err)
+			}
+			if again, _ := Probe(ctx, dev); again.UUID != sig.UUID || again.Label != tc.label {
+				t.Fatalf("second EnsureFilesystem changed the filesystem: %+v -> %+v", sig, again)
+			}
+		})
+	}
+}
+
+func TestHostEnsureFilesystemReusesExisting(t *testing.T) {
+	needRoot(t)
+	needTools(t, "blkid", "mkfs.ext4")
+	file := sparseFile(t, 64*mib)
+	const uuid = "0b4a5bde-7a3c-4c5e-9f36-3d8e1c2b7a10"
+	run(t, "/usr/sbin/mkfs.ext4", "-q", "-F", "-U", uuid, file)
+	dev := attachLoop(t, file)
+	before := hashFile(t, file)
+	formatted, err := EnsureFilesystem(context.Background(), dev, Ext4, MkfsOptions{})
+	if err != nil || formatted {
+		t.Fatalf("EnsureFilesystem = %v, %v; want existing ext4 reused", formatted, err)
+	}
+	if hashFile(t, file) != before {
+		t.Fatal("device bytes changed")
+	}
+	if sig, _ := Probe(context.Background(), dev); sig.UUID != uuid {
+		t.Fatalf("uuid %q, want %q", sig.UUID, uuid)
+	}
+}
+
+// mbr returns a DOS partition table with one Linux partition, for hosts
+// without sfdisk.
+func mbr() []byte {
+	b := make([]byte, 512)
+	binary.LittleEndian.PutUint32(b[440:], 0x5eed0001) // disk identifier
+	e := b[446:462]
+	e[4] = 0x83                                  // Linux
+	binary.LittleEndian.PutUint32(e[8:], 2048)   // first LBA
+	binary.LittleEndian.PutUint32(e[12:], 20480) // sectors
+	b[510], b[511] = 0x55, 0xaa
+	return b
+}
+
+// luks1Header returns a LUKS1 header (cryptsetup's on-disk format).
+func luks1Header() []byte {
+	b := make([]byte, 592)
+	copy(b, "LUKS\xba\xbe")
+	binary.BigEndian.PutUint16(b[6:], 1)
+	copy(b[8:], "aes")
+	copy(b[40:], "xts-plain64")
+	copy(b[72:], "sha256")
+	binary.BigEndian.PutUint32(b[104:], 4096) // payload offset
+	binary.BigEndian.PutUint32(b[108:], 64)   // key bytes
+	copy(b[168:], "6b3c1f0e-8d3e-4f7a-9c2b-0a1b2c3d4e5f")
+	return b
+}
+
+// md090 returns an md 0.90 superblock and its offset on a device of size
+// bytes: the last 64 KiB-aligned 64 KiB block, far outside the first MiB.
+func md090(size int64) ([]byte, int64) {
+	b := make([]byte, 4096)
+	for i, v := range []uint32{0xa92b4efc, 0, 90, 0, 0, 0x11111111, 0, 1, 0, 2, 2, 0, 0, 0x22222222, 0x33333333, 0x44444444} {
+		binary.LittleEndian.PutUint32(b[4*i:], v)
+	}
+	return b, size&^(64*1024-1) - 64*1024
+}
+
+func TestHostEnsureFilesystemRefuses(t *testing.T) {
+	needRoot(t)
+	needTools(t, "blkid", "mkfs.ext4", "mkfs.xfs")
+	const size = 64 * mib
+	_, hasSfdisk := exec.LookPath("sfdisk")
+	_, hasMkswap := exec.LookPath("mkswap")
+	for _, tc := range []struct {
+		name      string
+		requested string
+		prepare   func(t *testing.T, file string)
+		wantType  string
+	}{
+		{"xfs when ext4 requested", Ext4, func(t *testing.T, f string) {
+			// xfsprogs refuses filesystems under 300 MB.
+			if err := os.Truncate(f, 320*mib); err != nil {
+				t.Fatal(err)
+			}
+			run(t, "/usr/sbin/mkfs.xfs", "-q", "-f", f)
+		}, "xfs"},
+		{"ext4 when xfs requested", XFS, func(t *testing.T, f string) { run(t, "/usr/sbin/mkfs.ext4", "-q", "-F", f) }, "ext4"},
+		{"gpt partition table", Ext4, func(t *testing.T, f string) {
+			if hasSfdisk != nil {
+				skipOrFail(t, "sfdisk missing (make deps)")
+			}
+			cmd := exec.Command("sfdisk", "-q", f)
+			cmd.Stdin = strings.NewReader("label: gpt\nsize=8MiB, type=linux\n")
+			if out, err := cmd.CombinedOutput(); err != nil {
+				t.Fatalf("sfdisk: %v: %s", err, out)
+			}
+		}, "gpt"},
+		{"dos partition table", Ext4, func(t *testing.T, f string) { writeAt(t, f, 0, mbr()) }, "dos"},
+		{"gpt backup header only", XFS, func(t *testing.T, f string) {
+			if hasSfdisk != nil {
+				skipOrFail(t, "sfdisk missing (make deps)")
+			}
+			cmd := exec.Command("sfdisk", "-q", f)
+			cmd.Stdin = strings.NewReader("label: gpt\n")
+			if out, err := cmd.CombinedOutput(); err != nil {
+				t.Fatalf("sfdisk: %v: %s", err, out)
+			}
+			writeAt(t, f, 0, make([]byte, mib)) // erase MBR and primary GPT
+		}, "gpt-backup"},
+		{"luks header", Ext4, func(t *testing.T, f string) { writeAt(t, f, 0, luks1Header()) }, "crypto_LUKS"},
+		{"swap", Ext4, func(t *testing.T, f string) {
+			if hasMkswap != nil {
+				skipOrFail(t, "mkswap missing (make deps)")
+			}
+			run(t, "mkswap", f)
+		}, "swap"},
+		{"md 0.90 superblock at the end", Ext4, func(t *testing.T, f string) {
+			sb, off := md090(size)
+			writeAt(t, f, off, sb)
+		}, "linux_raid_member"},
+		{"random bytes in the first MiB", Ext4, func(t *testing.T, f string) {
+			b := make([]byte, 16)
+			rand.Read(b)
+			b[0] |= 1
+			writeAt(t, f, 700*1024, b)
+		}, "unknown-data"},
+		{"one byte at the end", XFS, func(t *testing.T, f string) { writeAt(t, f, size-1, []byte{1}) }, "unknown-data"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			file := sparseFile(t, size)
+			tc.prepare(t, file)
+			dev := attachLoop(t, file)
+			before := hashFile(t, file)
+
+			sig, err := Probe(context.Background(), dev)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if sig.Type != tc.wantType {
+				t.Errorf("Probe = %+v, want type %q", sig, tc.wantType)
+			}
+			formatted, err := EnsureFilesystem(context.Background(), dev, tc.requested, MkfsOptions{})
+			if err == nil || formatted {
+				t.Fatalf("EnsureFilesystem(%s) = %v, %v; want refusal", tc.requested, formatted, err)
+			}
+			if !errors.Is(err, errdefs.ErrFailedPrecondition) {
+				t.Errorf("error %v does not wrap ErrFailedPrecondition", err)
+			}
+			if !strings.Contains(err.Error(), tc.wantType) || !strings.Contains(err.Error(), dev) {
+				t.Errorf("error %q does not name %q and the device", err, tc.wantType)
+			}
+			if hashFile(t, file) != before {
+				t.Fatal("device bytes changed")
+			}
+			t.Logf("refused: %v", err)
+		})
+	}
+}
+
+func TestHostEnsureFilesystemBadInput(t *testing.T) {
+	needRoot(t)
+	dev, file := newLoop(t, 8*mib)
+	ctx := context.Background()
+	for _, tc := range []struct {
+		dev, fsType string
+		opt         MkfsOptions
+		want        error
+	}{
+		{dev, "btrfs", MkfsOptions{}, errdefs.ErrInvalidArgument},
+		{dev, Ext4, MkfsOptions{ExtraArgs: []string{"/dev/sda"}}, errdefs.ErrInvalidArgument},
+		{file, Ext4, MkfsOptions{}, errdefs.ErrInvalidArgument}, // a regular file
+		{"/dev/berth-no-such-device", Ext4, MkfsOptions{}, errdefs.ErrNotFound},
+	} {
+		if _, err := EnsureFilesystem(ctx, tc.dev, tc.fsType, tc.opt); !errors.Is(err, tc.want) {
+			t.Errorf("EnsureFilesystem(%s, %s, %+v) = %v, want %v", tc.dev, tc.fsType, tc.opt, err, tc.want)
+		}
+	}
+	if sig, err := Probe(ctx, dev); err != nil || !sig.Blank() {
+		t.Errorf("device touched: %+v %v", sig, err)
+	}
+}
+
+func TestHostFsck(t *testing.T) {
+	needRoot(t)
+	needTools(t, "blkid", "mkfs.ext4", "e2fsck", "debugfs")
+	ctx := context.Background()
+	t.Run("clean", func(t *testing.T) {
+		dev, _ := newLoop(t, 32*mib)
+		if _, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if err := Fsck(ctx, dev, Ext4); err != nil {
+			t.Fatal(err)
+		}
+		if err := Fsck(ctx, dev, XFS); err != nil {
+			t.Fatalf("xfs is never checked, got %v", err)
+		}
+	})
+	t.Run("uncorrectable", func(t *testing.T) {
+		file := sparseFile(t, 32*mib)
+		run(t, "/usr/sbin/mkfs.ext4", "-q", "-F", file)
+		// Clearing the root inode is beyond what preen mode may fix;
+		// state 0 ("not clean") makes preen mode look at all.
+		run(t, "debugfs", "-w", "-R", "clri <2>", file)
+		run(t, "debugfs", "-w", "-R", "ssv state 0", file)
+		dev := attachLoop(t, file)
+		err := Fsck(ctx, dev, Ext4)
+		if !errors.Is(err, errdefs.ErrFailedPrecondition) {
+			t.Fatalf("Fsck = %v, want ErrFailedPrecondition", err)
+		}
+		var te *ToolError
+		if !errors.As(err, &te) || te.ExitCode&fsckUncorrected == 0 || !strings.Contains(err.Error(), "MANUALLY") {
+			t.Fatalf("error %v lacks e2fsck's exit status 4 or its output", err)
+		}
+	})
+	t.Run("corrected", func(t *testing.T) {
+		file := sparseFile(t, 32*mib)
+		run(t, "/usr/sbin/mkfs.ext4", "-q", "-F", file)
+		run(t, "debugfs", "-w", "-R", "ssv state 0", file)
+		dev := attachLoop(t, file)
+		if err := Fsck(ctx, dev, Ext4); err != nil {
+			t.Fatalf("Fsck of a not-cleanly-unmounted filesystem = %v, want nil (exit 1)", err)
+		}
+		// The check ran and marked the filesystem clean.
+		out := run(t, "dumpe2fs", "-h", dev)
+		if !regexp.MustCompile(`(?m)^Filesystem state:\s+clean$`).MatchString(out) {
+			t.Fatalf("filesystem not clean after Fsck:\n%s", out)
+		}
+	})
+	t.Run("mounted is skipped", func(t *testing.T) {
+		dev, _ := newLoop(t, 32*mib)
+		if _, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		mnt := t.TempDir()
+		if err := Mount(dev, mnt, Ext4, 0, ""); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { Unmount(mnt) })
+		if err := Fsck(ctx, dev, Ext4); err != nil {
+			t.Fatalf("Fsck on a mounted filesystem = %v, want nil (skipped)", err)
+		}
+	})
+}
+
+// mounted formats a fresh loop device and mounts it; unmounted at cleanup.
+func mounted(t *testing.T, fsType string, size int64) (dev, file, mnt string) {
+	t.Helper()
+	needTools(t, "blkid", "mkfs."+fsType)
+	dev, file = newLoop(t, size)
+	if _, err := EnsureFilesystem(context.Background(), dev, fsType, MkfsOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	mnt = t.TempDir()
+	if err := Mount(dev, mnt, fsType, MS_NODEV|MS_NOSUID, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := Unmount(mnt); err != nil {
+			t.Error(err)
+		}
+	})
+	return dev, file, mnt
+}
+
+func TestHostMountBindUnmount(t *testing.T) {
+	needRoot(t)
+	dev, _, mnt := mounted(t, Ext4, 64*mib)
+
+	ok, err := IsMountPoint(mnt)
+	if err != nil || !ok {
+		t.Fatalf("IsMountPoint(staging) = %v, %v", ok, err)
+	}
+	mi, err := MountInfo(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(dev, &st); err != nil {
+		t.Fatal(err)
+	}
+	if mi.Source != dev || mi.FSType != Ext4 || mi.Major != int(unix.Major(st.Rdev)) || mi.Minor != int(unix.Minor(st.Rdev)) {
+		t.Errorf("MountInfo = %+v, want %s ext4 %d:%d", mi, dev, unix.Major(st.Rdev), unix.Minor(st.Rdev))
+	}
+	if !hasOpt(mi.Options, "nodev") || !hasOpt(mi.Options, "nosuid") || !hasOpt(mi.Options, "rw") {
+		t.Errorf("mount options %q lack rw,nodev,nosuid", mi.Options)
+	}
+
+	// Read-write bind.
+	rwTarget := t.TempDir()
+	if err := BindMount(mnt, rwTarget, false, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(rwTarget, "through-bind"), []byte("x"), 0o644); err != nil {
+		t.Fatalf("write through rw bind: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(mnt, "through-bind")); err != nil {
+		t.Fatalf("write through the bind not visible in staging: %v", err)
+	}
+
+	// Read-only bind with extra flags; the staging mount stays writable.
+	roTarget := t.TempDir()
+	if err := BindMount(mnt, roTarget, true, MS_NOEXEC); err != nil {
+		t.Fatal(err)
+	}
+	err = os.WriteFile(filepath.Join(roTarget, "denied"), []byte("x"), 0o644)
+	if !errors.Is(err, unix.EROFS) {
+		t.Fatalf("write through ro bind: %v, want EROFS", err)
+	}
+	roInfo, err := MountInfo(roTarget)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, o := range []string{"ro", "noexec", "nodev", "nosuid"} {
+		if !hasOpt(roInfo.Options, o) {
+			t.Errorf("ro bind options %q lack %s (flags of the source must be kept)", roInfo.Options, o)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(mnt, "still-rw"), []byte("x"), 0o644); err != nil {
+		t.Fatalf("staging became read-only: %v", err)
+	}
+
+	if err := BindMount(mnt, t.TempDir(), false, MS_SYNCHRONOUS); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("bind with a superblock flag: %v, want ErrInvalidArgument", err)
+	}
+
+	for _, target := range []string{roTarget, rwTarget} {
+		if err := Unmount(target); err != nil {
+			t.Fatal(err)
+		}
+		if ok, err := IsMountPoint(target); err != nil || ok {
+			t.Fatalf("after Unmount(%s): IsMountPoint = %v, %v", target, ok, err)
+		}
+		if err := Unmount(target); err != nil {
+			t.Fatalf("second Unmount(%s) = %v, want nil", target, err)
+		}
+		if _, err := MountInfo(target); !errors.Is(err, errdefs.ErrNotFound) {
+			t.Fatalf("MountInfo(unmounted) = %v, want ErrNotFound", err)
+		}
+	}
+	if err := Unmount(filepath.Join(t.TempDir(), "missing")); err != nil {
+		t.Errorf("Unmount(missing path) = %v, want nil", err)
+	}
+}
+
+func hasOpt(opts, o string) bool {
+	for _, x := range strings.Split(opts, ",") {
+		if x == o {
+			return true
+		}
+	}
+	return false
+}
+
+func TestHostMountErrors(t *testing.T) {
+	needRoot(t)
+	needTools(t, "blkid", "mkfs.ext4")
+	dev, _ := newLoop(t, 32*mib)
+	if _, err := EnsureFilesystem(context.Background(), dev, Ext4, MkfsOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := Mount(dev, filepath.Join(t.TempDir(), "missing"), Ext4, 0, "")
+	if !errors.Is(err, errdefs.ErrNotFound) || !errors.Is(err, unix.ENOENT) {
+		t.Errorf("mount on a missing target: %v, want ErrNotFound", err)
+	}
+	mnt := t.TempDir()
+	err = Mount(dev, mnt, Ext4, 0, "inode64") // an xfs option
+	var me *MountError
+	if !errors.As(err, &me) || !errors.Is(err, unix.EINVAL) || !strings.Contains(err.Error(), "inode64") {
+		t.Errorf("ext4 with an xfs option: %v, want EINVAL naming the options", err)
+	}
+	if ok, _ := IsMountPoint(mnt); ok {
+		t.Error("failed mount left a mount point")
+	}
+	if err := Mount(dev, mnt, XFS, 0, ""); err == nil {
+		Unmount(mnt)
+		t.Error("ext4 mounted as xfs")
+	}
+	if err := Mount("relative", mnt, Ext4, 0, ""); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("relative source: %v", err)
+	}
+}
+
+func TestHostUnmountStacked(t *testing.T) {
+	needRoot(t)
+	_, _, mnt := mounted(t, Ext4, 32*mib)
+	target := t.TempDir()
+	for range 3 {
+		if err := BindMount(mnt, target, false, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := Unmount(target); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := IsMountPoint(target); err != nil || ok {
+		t.Fatalf("after Unmount of 3 stacked binds: IsMountPoint = %v, %v", ok, err)
+	}
+}
+
+func TestHostIsMountPointMethodsAgree(t *testing.T) {
+	needRoot(t)
+	_, _, mnt := mounted(t, Ext4, 32*mib)
+	plain := t.TempDir()
+	sub := filepath.Join(mnt, "sub")
+	if err := os.Mkdir(sub, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(t.TempDir(), "link")
+	if err := os.Symlink(mnt, link); err != nil {
+		t.Fatal(err)
+	}
+	fileTarget := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(fileTarget, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	srcFile := filepath.Join(mnt, "blockfile")
+	if err := os.WriteFile(srcFile, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := BindMount(srcFile, fileTarget, false, 0); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { Unmount(fileTarget) })
+
+	want := map[string]bool{"/": true, "/proc": true, mnt: true, fileTarget: true, plain: false, sub: false, link: false, mnt + "/": true}
+	methods := map[string]func(string) (bool, error){
+		"statx": isMountPointStatx, "openat2": isMountPointOpenat2, "mountinfo": isMountPointMountinfo,
+	}
+	for p, w := range want {
+		got, err := IsMountPoint(p)
+		if err != nil || got != w {
+			t.Errorf("IsMountPoint(%s) = %v, %v; want %v", p, got, err, w)
+		}
+		for name, m := range methods {
+			got, err := m(filepath.Clean(p))
+			if err != nil || got != w {
+				t.Errorf("%s(%s) = %v, %v; want %v", name, p, got, err, w)
+			}
+		}
+	}
+	missing := filepath.Join(plain, "missing")
+	if _, err := IsMountPoint(missing); !errors.Is(err, errdefs.ErrNotFound) || !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("IsMountPoint(missing) = %v, want ErrNotFound and os.ErrNotExist", err)
+	}
+	for name, m := range methods {
+		if _, err := m(missing); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s(missing) = %v, want os.ErrNotExist", name, err)
+		}
+	}
+	if got := mountCheckMethod(); got != viaStatx {
+		t.Logf("this kernel uses mount check method %d, not statx", got)
+	}
+}
+
+func TestHostStatsAndSize(t *testing.T) {
+	needRoot(t)
+	const size = 128 * mib
+	dev, _, mnt := mounted(t, Ext4, size)
+	if n, err := BlockDeviceSize(dev); err != nil || n != size {
+		t.Fatalf("BlockDeviceSize = %d, %v; want %d", n, err, size)
+	}
+	before, err := FilesystemStats(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if before.TotalBytes < size*8/10 || before.TotalBytes > size {
+		t.Errorf("TotalBytes %d not within 80-100%% of %d", before.TotalBytes, size)
+	}
+	if before.AvailableBytes <= 0 || before.AvailableBytes > before.TotalBytes-before.UsedBytes {
+		t.Errorf("implausible stats %+v", before)
+	}
+	if before.TotalInodes <= 0 || before.UsedInodes+before.FreeInodes != before.TotalInodes {
+		t.Errorf("inode counts inconsistent: %+v", before)
+	}
+
+	data := make([]byte, 8*mib)
+	rand.Read(data)
+	f, err := os.Create(filepath.Join(mnt, "data"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Write(data); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	for i := range 100 {
+		if err := os.WriteFile(filepath.Join(mnt, fmt.Sprintf("f%d", i)), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	after, err := FilesystemStats(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := after.UsedBytes - before.UsedBytes; d < 8*mib || d > 10*mib {
+		t.Errorf("UsedBytes grew by %d after writing 8 MiB", d)
+	}
+	if d := after.UsedInodes - before.UsedInodes; d != 101 {
+		t.Errorf("UsedInodes grew by %d after creating 101 files", d)
+	}
+	if err := FlushBuffers(dev); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := BlockDeviceSize(filepath.Join(mnt, "data")); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("BlockDeviceSize(regular file) = %v, want ErrInvalidArgument", err)
+	}
+	if _, err := FilesystemStats(filepath.Join(mnt, "missing")); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("FilesystemStats(missing) = %v, want ErrNotFound", err)
+	}
+}
+
+func TestHostResizeOnline(t *testing.T) {
+	needRoot(t)
+	for _, tc := range []struct {
+		fsType        string
+		size, grownTo int64
+		tools         []string
+	}{
+		{Ext4, 64 * mib, 192 * mib, []string{"resize2fs"}},
+		{XFS, 320 * mib, 640 * mib, []string{"xfs_growfs"}},
+	} {
+		t.Run(tc.fsType, func(t *testing.T) {
+			needTools(t, tc.tools...)
+			dev, file, mnt := mounted(t, tc.fsType, tc.size)
+			before, err := FilesystemStats(mnt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Truncate(file, tc.grownTo); err != nil {
+				t.Fatal(err)
+			}
+			run(t, "losetup", "--set-capacity", dev)
+			if n, err := BlockDeviceSize(dev); err != nil || n != tc.grownTo {
+				t.Fatalf("BlockDeviceSize after growing = %d, %v; want %d", n, err, tc.grownTo)
+			}
+			ctx := context.Background()
+			err = Resize(ctx, dev, mnt, tc.fsType)
+			if tc.fsType == Ext4 && !hasCapability(t, unix.CAP_SYS_RESOURCE) {
+				// The kernel refuses EXT4_IOC_RESIZE_FS without
+				// CAP_SYS_RESOURCE: the error must say so, and the
+				// offline path must still grow the filesystem.
+				if !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "CAP_SYS_RESOURCE") {
+					t.Fatalf("online ext4 resize without CAP_SYS_RESOURCE: %v, want ErrUnavailable naming the capability", err)
+				}
+				t.Logf("no CAP_SYS_RESOURCE: online ext4 resize refused as expected (%v); growing offline", err)
+				if err := Unmount(mnt); err != nil {
+					t.Fatal(err)
+				}
+				if err := Resize(ctx, dev, "", Ext4); err != nil {
+					t.Fatal(err)
+				}
+				if err := Mount(dev, mnt, Ext4, 0, ""); err != nil {
+					t.Fatal(err)
+				}
+			} else if err != nil {
+				t.Fatal(err)
+			}
+			after, err := FilesystemStats(mnt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			grown := after.TotalBytes - before.TotalBytes
+			added := tc.grownTo - tc.size
+			if grown < added*9/10 || grown > added {
+				t.Errorf("TotalBytes %d -> %d: grew by %d, want about %d", before.TotalBytes, after.TotalBytes, grown, added)
+			}
+			t.Logf("%s: %d -> %d bytes", tc.fsType, before.TotalBytes, after.TotalBytes)
+			if err := Resize(ctx, dev, mnt, tc.fsType); err != nil {
+				t.Fatalf("second Resize: %v", err)
+			}
+			if again, _ := FilesystemStats(mnt); again.TotalBytes != after.TotalBytes {
+				t.Errorf("second Resize changed the size: %d -> %d", after.TotalBytes, again.TotalBytes)
+			}
+			other := t.TempDir()
+			if err := Resize(ctx, dev, other, tc.fsType); !errors.Is(err, errdefs.ErrNotFound) {
+				t.Errorf("Resize with an unmounted path: %v, want ErrNotFound", err)
+			}
+		})
+	}
+}
+
+func TestHostResizeWrongMount(t *testing.T) {
+	needRoot(t)
+	_, _, mnt := mounted(t, Ext4, 32*mib)
+	otherDev, _ := newLoop(t, 32*mib)
+	before, _ := Probe(context.Background(), otherDev)
+	if err := Resize(context.Background(), otherDev, mnt, Ext4); !errors.Is(err, errdefs.ErrFailedPrecondition) {
+		t.Fatalf("Resize of one device at another's mount: %v, want ErrFailedPrecondition", err)
+	}
+	if after, _ := Probe(context.Background(), otherDev); after != before || !bytes.Equal(nil, nil) {
+		t.Fatal("device changed")
+	}
+}
+
+// hasCapability reports whether the effective capability set holds c.
+func hasCapability(t *testing.T, c int) bool {
+	t.Helper()
+	status, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`(?m)^CapEff:\s*([0-9a-f]+)$`).FindSubmatch(status)
+	if m == nil {
+		t.Fatal("no CapEff in /proc/self/status")
+	}
+	var eff uint64
+	if _, err := fmt.Sscanf(string(m[1]), "%x", &eff); err != nil {
+		t.Fatal(err)
+	}
+	return eff&(1<<c) != 0
+}
