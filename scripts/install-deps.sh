@@ -7,6 +7,7 @@ pkgs=()
 need() { for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || pkgs+=("$p"); done; }
 
 need e2fsprogs xfsprogs util-linux mount
+need fdisk # sfdisk: fs host tests write partition tables
 need qemu-system-x86 qemu-utils busybox-static cpio mmdebstrap kmod zstd
 need systemd
 
