@@ -1,0 +1,500 @@
+package doctor
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+
+	"github.com/moby/sys/mountinfo"
+
+	"github.com/berth-csi/berth/nvmeof"
+)
+
+// Abstract unix sockets of the daemons berth talks to. Both are per
+// network namespace: a containerised berth needs hostNetwork.
+const (
+	iscsidSocket     = "@ISCSIADM_ABSTRACT_NAMESPACE"
+	multipathdSocket = "@/org/kernel/linux/storage/multipathd"
+)
+
+func kernelRelease(procRoot string) string {
+	b, err := os.ReadFile(filepath.Join(procRoot, "sys", "kernel", "osrelease"))
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
+}
+
+func defaultPath() []string {
+	var dirs []string
+	seen := map[string]bool{}
+	for _, d := range append(filepath.SplitList(os.Getenv("PATH")), "/usr/local/sbin", "/usr/sbin", "/sbin", "/usr/bin", "/bin") {
+		if d != "" && !seen[d] {
+			seen[d] = true
+			dirs = append(dirs, d)
+		}
+	}
+	return dirs
+}
+
+// modState is where a kernel module stands.
+type modState int
+
+const (
+	modMissing  modState = iota // not in this kernel's module tree
+	modLoadable                 // in modules.dep, not loaded
+	modBuiltin                  // compiled into the kernel
+	modLoaded                   // loaded module
+)
+
+// moduleName normalises a module name or a modules.dep path
+// ("kernel/drivers/nvme/host/nvme-tcp.ko.zst") to the kernel's name
+// ("nvme_tcp").
+func moduleName(s string) string {
+	s = filepath.Base(s)
+	if i := strings.Index(s, ".ko"); i >= 0 {
+		s = s[:i]
+	}
+	return strings.ReplaceAll(s, "-", "_")
+}
+
+// listsModule reports whether a modules.dep or modules.builtin file
+// names module m.
+func listsModule(r io.Reader, m string) (bool, error) {
+	s := bufio.NewScanner(r)
+	s.Buffer(make([]byte, 64*1024), 1024*1024)
+	for s.Scan() {
+		path, _, _ := strings.Cut(s.Text(), ":")
+		if moduleName(strings.TrimSpace(path)) == m {
+			return true, nil
+		}
+	}
+	return false, s.Err()
+}
+
+func moduleState(cfg *Config, m string) (modState, error) {
+	// initstate exists for loaded modules only; a built-in module may
+	// have a /sys/module directory (for its parameters) but no initstate.
+	if _, err := os.Stat(filepath.Join(cfg.SysRoot, "module", m, "initstate")); err == nil {
+		return modLoaded, nil
+	}
+	dir := filepath.Join(cfg.ModulesRoot, cfg.KernelRelease)
+	for _, f := range []struct {
+		name  string
+		state modState
+	}{{"modules.builtin", modBuiltin}, {"modules.dep", modLoadable}} {
+		file, err := os.Open(filepath.Join(dir, f.name))
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return modMissing, err
+		}
+		ok, err := listsModule(file, m)
+		file.Close()
+		if err != nil {
+			return modMissing, fmt.Errorf("read %s: %w", file.Name(), err)
+		}
+		if ok {
+			return f.state, nil
+		}
+	}
+	if _, err := os.Stat(filepath.Join(cfg.SysRoot, "module", m)); err == nil {
+		return modBuiltin, nil
+	}
+	if _, err := os.Stat(filepath.Join(dir, "modules.dep")); err != nil {
+		return modMissing, fmt.Errorf("no module list for kernel %s at %s (in a container, mount the host's /lib/modules read-only)", cfg.KernelRelease, dir)
+	}
+	return modMissing, nil
+}
+
+func checkModule(cfg *Config, m, what string) Check {
+	c := Check{Name: "module " + m}
+	st, err := moduleState(cfg, m)
+	persist := fmt.Sprintf("modprobe %s && echo %s > /etc/modules-load.d/%s.conf", m, m, m)
+	switch {
+	case st == modLoaded:
+		c.Status, c.Detail = OK, what+": loaded"
+	case st == modBuiltin:
+		c.Status, c.Detail = OK, what+": built into the kernel"
+	case st == modLoadable:
+		c.Status, c.Detail, c.Fix = Fail, what+": not loaded (available in kernel "+cfg.KernelRelease+")", persist
+	case err != nil:
+		c.Status, c.Detail, c.Fix = Fail, what+": not loaded, and "+err.Error(), persist
+	default:
+		c.Status, c.Detail = Fail, fmt.Sprintf("%s: not loaded and not available in kernel %s", what, cfg.KernelRelease)
+		c.Fix = fmt.Sprintf("install the kernel's extra modules (e.g. linux-modules-extra-%s) or use a kernel built with %s, then %s", cfg.KernelRelease, m, persist)
+	}
+	return c
+}
+
+func dialCheck(ctx context.Context, cfg *Config, addr string) error {
+	ctx, cancel := context.WithTimeout(ctx, cfg.Timeout)
+	defer cancel()
+	conn, err := cfg.Dial(ctx, "unix", addr)
+	if err != nil {
+		return err
+	}
+	return conn.Close()
+}
+
+func checkISCSId(ctx context.Context, cfg *Config) Check {
+	c := Check{Name: "iscsid"}
+	if err := dialCheck(ctx, cfg, iscsidSocket); err != nil {
+		c.Status = Fail
+		c.Detail = fmt.Sprintf("iscsid is not reachable on %s: %v", iscsidSocket, err)
+		c.Fix = "systemctl enable --now iscsid.socket iscsid.service (package open-iscsi); in a container berth needs hostNetwork: true, the socket is per network namespace"
+		return c
+	}
+	c.Status, c.Detail = OK, "iscsid answers on "+iscsidSocket
+	return c
+}
+
+var (
+	// RFC 3720 3.2.6.3: iqn.yyyy-mm.reversed.domain[:identifier],
+	// eui. + 16 hex digits, naa. + 16 or 32 hex digits.
+	iqnRE = regexp.MustCompile(`^iqn\.[0-9]{4}-(0[1-9]|1[0-2])\.[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[^\s]*)?$`)
+	euiRE = regexp.MustCompile(`^eui\.[0-9A-Fa-f]{16}$`)
+	naaRE = regexp.MustCompile(`^naa\.([0-9A-Fa-f]{16}|[0-9A-Fa-f]{32})$`)
+)
+
+func validISCSIName(s string) bool {
+	return len(s) <= 223 && (iqnRE.MatchString(s) || euiRE.MatchString(s) || naaRE.MatchString(s))
+}
+
+func checkInitiatorName(cfg *Config) Check {
+	path := filepath.Join(cfg.EtcRoot, "iscsi", "initiatorname.iscsi")
+	c := Check{Name: "iscsi initiator name"}
+	fix := fmt.Sprintf("echo \"InitiatorName=$(iscsi-iname)\" > %s && systemctl restart iscsid", path)
+	b, err := os.ReadFile(path)
+	if err != nil {
+		c.Status, c.Detail = Fail, fmt.Sprintf("cannot read %s: %v", path, err)
+		c.Fix = "install open-iscsi, which creates it, or " + fix
+		return c
+	}
+	var name string
+	generate := false
+	for _, line := range strings.Split(string(b), "\n") {
+		line = strings.TrimSpace(line)
+		if v, ok := strings.CutPrefix(line, "InitiatorName="); ok {
+			name = strings.TrimSpace(v)
+		}
+		if strings.HasPrefix(line, "GenerateName=") {
+			generate = true
+		}
+	}
+	switch {
+	case name == "" && generate:
+		c.Status, c.Detail = Fail, path+" asks for a generated name (GenerateName=yes) that was not written yet"
+		c.Fix = "systemctl restart iscsid (open-iscsi writes the name on start), or " + fix
+	case name == "":
+		c.Status, c.Detail, c.Fix = Fail, path+" has no InitiatorName= line", fix
+	case !validISCSIName(name):
+		c.Status, c.Detail, c.Fix = Fail, fmt.Sprintf("%s: %q is not an iqn., eui. or naa. name", path, name), fix
+	default:
+		c.Status, c.Detail = OK, name
+	}
+	return c
+}
+
+var uuidRE = regexp.MustCompile(`^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$`)
+
+const uuidNQNPrefix = "nqn.2014-08.org.nvmexpress:uuid:"
+
+func readTrimmed(path string) (string, bool, error) {
+	b, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", false, nil
+	}
+	if err != nil {
+		return "", false, err
+	}
+	return string(bytes.TrimSpace(b)), true, nil
+}
+
+func checkHostNQN(cfg *Config) Check {
+	c := Check{Name: "nvme host identity"}
+	nqnPath := filepath.Join(cfg.EtcRoot, "nvme", "hostnqn")
+	idPath := filepath.Join(cfg.EtcRoot, "nvme", "hostid")
+	nqn, haveNQN, err := readTrimmed(nqnPath)
+	if err != nil {
+		c.Status, c.Detail = Fail, fmt.Sprintf("read %s: %v", nqnPath, err)
+		return c
+	}
+	id, haveID, err := readTrimmed(idPath)
+	if err != nil {
+		c.Status, c.Detail = Fail, fmt.Sprintf("read %s: %v", idPath, err)
+		return c
+	}
+	gen := fmt.Sprintf("u=$(cat /proc/sys/kernel/random/uuid); echo $u > %s; echo %s$u > %s", idPath, uuidNQNPrefix, nqnPath)
+	if haveNQN {
+		if err := nvmeof.ValidateNQN("hostnqn", nqn); err != nil {
+			c.Status, c.Detail = Fail, fmt.Sprintf("%s: %v", nqnPath, err)
+			c.Fix = "write a valid NQN, e.g. " + gen + " (and register the new NQN on the targets)"
+			return c
+		}
+	}
+	if haveID && !uuidRE.MatchString(id) {
+		c.Status, c.Detail = Fail, fmt.Sprintf("%s: %q is not a UUID", idPath, id)
+		if u, ok := strings.CutPrefix(nqn, uuidNQNPrefix); ok {
+			c.Fix = fmt.Sprintf("echo %s > %s", strings.ToLower(u), idPath)
+		} else {
+			c.Fix = fmt.Sprintf("cat /proc/sys/kernel/random/uuid > %s", idPath)
+		}
+		return c
+	}
+	if u, ok := strings.CutPrefix(nqn, uuidNQNPrefix); ok && haveID && !strings.EqualFold(u, id) {
+		c.Status = Fail
+		c.Detail = fmt.Sprintf("hostnqn %s carries UUID %s but hostid is %s: the kernel refuses to connect one host NQN with two host IDs", nqn, u, id)
+		c.Fix = fmt.Sprintf("echo %s > %s (keeps the NQN registered on the targets)", strings.ToLower(u), idPath)
+		return c
+	}
+	switch {
+	case haveNQN && haveID:
+		c.Status, c.Detail = OK, fmt.Sprintf("hostnqn %s, hostid %s", nqn, id)
+	case haveNQN:
+		c.Status, c.Detail = Warn, fmt.Sprintf("hostnqn %s, no %s: berth writes one on the first NVMe volume", nqn, idPath)
+	case haveID:
+		c.Status, c.Detail = Warn, fmt.Sprintf("hostid %s, no %s: berth writes %s%s on the first NVMe volume", id, nqnPath, uuidNQNPrefix, strings.ToLower(id))
+	default:
+		c.Status, c.Detail = Warn, fmt.Sprintf("no %s or %s: berth creates a random identity on the first NVMe volume, which targets must then allow", nqnPath, idPath)
+		c.Fix = "create it now to register it on the targets in advance: " + gen
+	}
+	return c
+}
+
+// lookTool finds name (or a path) in cfg.Path as an executable regular file.
+func lookTool(cfg *Config, name string) (string, error) {
+	cands := []string{name}
+	if !strings.Contains(name, "/") {
+		cands = cands[:0]
+		for _, d := range cfg.Path {
+			if d != "" {
+				cands = append(cands, filepath.Join(d, name))
+			}
+		}
+	}
+	for _, p := range cands {
+		fi, err := os.Stat(p)
+		if err == nil && fi.Mode().IsRegular() && fi.Mode().Perm()&0o111 != 0 {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("%s not found in %s", name, strings.Join(cfg.Path, ":"))
+}
+
+func checkTool(cfg *Config, name string, missing Status, fix string) Check {
+	c := Check{Name: "tool " + filepath.Base(name)}
+	p, err := lookTool(cfg, name)
+	if err != nil {
+		c.Status, c.Detail, c.Fix = missing, err.Error(), fix
+		return c
+	}
+	c.Status, c.Detail = OK, p
+	return c
+}
+
+func checkLoop(cfg *Config) Check {
+	c := Check{Name: "loop devices"}
+	p := filepath.Join(cfg.DevRoot, "loop-control")
+	fi, err := os.Stat(p)
+	if err == nil && fi.Mode()&fs.ModeCharDevice != 0 {
+		c.Status, c.Detail = OK, p+" present"
+		return c
+	}
+	m := checkModule(cfg, "loop", "loop devices")
+	c.Status, c.Detail, c.Fix = Fail, fmt.Sprintf("%s missing; %s", p, m.Detail), m.Fix
+	if m.Status == OK {
+		c.Fix = "in a container, mount the host's /dev"
+	}
+	return c
+}
+
+func checkMultipathd(ctx context.Context, cfg *Config) Check {
+	c := Check{Name: "multipathd"}
+	err := dialCheck(ctx, cfg, multipathdSocket)
+	if err == nil {
+		c.Status, c.Detail = OK, "multipathd answers on "+multipathdSocket
+		return c
+	}
+	if pid := findProcess(cfg, "multipathd"); pid != 0 {
+		c.Status = Fail
+		c.Detail = fmt.Sprintf("multipathd runs (pid %d) but %s is not reachable: %v", pid, multipathdSocket, err)
+		c.Fix = "run berth in the host's network namespace (hostNetwork: true)"
+		return c
+	}
+	c.Status = Fail
+	c.Detail = fmt.Sprintf("multipathd is not running (%s: %v)", multipathdSocket, err)
+	c.Fix = "install multipath-tools and systemctl enable --now multipathd.socket multipathd.service"
+	return c
+}
+
+// findProcess returns the pid of a process whose comm is name, or 0.
+func findProcess(cfg *Config, name string) int {
+	ents, err := os.ReadDir(cfg.ProcRoot)
+	if err != nil {
+		return 0
+	}
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if b, err := os.ReadFile(filepath.Join(cfg.ProcRoot, e.Name(), "comm")); err == nil && strings.TrimSpace(string(b)) == name {
+			return pid
+		}
+	}
+	return 0
+}
+
+const capSysAdmin = 21
+
+// hasCap parses the CapEff line of /proc/<pid>/status.
+func hasCap(status []byte, bit uint) (bool, error) {
+	for _, line := range strings.Split(string(status), "\n") {
+		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
+			n, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+			if err != nil {
+				return false, fmt.Errorf("CapEff %q: %w", strings.TrimSpace(v), err)
+			}
+			return n&(1<<bit) != 0, nil
+		}
+	}
+	return false, errors.New("no CapEff line")
+}
+
+func checkPrivileges(cfg *Config) Check {
+	c := Check{Name: "privileges"}
+	p := filepath.Join(cfg.ProcRoot, "self", "status")
+	b, err := os.ReadFile(p)
+	var ok bool
+	if err == nil {
+		ok, err = hasCap(b, capSysAdmin)
+	}
+	switch {
+	case err != nil:
+		c.Status, c.Detail = Fail, fmt.Sprintf("read capabilities from %s: %v", p, err)
+	case !ok:
+		c.Status, c.Detail = Fail, "no CAP_SYS_ADMIN: berth cannot mount, set up loop devices or connect NVMe controllers"
+		c.Fix = "run berth as root; in Kubernetes with securityContext.privileged: true"
+	default:
+		c.Status, c.Detail = OK, "CAP_SYS_ADMIN"
+	}
+	return c
+}
+
+// endpointPath strips the unix:// or unix: scheme of a CSI endpoint.
+func endpointPath(endpoint string) string {
+	if p, ok := strings.CutPrefix(endpoint, "unix://"); ok {
+		return p
+	}
+	if p, ok := strings.CutPrefix(endpoint, "unix:"); ok {
+		return p
+	}
+	return endpoint
+}
+
+func checkEndpointDir(cfg *Config) Check {
+	dir := filepath.Dir(endpointPath(cfg.Endpoint))
+	c := Check{Name: "endpoint directory"}
+	probe := dir
+	for {
+		fi, err := os.Stat(probe)
+		if err == nil {
+			if !fi.IsDir() {
+				c.Status, c.Detail, c.Fix = Fail, probe+" is not a directory", "remove "+probe+" or choose another --endpoint"
+				return c
+			}
+			break
+		}
+		if !errors.Is(err, fs.ErrNotExist) || probe == filepath.Dir(probe) {
+			c.Status, c.Detail = Fail, err.Error()
+			return c
+		}
+		probe = filepath.Dir(probe)
+	}
+	f, err := os.CreateTemp(probe, ".berth-doctor-")
+	if err != nil {
+		c.Status, c.Detail = Fail, fmt.Sprintf("cannot create files in %s: %v", probe, err)
+		c.Fix = "make " + probe + " writable for berth (in a container, mount the host directory read-write)"
+		return c
+	}
+	f.Close()
+	os.Remove(f.Name())
+	if probe != dir {
+		c.Status, c.Detail = OK, fmt.Sprintf("%s does not exist yet; berth creates it under writable %s", dir, probe)
+		return c
+	}
+	c.Status, c.Detail = OK, dir+" is writable"
+	return c
+}
+
+// containingMount returns the mount whose mount point is the longest
+// prefix of path, from mountinfo entries.
+func containingMount(mounts []*mountinfo.Info, path string) *mountinfo.Info {
+	var best *mountinfo.Info
+	for _, m := range mounts {
+		mp := m.Mountpoint
+		if path == mp || mp == "/" || strings.HasPrefix(path, strings.TrimSuffix(mp, "/")+"/") {
+			// Later entries with the same mount point are stacked on
+			// top and win.
+			if best == nil || len(mp) >= len(best.Mountpoint) {
+				best = m
+			}
+		}
+	}
+	return best
+}
+
+func checkPropagation(cfg *Config) Check {
+	c := Check{Name: "mount propagation"}
+	dir := filepath.Clean(cfg.KubeletDir)
+	p := filepath.Join(cfg.ProcRoot, "self", "mountinfo")
+	f, err := os.Open(p)
+	if err != nil {
+		c.Status, c.Detail = Fail, err.Error()
+		return c
+	}
+	defer f.Close()
+	mounts, err := mountinfo.GetMountsFromReader(f, nil)
+	if err != nil {
+		c.Status, c.Detail = Fail, fmt.Sprintf("parse %s: %v", p, err)
+		return c
+	}
+	m := containingMount(mounts, dir)
+	if m == nil {
+		c.Status, c.Detail = Fail, fmt.Sprintf("no mount contains %s in %s", dir, p)
+		return c
+	}
+	shared := false
+	for _, o := range strings.Fields(m.Optional) {
+		if strings.HasPrefix(o, "shared:") {
+			shared = true
+		}
+	}
+	opt := m.Optional
+	if opt == "" {
+		opt = "private"
+	}
+	if !shared {
+		c.Status = Fail
+		c.Detail = fmt.Sprintf("%s is on mount %s with propagation %q: berth's mounts would not reach the kubelet and pods", dir, m.Mountpoint, opt)
+		c.Fix = fmt.Sprintf("in Kubernetes mount %s with mountPropagation: Bidirectional; on a host run `mount --make-rshared %s` and find what made it private", dir, m.Mountpoint)
+		return c
+	}
+	c.Status, c.Detail = OK, fmt.Sprintf("%s is on mount %s (%s)", dir, m.Mountpoint, opt)
+	if _, err := os.Stat(dir); err != nil {
+		c.Status = Warn
+		c.Detail += "; but " + dir + " does not exist: is the kubelet's --root-dir elsewhere?"
+	}
+	return c
+}
