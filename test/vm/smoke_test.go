@@ -1,0 +1,224 @@
+package vm_test
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/berth-csi/berth/test/vm"
+	"github.com/berth-csi/berth/test/vm/target"
+	"golang.org/x/sys/unix"
+)
+
+// TestVMSmoke boots one guest that attaches, formats, mounts, grows and
+// detaches a volume from its own NVMe/TCP and iSCSI targets.
+func TestVMSmoke(t *testing.T) {
+	t.Parallel()
+	vm.RunGuestTests(t, vm.WithTestRun("^TestSmoke"), vm.WithIscsid())
+}
+
+func TestSmokeGuestBasics(t *testing.T) {
+	vm.RequireGuest(t)
+	if os.Getuid() != 0 {
+		t.Fatal("in-guest tests run as root")
+	}
+	if _, err := os.Stat("/usr/bin/berth"); err != nil {
+		t.Errorf("berth binary: %v", err)
+	}
+	for _, p := range []string{"/sys/kernel/config", "/dev/loop-control"} {
+		if _, err := os.Stat(p); err != nil {
+			target.LoadModules(t, "loop")
+			if _, err := os.Stat(p); err != nil {
+				t.Errorf("%s: %v", p, err)
+			}
+		}
+	}
+}
+
+func TestSmokeNVMeTCP(t *testing.T) {
+	vm.RequireGuest(t)
+	tgt := target.NewNVMeTarget(t, target.NVMeConfig{
+		Namespaces: []target.NVMeNamespace{{Size: 64 << 20}},
+		Ports:      []string{"127.0.0.1:4420"},
+	})
+	ns := tgt.Namespace(1)
+
+	t0 := time.Now()
+	ctrl := nvmeConnect(t, tgt.ConnectString("127.0.0.1:4420"))
+	dev := waitFor(t, "nvme namespace with uuid "+ns.UUID, func() string {
+		return findBlock(`^nvme[0-9]+n[0-9]+$`, "uuid", ns.UUID)
+	})
+	t.Logf("%s -> /dev/%s in %v", ctrl, dev, time.Since(t0))
+	if got, _ := os.ReadFile("/sys/block/" + dev + "/nguid"); strings.TrimSpace(string(got)) != ns.NGUID {
+		t.Errorf("nguid = %q, want %q", got, ns.NGUID)
+	}
+	if got, _ := os.ReadFile("/sys/class/nvme/" + ctrl + "/serial"); strings.TrimSpace(string(got)) != tgt.Serial() {
+		t.Errorf("serial = %q, want %q", got, tgt.Serial())
+	}
+	formatMountGrow(t, "/dev/"+dev, func() { tgt.Grow(1, 128<<20) }, 128<<20, nil)
+
+	mustWriteFile(t, "/sys/class/nvme/"+ctrl+"/delete_controller", "1")
+	waitFor(t, "/dev/"+dev+" to go away", func() string {
+		if _, err := os.Stat("/sys/block/" + dev); os.IsNotExist(err) {
+			return "gone"
+		}
+		return ""
+	})
+}
+
+// nvmeConnect connects through /dev/nvme-fabrics and returns the controller
+// name ("nvme0"); the controller is deleted when the test ends.
+func nvmeConnect(t *testing.T, opts string) string {
+	t.Helper()
+	f, err := os.OpenFile("/dev/nvme-fabrics", os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.WriteString(opts); err != nil {
+		t.Fatalf("connect %s: %v", opts, err)
+	}
+	buf := make([]byte, 256)
+	n, err := f.Read(buf)
+	if err != nil {
+		t.Fatalf("read /dev/nvme-fabrics: %v", err)
+	}
+	var ctrl string
+	for _, kv := range strings.Split(strings.TrimSpace(string(buf[:n])), ",") {
+		if v, ok := strings.CutPrefix(kv, "instance="); ok {
+			ctrl = "nvme" + v
+		}
+	}
+	if ctrl == "" {
+		t.Fatalf("connect answered %q", buf[:n])
+	}
+	t.Cleanup(func() {
+		os.WriteFile("/sys/class/nvme/"+ctrl+"/delete_controller", []byte("1"), 0o200)
+	})
+	return ctrl
+}
+
+// findBlock returns the block device whose name matches pattern and whose
+// sysfs attribute attr (relative to /sys/block/<dev>) contains want.
+func findBlock(pattern, attr, want string) string {
+	re := regexp.MustCompile(pattern)
+	ents, _ := os.ReadDir("/sys/block")
+	for _, e := range ents {
+		if !re.MatchString(e.Name()) {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/sys/block", e.Name(), attr))
+		if err == nil && strings.Contains(strings.TrimSpace(string(b)), want) {
+			return e.Name()
+		}
+	}
+	return ""
+}
+
+// waitFor polls cond (test code: the guest has nothing else to do) until it
+// returns non-empty or 30 s pass.
+func waitFor(t *testing.T, what string, cond func() string) string {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if v := cond(); v != "" {
+			return v
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func run(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	var out bytes.Buffer
+	cmd := exec.Command(name, args...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out.String())
+	}
+	return out.String()
+}
+
+func mustWriteFile(t *testing.T, path, v string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte(v), 0o200); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func blockSize(t *testing.T, dev string) int64 {
+	t.Helper()
+	b, err := os.ReadFile("/sys/class/block/" + filepath.Base(dev) + "/size")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n * 512
+}
+
+// formatMountGrow makes ext4 on dev, mounts it, writes a file, grows the
+// volume with grow (then rescan, if not nil) to newSize, grows the
+// filesystem online and unmounts.
+func formatMountGrow(t *testing.T, dev string, grow func(), newSize int64, rescan func()) {
+	t.Helper()
+	run(t, "/usr/sbin/mkfs.ext4", "-q", "-F", dev)
+	mnt := t.TempDir()
+	if err := unix.Mount(dev, mnt, "ext4", 0, ""); err != nil {
+		t.Fatalf("mount %s: %v", dev, err)
+	}
+	mounted := true
+	defer func() {
+		if mounted {
+			unix.Unmount(mnt, 0)
+		}
+	}()
+	data := bytes.Repeat([]byte("berth"), 1<<16)
+	if err := os.WriteFile(filepath.Join(mnt, "data"), data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var before syscall.Statfs_t
+	if err := syscall.Statfs(mnt, &before); err != nil {
+		t.Fatal(err)
+	}
+
+	grow()
+	if rescan != nil {
+		rescan()
+	}
+	waitFor(t, fmt.Sprintf("%s to grow to %d bytes", dev, newSize), func() string {
+		if blockSize(t, dev) == newSize {
+			return "ok"
+		}
+		return ""
+	})
+	run(t, "/usr/sbin/resize2fs", dev)
+	var after syscall.Statfs_t
+	if err := syscall.Statfs(mnt, &after); err != nil {
+		t.Fatal(err)
+	}
+	if after.Blocks*uint64(after.Bsize) <= before.Blocks*uint64(before.Bsize) {
+		t.Errorf("filesystem did not grow: %d -> %d blocks", before.Blocks, after.Blocks)
+	}
+	got, err := os.ReadFile(filepath.Join(mnt, "data"))
+	if err != nil || !bytes.Equal(got, data) {
+		t.Errorf("data after grow: %v (equal %v)", err, bytes.Equal(got, data))
+	}
+	if err := unix.Unmount(mnt, 0); err != nil {
+		t.Fatalf("unmount: %v", err)
+	}
+	mounted = false
+}

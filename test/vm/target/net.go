@@ -1,0 +1,37 @@
+package target
+
+import (
+	"net"
+	"os/exec"
+	"sync"
+	"testing"
+)
+
+var aliasMu sync.Mutex
+
+// ensureLoopbackAlias adds host to lo when it is a 127/8 address the guest
+// does not have yet, so targets can listen on 127.0.0.2, 127.0.0.3... and an
+// initiator sees distinct paths.
+func ensureLoopbackAlias(t testing.TB, host string) {
+	t.Helper()
+	ip := net.ParseIP(host)
+	if ip == nil || !ip.IsLoopback() || ip.To4() == nil {
+		return
+	}
+	aliasMu.Lock()
+	defer aliasMu.Unlock()
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && n.IP.Equal(ip) && ones(n) == 32 {
+			return
+		}
+	}
+	if out, err := exec.Command("ip", "addr", "add", host+"/32", "dev", "lo").CombinedOutput(); err != nil {
+		t.Fatalf("ip addr add %s/32 dev lo: %v: %s", host, err, out)
+	}
+}
+
+func ones(n *net.IPNet) int { o, _ := n.Mask.Size(); return o }
