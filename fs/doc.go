@@ -4,19 +4,22 @@
 //
 // # Formatting
 //
-// A device is formatted only when it provably holds nothing. [Probe] reads
-// the first MiB of the device itself and runs `blkid -p` (low-level
-// superblock and partition-table probing that bypasses the blkid cache).
-// blkid also looks at the places a first-MiB check cannot see: the GPT
-// backup header in the last sectors, the md 0.90/1.0 superblocks near the
-// end of the device, and filesystem superblocks beyond the first MiB.
-// [EnsureFilesystem] formats only when blkid found no filesystem, partition
-// table, RAID member, LUKS header, swap area or any other signature AND the
-// first MiB is all zeros. Anything else is refused with an error wrapping
-// errdefs.ErrFailedPrecondition that names what was found, and the device
-// is left untouched. A device that already holds the requested filesystem
-// type is used as it is. The force flags of mkfs (-F, -f) are passed only
-// after that probe: they turn off mkfs' own, weaker checks, never ours.
+// A device is formatted only when it provably holds nothing. [Probe] runs
+// `blkid -p` (low-level superblock and partition-table probing that
+// bypasses the blkid cache) and reads the first and the last MiB of the
+// device itself. blkid looks beyond the first MiB: md 0.90/1.0
+// superblocks near the end of the device, the GPT backup header when the
+// primary one is damaged, superblocks at larger offsets. A GPT backup
+// header left alone at the end (primary table and protective MBR erased),
+// which blkid ignores, is caught by Probe's own read of the last block.
+// [EnsureFilesystem] formats only when nothing was found: no filesystem,
+// partition table, RAID member, LUKS header, swap area, LVM PV or other
+// signature, and both MiBs all zeros. Anything else is refused with an
+// error wrapping errdefs.ErrFailedPrecondition that names what was found,
+// and the device is left untouched. A device that already holds the
+// requested filesystem type is used as it is. The force flags of mkfs (-F,
+// -f) are passed only after that probe: they turn off mkfs' own, weaker
+// checks, never ours (mkfs still refuses a mounted device).
 //
 // mkfs runs with production defaults: no discard pass at mkfs time (a full
 // device TRIM can take minutes on thin-provisioned LUNs and some arrays

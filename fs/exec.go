@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"time"
 
 	"github.com/berth-csi/berth/internal/errdefs"
 )
@@ -124,6 +125,9 @@ func runTool(ctx context.Context, name string, args ...string) (stdout []byte, e
 	var out, errb bytes.Buffer
 	cmd.Stdout = &out
 	cmd.Stderr = &errb
+	// After a kill on ctx end, do not wait forever for a grandchild
+	// holding the output pipes.
+	cmd.WaitDelay = 5 * time.Second
 	runErr := cmd.Run()
 	if runErr == nil {
 		return out.Bytes(), nil

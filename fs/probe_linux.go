@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -15,6 +16,9 @@ import (
 
 // headSize is how much of the device Probe reads itself.
 const headSize = 1 << 20
+
+// mkfsTimeout bounds one mkfs run.
+const mkfsTimeout = 10 * time.Minute
 
 // Probe reports what the device holds. It runs `blkid -p -o export`:
 // low-level probing of superblocks (all usages: filesystem, raid, crypto,
@@ -186,6 +190,11 @@ func statBlockDevice(path string) (uint64, error) {
 // already holds fsType is left as it is. A device holding anything else is
 // refused with an error wrapping errdefs.ErrFailedPrecondition that names
 // what was found; its bytes are not changed.
+//
+// Once mkfs has started it runs to completion even if ctx ends, since a
+// half-written device would be refused by every later call. If the node
+// dies during mkfs, the device is refused as "unknown-data" until an
+// operator wipes it.
 func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptions) (formatted bool, err error) {
 	args, err := mkfsArgs(fsType, devPath, opt)
 	if err != nil {
@@ -211,10 +220,16 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 		return false, err
 	}
 	defer release()
-	if _, err := runTool(ctx, "mkfs."+fsType, args...); err != nil {
+	// mkfs is not cancelled with ctx: a mkfs killed halfway leaves a
+	// device that is neither blank nor a filesystem, which every later
+	// probe refuses. With lazy initialisation and no discard it takes
+	// seconds; the cap only bounds a device whose I/O hangs.
+	mkfsCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), mkfsTimeout)
+	defer cancel()
+	if _, err := runTool(mkfsCtx, "mkfs."+fsType, args...); err != nil {
 		return false, fmt.Errorf("format %s as %s: %w", devPath, fsType, err)
 	}
-	sig, err = Probe(ctx, devPath)
+	sig, err = Probe(mkfsCtx, devPath)
 	if err != nil {
 		return true, fmt.Errorf("format %s as %s: verify: %w", devPath, fsType, err)
 	}
