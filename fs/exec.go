@@ -21,6 +21,9 @@ var heavy = make(chan struct{}, 2*runtime.NumCPU())
 // acquireHeavy takes a slot for a heavy tool run; release it with the
 // returned function.
 func acquireHeavy(ctx context.Context, what string) (release func(), err error) {
+	if err := ctx.Err(); err != nil {
+		return nil, fmt.Errorf("%s: %w", what, err)
+	}
 	select {
 	case heavy <- struct{}{}:
 		return func() { <-heavy }, nil

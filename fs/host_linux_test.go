@@ -789,3 +789,26 @@ func TestHostProbeSeesPastStaleCache(t *testing.T) {
 		t.Fatal("device bytes changed")
 	}
 }
+
+func TestHostBindBlockDevice(t *testing.T) {
+	needRoot(t)
+	dev, _ := newLoop(t, 16*mib)
+	target := filepath.Join(t.TempDir(), "block")
+	if err := os.WriteFile(target, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := BindMount(dev, target, false, 0); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := Unmount(target); err != nil {
+			t.Error(err)
+		}
+	})
+	if n, err := BlockDeviceSize(target); err != nil || n != 16*mib {
+		t.Fatalf("BlockDeviceSize(bound device node) = %d, %v; want %d", n, err, 16*mib)
+	}
+	if ok, err := IsMountPoint(target); err != nil || !ok {
+		t.Fatalf("IsMountPoint(bound device node) = %v, %v", ok, err)
+	}
+}

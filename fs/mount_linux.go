@@ -134,7 +134,10 @@ func mountFlagsOf(path string) (uintptr, error) {
 // second MS_REMOUNT|MS_BIND call, since the kernel ignores them on the
 // first; the remount keeps the flags the bind inherited from source. If
 // that step fails, the bind is undone so no writable mount is left
-// behind. A read-only bind is verified with statfs.
+// behind. A read-only bind is verified with statfs. Source may be a
+// device node (raw block volumes); note that a read-only mount does not
+// stop writes through a device node, the device itself must be set
+// read-only for that.
 func BindMount(source, target string, readOnly bool, flags uintptr) (retErr error) {
 	if err := checkPath("bind source", source); err != nil {
 		return err
