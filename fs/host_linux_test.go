@@ -466,8 +466,20 @@ func TestHostMountBindUnmount(t *testing.T) {
 		t.Fatalf("staging became read-only: %v", err)
 	}
 
-	if err := BindMount(mnt, t.TempDir(), false, MS_SYNCHRONOUS); !errors.Is(err, errdefs.ErrInvalidArgument) {
-		t.Errorf("bind with a superblock flag: %v, want ErrInvalidArgument", err)
+	if err := BindMount(mnt, t.TempDir(), false, MS_BIND); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("bind with MS_BIND in flags: %v, want ErrInvalidArgument", err)
+	}
+	// Superblock flags from the same mount options are accepted and
+	// left to the staging mount.
+	syncTarget := t.TempDir()
+	if err := BindMount(mnt, syncTarget, false, MS_SYNCHRONOUS|MS_NOATIME); err != nil {
+		t.Fatalf("bind with sync,noatime: %v", err)
+	}
+	if si, err := MountInfo(syncTarget); err != nil || !hasOpt(si.Options, "noatime") || !hasOpt(si.Options, "rw") {
+		t.Errorf("sync,noatime bind: %+v, %v; want rw,noatime", si, err)
+	}
+	if err := Unmount(syncTarget); err != nil {
+		t.Fatal(err)
 	}
 
 	for _, target := range []string{roTarget, rwTarget} {

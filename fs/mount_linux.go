@@ -100,6 +100,11 @@ func Mount(source, target, fsType string, flags uintptr, data string) error {
 	return nil
 }
 
+// superblockFlags are options of the filesystem, not of one mount:
+// BindMount accepts and ignores them (the flags of ParseMountOptions can
+// be passed to both Mount and BindMount).
+const superblockFlags = MS_SYNCHRONOUS | MS_DIRSYNC | MS_LAZYTIME
+
 // perMountFlags are the flags a bind mount can carry on its own.
 const perMountFlags = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME | MS_RELATIME | MS_STRICTATIME
 
@@ -145,9 +150,12 @@ func BindMount(source, target string, readOnly bool, flags uintptr) (retErr erro
 	if err := checkPath("bind target", target); err != nil {
 		return err
 	}
-	if extra := flags &^ perMountFlags; extra != 0 {
+	if extra := flags &^ (perMountFlags | superblockFlags); extra != 0 {
 		return fmt.Errorf("bind mount %s on %s: flags %#x cannot be set on a bind mount: %w", source, target, extra, errdefs.ErrInvalidArgument)
 	}
+	// Superblock flags took effect when the filesystem was mounted and
+	// are shared by every bind of it.
+	flags &= perMountFlags
 	if readOnly {
 		flags |= MS_RDONLY
 	}
