@@ -55,7 +55,7 @@ if [ "$BERTH_VM_UDEV" = 1 ]; then
 	udevadm settle --timeout=30 || fail "udevadm settle timed out"
 fi
 if [ "$BERTH_VM_ISCSID" = 1 ]; then
-	modprobe -a iscsi_tcp || fail "cannot load iscsi_tcp"
+	modprobe -a iscsi_tcp sd_mod || fail "cannot load iscsi_tcp"
 	iscsid || fail "iscsid did not start"
 fi
 if [ "$BERTH_VM_MULTIPATHD" = 1 ]; then

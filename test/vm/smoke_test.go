@@ -222,3 +222,88 @@ func formatMountGrow(t *testing.T, dev string, grow func(), newSize int64, resca
 	}
 	mounted = false
 }
+
+func TestSmokeISCSI(t *testing.T) {
+	vm.RequireGuest(t)
+	target.StartIscsid(t)
+	tgt := target.NewISCSITarget(t, target.ISCSIConfig{})
+	lun := tgt.LUN(0)
+	portal := tgt.Portals()[0]
+
+	t0 := time.Now()
+	iscsiLogin(t, tgt.IQN(), portal, nil)
+	dev := waitFor(t, "SCSI disk with serial "+lun.Serial, func() string {
+		return findBlock(`^sd[a-z]+$`, "device/vpd_pg80", lun.Serial)
+	})
+	wwid, _ := os.ReadFile("/sys/block/" + dev + "/device/wwid")
+	t.Logf("login -> /dev/%s (wwid %s) in %v", dev, strings.TrimSpace(string(wwid)), time.Since(t0))
+
+	formatMountGrow(t, "/dev/"+dev, func() { tgt.Grow(0, 128<<20) }, 128<<20, func() {
+		mustWriteFile(t, "/sys/block/"+dev+"/device/rescan", "1")
+	})
+	run(t, "iscsiadm", "-m", "node", "-T", tgt.IQN(), "-p", portal, "--logout")
+	waitFor(t, "/dev/"+dev+" to go away", func() string {
+		if _, err := os.Stat("/sys/block/" + dev); os.IsNotExist(err) {
+			return "gone"
+		}
+		return ""
+	})
+}
+
+func TestSmokeISCSIMutualCHAP(t *testing.T) {
+	vm.RequireGuest(t)
+	target.StartIscsid(t)
+	chap := &target.CHAP{User: "berth-in", Password: "secret-in-0123", MutualUser: "berth-out", MutualPassword: "secret-out-012"}
+	tgt := target.NewISCSITarget(t, target.ISCSIConfig{
+		Portals:    []string{"127.0.0.1:3261"},
+		Initiators: []target.ISCSIInitiator{{IQN: target.InitiatorName(t), CHAP: chap}},
+	})
+	portal := tgt.Portals()[0]
+
+	bad := *chap
+	bad.Password = "wrong-secret-0"
+	if err := iscsiLoginErr(t, tgt.IQN(), portal, &bad); err == nil {
+		t.Fatal("login with a wrong CHAP secret succeeded")
+	}
+	iscsiLogin(t, tgt.IQN(), portal, chap)
+	lun := tgt.LUN(0)
+	dev := waitFor(t, "SCSI disk with serial "+lun.Serial, func() string {
+		return findBlock(`^sd[a-z]+$`, "device/vpd_pg80", lun.Serial)
+	})
+	t.Logf("mutual CHAP login -> /dev/%s", dev)
+}
+
+// iscsiLogin creates a node record and logs in; it logs out and deletes the
+// record when the test ends.
+func iscsiLogin(t *testing.T, iqn, portal string, chap *target.CHAP) {
+	t.Helper()
+	if err := iscsiLoginErr(t, iqn, portal, chap); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func iscsiLoginErr(t *testing.T, iqn, portal string, chap *target.CHAP) error {
+	t.Helper()
+	node := []string{"-m", "node", "-T", iqn, "-p", portal}
+	run(t, "iscsiadm", append(node, "-o", "new")...)
+	t.Cleanup(func() {
+		exec.Command("iscsiadm", append(node, "--logout")...).Run()
+		exec.Command("iscsiadm", append(node, "-o", "delete")...).Run()
+	})
+	if chap != nil {
+		for _, kv := range [][2]string{
+			{"node.session.auth.authmethod", "CHAP"},
+			{"node.session.auth.username", chap.User},
+			{"node.session.auth.password", chap.Password},
+			{"node.session.auth.username_in", chap.MutualUser},
+			{"node.session.auth.password_in", chap.MutualPassword},
+		} {
+			run(t, "iscsiadm", append(node, "-o", "update", "-n", kv[0], "-v", kv[1])...)
+		}
+	}
+	out, err := exec.Command("iscsiadm", append(node, "--login")...).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("iscsiadm login %s %s: %v: %s", iqn, portal, err, out)
+	}
+	return nil
+}
