@@ -283,39 +283,54 @@ type NamespacePath struct {
 	ANAState   string // "optimized", "non-optimized", "inaccessible", ... or "" without ANA
 }
 
-// readNamespacePaths lists the paths of a namespace head device from
-// sysRoot/block/<head>/multipath. A head without that directory is a
-// namespace without native multipath: it is its own single path, and
-// its controller is found through its "device" link.
+// readNamespacePaths lists the paths of a namespace head device
+// nvme<S>n<N>: the hidden per-controller devices nvme<S>c<C>n<N>, whose
+// controller is nvme<C>. Kernels since 6.14 also link them from
+// sysRoot/block/<head>/multipath; older ones only list them in
+// sysRoot/block. A namespace without native multipath is its own single
+// path, and its controller is its "device" link.
 func readNamespacePaths(sysRoot, head string) ([]NamespacePath, error) {
-	dir := filepath.Join(sysRoot, "block", head, "multipath")
-	ents, err := os.ReadDir(dir)
+	m := headNameRE.FindStringSubmatch(head)
+	if m == nil {
+		return nil, fmt.Errorf("read paths of %s: not an NVMe namespace name", head)
+	}
+	if _, err := os.Stat(filepath.Join(sysRoot, "block", head)); err != nil {
+		return nil, fmt.Errorf("read paths of %s: %w", head, err)
+	}
+	var names []string
+	ents, err := os.ReadDir(filepath.Join(sysRoot, "block", head, "multipath"))
 	if errors.Is(err, fs.ErrNotExist) {
-		if _, err := os.Stat(filepath.Join(sysRoot, "block", head)); err != nil {
-			return nil, fmt.Errorf("read paths of %s: %w", head, err)
-		}
-		link, err := os.Readlink(filepath.Join(sysRoot, "block", head, "device"))
-		if err != nil {
-			return nil, fmt.Errorf("read paths of %s: %w", head, err)
-		}
-		return []NamespacePath{{Name: head, Controller: filepath.Base(link)}}, nil
+		ents, err = os.ReadDir(filepath.Join(sysRoot, "block"))
 	}
 	if err != nil {
 		return nil, fmt.Errorf("read paths of %s: %w", head, err)
 	}
-	var out []NamespacePath
 	for _, e := range ents {
-		m := pathNameRE.FindStringSubmatch(e.Name())
-		if m == nil {
-			continue
+		if pm := pathNameRE.FindStringSubmatch(e.Name()); pm != nil && pm[1] == m[1] && pm[3] == m[2] {
+			names = append(names, e.Name())
 		}
-		p := NamespacePath{Name: e.Name(), Controller: "nvme" + m[2]}
-		s, err := readAttr(filepath.Join(sysRoot, "block", e.Name()), "ana_state")
+	}
+	var out []NamespacePath
+	for _, name := range names {
+		pm := pathNameRE.FindStringSubmatch(name)
+		p := NamespacePath{Name: name, Controller: "nvme" + pm[2]}
+		s, err := readAttr(filepath.Join(sysRoot, "block", name), "ana_state")
 		if err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return nil, fmt.Errorf("read ANA state of %s: %w", e.Name(), err)
+			return nil, fmt.Errorf("read ANA state of %s: %w", name, err)
 		}
 		p.ANAState = s
 		out = append(out, p)
 	}
-	return out, nil
+	slices.SortFunc(out, func(a, b NamespacePath) int { return strings.Compare(a.Name, b.Name) })
+	if len(out) > 0 {
+		return out, nil
+	}
+	link, err := os.Readlink(filepath.Join(sysRoot, "block", head, "device"))
+	if err != nil {
+		return nil, fmt.Errorf("read paths of %s: %w", head, err)
+	}
+	if c := filepath.Base(link); ctrlNameRE.MatchString(c) {
+		return []NamespacePath{{Name: head, Controller: c}}, nil
+	}
+	return nil, nil // a head whose paths are all gone
 }

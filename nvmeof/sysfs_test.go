@@ -125,28 +125,26 @@ func sampleSys(t *testing.T) string {
 
 		"class/nvme/nvme-junk/transport": "tcp\n", // not a controller name
 
-		"block/nvme1n1/nsid":                   "1\n",
-		"block/nvme1n1/uuid":                   "6E4F2A2D-0C1B-4B8E-9C55-7E4D3F1A2B3C\n",
-		"block/nvme1n1/nguid":                  nguid1 + "\n",
-		"block/nvme1n1/size":                   "2048\n",
-		"block/nvme1n1/device/subsysnqn":       subA + "\n",
-		"block/nvme1n1/multipath/nvme1c1n1":    "->../../nvme1c1n1",
-		"block/nvme1n1/multipath/nvme1c2n1":    "->../../nvme1c2n1",
-		"block/nvme1c1n1/ana_state":            "optimized\n",
-		"block/nvme1c2n1/ana_state":            "inaccessible\n",
-		"block/nvme1n2/nsid":                   "2\n",
-		"block/nvme1n2/uuid":                   "00000000-0000-0000-0000-000000000000\n",
-		"block/nvme1n2/size":                   "4096\n",
-		"block/nvme1n2/device/subsysnqn":       subA + "\n",
-		"block/nvme0n1/nsid":                   "1\n",
-		"block/nvme0n1/size":                   "100\n",
-		"block/nvme0n1/device/subsysnqn":       "nqn.2014.08.org.nvmexpress:80868086PHM\n",
-		"block/loop0/size":                     "8\n",
-		"block/nvme1c1n1/size":                 "2048\n",
-		"block/nvme1c1n1/device/subsysnqn":     subA + "\n",
-		"block/nvme1c1n1/nsid":                 "1\n",
-		"class/nvme-subsystem/nvme-subsys1/x":  "",
-		"class/nvme/nvme1/nvme1c1n1/ana_state": "optimized\n",
+		"block/nvme1n1/nsid":                          "1\n",
+		"block/nvme1n1/uuid":                          "6E4F2A2D-0C1B-4B8E-9C55-7E4D3F1A2B3C\n",
+		"block/nvme1n1/nguid":                         nguid1 + "\n",
+		"block/nvme1n1/size":                          "2048\n",
+		"block/nvme1n1/device":                        "->../../class/nvme-subsystem/nvme-subsys1",
+		"block/nvme1n1/multipath/nvme1c1n1":           "->../../nvme1c1n1",
+		"block/nvme1n1/multipath/nvme1c2n1":           "->../../nvme1c2n1",
+		"block/nvme1c1n1/ana_state":                   "optimized\n",
+		"block/nvme1c1n1/size":                        "2048\n",
+		"block/nvme1c1n1/nsid":                        "1\n",
+		"block/nvme1c2n1/ana_state":                   "inaccessible\n",
+		"block/nvme1n2/nsid":                          "2\n",
+		"block/nvme1n2/uuid":                          "00000000-0000-0000-0000-000000000000\n",
+		"block/nvme1n2/size":                          "4096\n",
+		"block/nvme1n2/device":                        "->../../class/nvme-subsystem/nvme-subsys1",
+		"block/nvme0n1/nsid":                          "1\n",
+		"block/nvme0n1/size":                          "100\n",
+		"block/nvme0n1/device":                        "->../../class/nvme/nvme0",
+		"block/loop0/size":                            "8\n",
+		"class/nvme-subsystem/nvme-subsys1/subsysnqn": subA + "\n",
 	})
 }
 
@@ -266,6 +264,24 @@ func TestReadHeadsAndPaths(t *testing.T) {
 	}
 	if _, err := readNamespacePaths(root, "nvme9n9"); err == nil {
 		t.Error("paths of a missing namespace: no error")
+	}
+
+	// Before Linux 6.14 there is no multipath directory: the hidden path
+	// devices are found in /sys/block by name.
+	if err := os.RemoveAll(filepath.Join(root, "block", "nvme1n1", "multipath")); err != nil {
+		t.Fatal(err)
+	}
+	paths, err = readNamespacePaths(root, "nvme1n1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(paths, wantPaths) {
+		t.Errorf("paths without multipath directory:\n got %+v\nwant %+v", paths, wantPaths)
+	}
+	// Without native multipath a namespace is its controller's device.
+	paths, err = readNamespacePaths(root, "nvme0n1")
+	if err != nil || !reflect.DeepEqual(paths, []NamespacePath{{Name: "nvme0n1", Controller: "nvme0"}}) {
+		t.Errorf("non-multipath paths: %+v, %v", paths, err)
 	}
 }
 
