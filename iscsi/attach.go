@@ -184,7 +184,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 	if err != nil {
 		return nil, err
 	}
-	loggedIn := false
+	loggedIn, scanned := false, false
 	if sess == nil {
 		if err := t.login(ctx, v, p); err != nil {
 			return nil, err
@@ -198,8 +198,19 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 				v.IQN, p, t.sys.path("class", "iscsi_session"), errdefs.ErrUnavailable)
 		}
 	}
+	var hctl HCTL
 	defer func() {
-		if retErr != nil && loggedIn {
+		if retErr == nil {
+			return
+		}
+		if scanned {
+			// Take out the disk this attach scanned in, so that the
+			// session can go too.
+			if err := t.removeDisk(context.WithoutCancel(ctx), sess, hctl); err != nil {
+				t.log.Warn("remove disk after failed attach", "volume", v, "hctl", hctl.String(), "error", err)
+			}
+		}
+		if loggedIn {
 			if err := t.logoutIfUnused(context.WithoutCancel(ctx), v, p, sess); err != nil {
 				t.log.Warn("log out after failed attach", "volume", v, "portal", p.String(), "error", err)
 			}
@@ -216,6 +227,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 		return nil, err
 	}
 	if !ok {
+		scanned = true
 		if err := t.sys.Scan(sess, v.LUN); err != nil {
 			return nil, fmt.Errorf("scan LUN %d of %s: %w", v.LUN, v.IQN, err)
 		}
@@ -225,13 +237,14 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 			return nil, err
 		}
 		if !ok {
+			scanned = false
 			return nil, fmt.Errorf("target %s has no LUN %d (portal %s, session %d): check the volume's lun and the target's LUN mapping for this initiator: %w",
 				v.IQN, v.LUN, p, sess.ID, errdefs.ErrNotFound)
 		}
 	}
 	dev, err := w.Wait(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("wait for the disk of %s LUN %d (%s): %w", v.IQN, v.LUN, hctl, err)
+		return nil, fmt.Errorf("wait for the disk of %s LUN %d (%s; sysfs shows %s): %w", v.IQN, v.LUN, hctl, t.describeLUN(hctl), err)
 	}
 	if dev.ID.WWID == "" {
 		if w, err := readAttr(t.sys.path("class", "scsi_device", hctl.String(), "device", "wwid")); err == nil {
@@ -247,6 +260,19 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 		return nil, err
 	}
 	return &pathDevice{path: p, sess: sess, hctl: hctl, dev: dev}, nil
+}
+
+// describeLUN tells what sysfs has at h, for errors.
+func (t *Transport) describeLUN(h HCTL) string {
+	name, err := t.sys.BlockDevice(h)
+	if err != nil {
+		return fmt.Sprintf("no disk (SCSI device state %q)", t.sys.SCSIDeviceState(h))
+	}
+	d, err := devices.Lookup(name)
+	if err != nil {
+		return fmt.Sprintf("disk %s unreadable: %v", name, err)
+	}
+	return fmt.Sprintf("disk %s kind %q hctl %q wwid %q size %d", d.Name, d.ID.Kind, d.ID.HCTL, d.ID.WWID, d.Size)
 }
 
 // lunMatcher matches the disk of one LUN of a session's SCSI host.

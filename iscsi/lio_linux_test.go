@@ -1,0 +1,188 @@
+package iscsi
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"github.com/berth-csi/berth/test/vm"
+)
+
+// An LIO iSCSI target built through configfs inside a test guest: iblock
+// backstores over loop devices, one TPG per portal, demo mode (any
+// initiator), optional CHAP.
+
+const lioRoot = "/sys/kernel/config/target"
+
+var lioSeq atomic.Int64
+
+type lioTarget struct {
+	t    *testing.T
+	IQN  string
+	tpgs map[int]string // tpgt -> portal ip:port
+	luns map[int]*lioLUN
+}
+
+type lioLUN struct {
+	file, loop, core, serial string
+	size                     int64
+}
+
+func lioWrite(t *testing.T, path, v string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte(v), 0o644); err != nil {
+		t.Fatalf("LIO: write %q to %s: %v", v, path, err)
+	}
+}
+
+func lioMkdir(t *testing.T, path string) {
+	t.Helper()
+	if err := os.Mkdir(path, 0o755); err != nil {
+		t.Fatalf("LIO: %v", err)
+	}
+}
+
+// newLIOTarget creates a target with one enabled TPG per portal.
+func newLIOTarget(t *testing.T, portals ...string) *lioTarget {
+	t.Helper()
+	vm.RequireGuest(t)
+	n := lioSeq.Add(1)
+	tg := &lioTarget{t: t, IQN: fmt.Sprintf("iqn.2003-01.org.linux-iscsi.berth:t%d", n), tpgs: map[int]string{}, luns: map[int]*lioLUN{}}
+	base := filepath.Join(lioRoot, "iscsi", tg.IQN)
+	if err := os.MkdirAll(base, 0o755); err != nil {
+		t.Fatalf("LIO: create target (is iscsi_target_mod loaded?): %v", err)
+	}
+	t.Cleanup(tg.destroy)
+	for i, p := range portals {
+		tpgt := i + 1
+		tpg := filepath.Join(base, "tpgt_"+strconv.Itoa(tpgt))
+		lioMkdir(t, tpg)
+		lioMkdir(t, filepath.Join(tpg, "np", p))
+		for k, v := range map[string]string{"generate_node_acls": "1", "demo_mode_write_protect": "0", "cache_dynamic_acls": "1", "authentication": "0"} {
+			lioWrite(t, filepath.Join(tpg, "attrib", k), v)
+		}
+		lioWrite(t, filepath.Join(tpg, "enable"), "1")
+		tg.tpgs[tpgt] = p
+	}
+	return tg
+}
+
+func (tg *lioTarget) tpgDir(tpgt int) string {
+	return filepath.Join(lioRoot, "iscsi", tg.IQN, "tpgt_"+strconv.Itoa(tpgt))
+}
+
+// AddLUN exports a new zeroed LUN of size bytes on every TPG and returns
+// the WWID the initiator will see.
+func (tg *lioTarget) AddLUN(lun int, size int64) string {
+	t := tg.t
+	t.Helper()
+	n := lioSeq.Add(1)
+	l := &lioLUN{file: filepath.Join("/tmp", fmt.Sprintf("lio-%d.img", n)), size: size}
+	if err := os.WriteFile(l.file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(l.file, size); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("losetup", "-f", "--show", l.file).CombinedOutput()
+	if err != nil {
+		t.Fatalf("losetup: %v: %s", err, out)
+	}
+	l.loop = strings.TrimSpace(string(out))
+	hba := filepath.Join(lioRoot, "core", fmt.Sprintf("iblock_%d", n))
+	lioMkdir(t, hba)
+	l.core = filepath.Join(hba, "disk")
+	lioMkdir(t, l.core)
+	lioWrite(t, filepath.Join(l.core, "control"), "udev_path="+l.loop)
+	// The serial becomes the NAA WWID; it must be set before the LUN is
+	// linked.
+	l.serial = fmt.Sprintf("b3e7a1c0-0000-4000-8000-%012d", n)
+	lioWrite(t, filepath.Join(l.core, "wwn", "vpd_unit_serial"), l.serial)
+	lioWrite(t, filepath.Join(l.core, "enable"), "1")
+	for tpgt := range tg.tpgs {
+		d := filepath.Join(tg.tpgDir(tpgt), "lun", "lun_"+strconv.Itoa(lun))
+		lioMkdir(t, d)
+		if err := os.Symlink(l.core, filepath.Join(d, "disk")); err != nil {
+			t.Fatalf("LIO: link LUN: %v", err)
+		}
+	}
+	tg.luns[lun] = l
+	// LIO derives the NAA designator from the serial: 6001405 + the first
+	// 25 hex digits of the serial with dashes removed.
+	hex := strings.ReplaceAll(l.serial, "-", "")
+	return "naa.6001405" + hex[:25]
+}
+
+// RemoveLUN unmaps a LUN from every TPG (the storage side deleted it).
+func (tg *lioTarget) RemoveLUN(lun int) {
+	for tpgt := range tg.tpgs {
+		d := filepath.Join(tg.tpgDir(tpgt), "lun", "lun_"+strconv.Itoa(lun))
+		os.Remove(filepath.Join(d, "disk"))
+		if err := os.Remove(d); err != nil && !os.IsNotExist(err) {
+			tg.t.Errorf("LIO: remove LUN %d: %v", lun, err)
+		}
+	}
+}
+
+// Grow enlarges a LUN's backing file and tells the loop device.
+func (tg *lioTarget) Grow(lun int, size int64) {
+	l := tg.luns[lun]
+	if err := os.Truncate(l.file, size); err != nil {
+		tg.t.Fatal(err)
+	}
+	if out, err := exec.Command("losetup", "-c", l.loop).CombinedOutput(); err != nil {
+		tg.t.Fatalf("losetup -c: %v: %s", err, out)
+	}
+	l.size = size
+}
+
+// SetCHAP turns on CHAP for demo-mode sessions on every TPG.
+func (tg *lioTarget) SetCHAP(user, pass, userIn, passIn string) {
+	for tpgt := range tg.tpgs {
+		d := tg.tpgDir(tpgt)
+		lioWrite(tg.t, filepath.Join(d, "auth", "userid"), user)
+		lioWrite(tg.t, filepath.Join(d, "auth", "password"), pass)
+		if userIn != "" {
+			lioWrite(tg.t, filepath.Join(d, "auth", "userid_mutual"), userIn)
+			lioWrite(tg.t, filepath.Join(d, "auth", "password_mutual"), passIn)
+		}
+		lioWrite(tg.t, filepath.Join(d, "attrib", "authentication"), "1")
+	}
+}
+
+// SetEnabled enables or disables one TPG (its portal): disabling drops its
+// sessions and refuses new logins.
+func (tg *lioTarget) SetEnabled(tpgt int, on bool) {
+	v := "0"
+	if on {
+		v = "1"
+	}
+	lioWrite(tg.t, filepath.Join(tg.tpgDir(tpgt), "enable"), v)
+}
+
+func (tg *lioTarget) destroy() {
+	base := filepath.Join(lioRoot, "iscsi", tg.IQN)
+	for tpgt, p := range tg.tpgs {
+		d := tg.tpgDir(tpgt)
+		os.WriteFile(filepath.Join(d, "enable"), []byte("0"), 0o644)
+		for lun := range tg.luns {
+			l := filepath.Join(d, "lun", "lun_"+strconv.Itoa(lun))
+			os.Remove(filepath.Join(l, "disk"))
+			os.Remove(l)
+		}
+		os.Remove(filepath.Join(d, "np", p))
+		os.Remove(d)
+	}
+	os.Remove(base)
+	for _, l := range tg.luns {
+		os.Remove(l.core)
+		os.Remove(filepath.Dir(l.core))
+		exec.Command("losetup", "-d", l.loop).Run()
+		os.Remove(l.file)
+	}
+}

@@ -1,0 +1,595 @@
+package iscsi
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/test/vm"
+)
+
+var lioModules = []string{"iscsi_tcp", "target_core_mod", "target_core_iblock", "iscsi_target_mod", "loop"}
+
+// TestVMISCSI runs the single-path in-guest tests against LIO on loopback.
+func TestVMISCSI(t *testing.T) {
+	vm.RunGuestTests(t,
+		vm.WithTestRun(guestRun("^TestGuestISCSI")),
+		vm.WithModules(lioModules...),
+		vm.WithIscsid(),
+		vm.WithTimeout(6*time.Minute))
+}
+
+// TestVMISCSIMultipath runs the multipath in-guest tests with multipathd.
+func TestVMISCSIMultipath(t *testing.T) {
+	vm.RunGuestTests(t,
+		vm.WithTestRun(guestRun("^TestMultipathISCSI")),
+		vm.WithModules(lioModules...),
+		vm.WithIscsid(),
+		vm.WithMultipathd(),
+		vm.WithTimeout(6*time.Minute))
+}
+
+// guestRun narrows the in-guest tests to BERTH_ISCSI_RUN when it is set
+// (a regexp of in-guest test names), to iterate on one of them.
+func guestRun(all string) string {
+	if r := os.Getenv("BERTH_ISCSI_RUN"); r != "" {
+		return r
+	}
+	return all
+}
+
+// guestTransport returns a transport on a fresh listener.
+func guestTransport(t *testing.T, opts Options) *Transport {
+	t.Helper()
+	vm.RequireGuest(t)
+	l, err := devices.NewListener()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	opts.Listener = l
+	opts.Logger = slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	tr, err := New(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tr
+}
+
+type testWriter struct{ t *testing.T }
+
+func (w testWriter) Write(b []byte) (int, error) {
+	w.t.Log(strings.TrimSpace(string(b)))
+	return len(b), nil
+}
+
+func target(t *testing.T, tr *Transport, vc map[string]string, secrets map[string]string) *Target {
+	t.Helper()
+	tg, err := tr.Parse(vc, secrets)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tg
+}
+
+func vctx(tg *lioTarget, lun int, kv ...string) map[string]string {
+	m := map[string]string{"iqn": tg.IQN, "lun": strconv.Itoa(lun), "targetPortal": tg.tpgs[1]}
+	for i := 0; i+1 < len(kv); i += 2 {
+		m[kv[i]] = kv[i+1]
+	}
+	return m
+}
+
+// sessionsOf lists the sessions of a target.
+func sessionsOf(t *testing.T, iqn string) []Session {
+	t.Helper()
+	all, err := sysfs{root: "/sys"}.Sessions()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []Session
+	for _, s := range all {
+		if s.Target == iqn {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+func lunsOf(t *testing.T, sid int) []HCTL {
+	t.Helper()
+	l, err := sysfs{root: "/sys"}.LUNs(sid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+func assertDetached(t *testing.T, iqn string) {
+	t.Helper()
+	if s := sessionsOf(t, iqn); len(s) != 0 {
+		t.Fatalf("sessions left after detach: %+v", s)
+	}
+	for _, d := range []string{"/etc/iscsi/nodes", "/var/lib/iscsi/nodes"} {
+		if _, err := os.Stat(filepath.Join(d, iqn)); err == nil {
+			ents, _ := os.ReadDir(filepath.Join(d, iqn))
+			if len(ents) > 0 {
+				t.Fatalf("node records left in %s/%s", d, iqn)
+			}
+		}
+	}
+}
+
+func TestGuestISCSILoginScanLogout(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	lt.AddLUN(0, 32<<20)
+	wwid := lt.AddLUN(1, 48<<20)
+	tg := target(t, tr, vctx(lt, 1, "wwid", wwid), nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+
+	start := time.Now()
+	dev, err := tg.Attach(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("attached %s (%s, %s) in %v", dev.Path, dev.ID.HCTL, dev.ID.WWID, time.Since(start))
+	if dev.Size != 48<<20 || devices.NormalizeWWID(dev.ID.WWID) != wwid {
+		t.Fatalf("wrong device: size %d wwid %s", dev.Size, dev.ID.WWID)
+	}
+	ss := sessionsOf(t, lt.IQN)
+	if len(ss) != 1 {
+		t.Fatalf("want one session, got %+v", ss)
+	}
+	// Only the asked LUN was scanned in.
+	if luns := lunsOf(t, ss[0].ID); len(luns) != 1 || luns[0].LUN != 1 {
+		t.Fatalf("session has LUNs %v, want only LUN 1", luns)
+	}
+	// The record says manual scan and manual startup, and is root-only.
+	files, err := tr.db.nodeRecordFiles(lt.IQN, "127.0.0.1", 3260, "default")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := os.ReadFile(files[0])
+	rec := parseRecord(b)
+	if rec["node.session.scan"] != "manual" || rec["node.startup"] != "manual" {
+		t.Fatalf("record: scan=%q startup=%q", rec["node.session.scan"], rec["node.startup"])
+	}
+	// Idempotent.
+	dev2, err := tg.Attach(ctx)
+	if err != nil || dev2.Name != dev.Name {
+		t.Fatalf("second attach: %v %v", dev2, err)
+	}
+	if abnormal, msg := tg.Health(ctx); abnormal {
+		t.Fatalf("health: %s", msg)
+	}
+	if err := tg.Detach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	assertDetached(t, lt.IQN)
+	if _, err := os.Stat("/sys/class/block/" + dev.Name); err == nil {
+		t.Fatalf("%s still exists", dev.Name)
+	}
+	if err := tg.Detach(ctx); err != nil {
+		t.Fatalf("second detach: %v", err)
+	}
+}
+
+func TestGuestISCSIWWIDMismatch(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	lt.AddLUN(0, 16<<20)
+	tg := target(t, tr, vctx(lt, 0, "wwid", "naa.60014050000000000000000000000000"), nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	_, err := tg.Attach(ctx)
+	if !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "WWID") {
+		t.Fatalf("want a WWID refusal, got %v", err)
+	}
+	t.Log(err)
+	assertDetached(t, lt.IQN)
+}
+
+func TestGuestISCSINoSuchLUN(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	lt.AddLUN(0, 16<<20)
+	tg := target(t, tr, vctx(lt, 5), nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err := tg.Attach(ctx)
+	if !errors.Is(err, errdefs.ErrNotFound) || ctx.Err() != nil {
+		t.Fatalf("want a prompt not-found, got %v after %v", err, time.Since(start))
+	}
+	t.Log(err)
+	assertDetached(t, lt.IQN)
+}
+
+func TestGuestISCSINodeNotReady(t *testing.T) {
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	lt.AddLUN(0, 16<<20)
+	ctx := context.Background()
+	tr := guestTransport(t, Options{InitiatorNameFile: "/nonexistent/initiatorname.iscsi"})
+	if _, err := target(t, tr, vctx(lt, 0), nil).Attach(ctx); !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "initiator name") {
+		t.Fatalf("missing initiator name: %v", err)
+	}
+	tr = guestTransport(t, Options{Iscsiadm: "/nonexistent/iscsiadm"})
+	if _, err := target(t, tr, vctx(lt, 0), nil).Attach(ctx); !errors.Is(err, errdefs.ErrUnavailable) {
+		t.Fatalf("missing iscsiadm: %v", err)
+	}
+	tr = guestTransport(t, Options{SysfsRoot: t.TempDir()})
+	if _, err := target(t, tr, vctx(lt, 0), nil).Attach(ctx); !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "iscsi_tcp") {
+		t.Fatalf("no iscsi_tcp: %v", err)
+	}
+	// Several portals without multipathd: a clear error, unless single path
+	// is asked for.
+	tr = guestTransport(t, Options{})
+	_, err := target(t, tr, vctx(lt, 0, "portals", "127.0.0.2:3260"), nil).Attach(ctx)
+	if !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "multipath") {
+		t.Fatalf("two portals without multipathd: %v", err)
+	}
+	assertDetached(t, lt.IQN)
+}
+
+// cmdlineSampler reads every process's argv until stopped and reports any
+// that holds one of the needles.
+type cmdlineSampler struct {
+	stop    chan struct{}
+	done    chan struct{}
+	samples atomic.Int64
+	mu      sync.Mutex
+	leaks   []string
+}
+
+func sampleCmdlines(needles ...string) *cmdlineSampler {
+	s := &cmdlineSampler{stop: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(s.done)
+		self := strconv.Itoa(os.Getpid())
+		for {
+			select {
+			case <-s.stop:
+				return
+			default:
+			}
+			ents, _ := os.ReadDir("/proc")
+			for _, e := range ents {
+				if e.Name() == self || e.Name()[0] < '0' || e.Name()[0] > '9' {
+					continue
+				}
+				b, err := os.ReadFile("/proc/" + e.Name() + "/cmdline")
+				if err != nil || len(b) == 0 {
+					continue
+				}
+				s.samples.Add(1)
+				for _, n := range needles {
+					if bytes.Contains(b, []byte(n)) {
+						s.mu.Lock()
+						s.leaks = append(s.leaks, strings.ReplaceAll(string(b), "\x00", " "))
+						s.mu.Unlock()
+					}
+				}
+			}
+		}
+	}()
+	return s
+}
+
+func (s *cmdlineSampler) Stop() (int64, []string) {
+	close(s.stop)
+	<-s.done
+	return s.samples.Load(), s.leaks
+}
+
+func TestGuestISCSICHAP(t *testing.T) {
+	for _, mutual := range []bool{false, true} {
+		t.Run(fmt.Sprintf("mutual=%v", mutual), func(t *testing.T) {
+			tr := guestTransport(t, Options{})
+			lt := newLIOTarget(t, "127.0.0.1:3260")
+			wwid := lt.AddLUN(0, 16<<20)
+			sec := map[string]string{SecretSessionUsername: "berthuser", SecretSessionPassword: "Secr3t-Pw-0n3way"}
+			inPass := "Secr3t-Pw-mutual"
+			if mutual {
+				sec[SecretSessionUsernameIn] = "berthtarget"
+				sec[SecretSessionPasswordIn] = inPass
+				lt.SetCHAP("berthuser", sec[SecretSessionPassword], "berthtarget", inPass)
+			} else {
+				lt.SetCHAP("berthuser", sec[SecretSessionPassword], "", "")
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+
+			sampler := sampleCmdlines(sec[SecretSessionPassword], inPass)
+			tg := target(t, tr, vctx(lt, 0, "sessionCHAPAuth", "true", "wwid", wwid), sec)
+			dev, err := tg.Attach(ctx)
+			n, leaks := sampler.Stop()
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("attached %s with CHAP; %d argv samples taken", dev.Path, n)
+			if len(leaks) > 0 {
+				t.Fatalf("a secret appeared in a process's argv: %q", leaks)
+			}
+			if n == 0 {
+				t.Fatal("the sampler read no argv")
+			}
+			files, err := tr.db.nodeRecordFiles(lt.IQN, "127.0.0.1", 3260, "default")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st, _ := os.Stat(files[0]); st.Mode().Perm() != 0o600 {
+				t.Fatalf("record with secrets has mode %v", st.Mode().Perm())
+			}
+			if err := tg.Detach(ctx); err != nil {
+				t.Fatal(err)
+			}
+			assertDetached(t, lt.IQN)
+
+			// Wrong password: a clear authentication error, well before
+			// any timeout, nothing left behind.
+			bad := map[string]string{}
+			for k, v := range sec {
+				bad[k] = v
+			}
+			bad[SecretSessionPassword] = "Wrong-Password-1"
+			start := time.Now()
+			_, err = target(t, tr, vctx(lt, 0, "sessionCHAPAuth", "true"), bad).Attach(ctx)
+			if !errors.Is(err, errdefs.ErrPermissionDenied) || !strings.Contains(err.Error(), "authentication") {
+				t.Fatalf("wrong password: %v", err)
+			}
+			if strings.Contains(err.Error(), "Wrong-Password-1") || strings.Contains(err.Error(), sec[SecretSessionPassword]) {
+				t.Fatalf("error holds the password: %v", err)
+			}
+			t.Logf("wrong password refused in %v: %v", time.Since(start), err)
+			if time.Since(start) > 20*time.Second {
+				t.Fatalf("refusal took %v", time.Since(start))
+			}
+			assertDetached(t, lt.IQN)
+		})
+	}
+}
+
+// writeLoop writes and syncs to dev until stopped; it returns the number
+// of writes and the first error.
+func writeLoop(path string, stop <-chan struct{}) (int, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_SYNC, 0)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	buf := bytes.Repeat([]byte{0xa5}, 4096)
+	n := 0
+	for {
+		select {
+		case <-stop:
+			return n, nil
+		default:
+		}
+		if _, err := f.WriteAt(buf, int64(n%256)*4096); err != nil {
+			return n, err
+		}
+		n++
+	}
+}
+
+func TestGuestISCSITwoLUNsOneSession(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	w0 := lt.AddLUN(0, 16<<20)
+	w1 := lt.AddLUN(1, 16<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	a := target(t, tr, vctx(lt, 0, "wwid", w0), nil)
+	b := target(t, tr, vctx(lt, 1, "wwid", w1), nil)
+	da, err := a.Attach(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Attach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ss := sessionsOf(t, lt.IQN)
+	if len(ss) != 1 || len(lunsOf(t, ss[0].ID)) != 2 {
+		t.Fatalf("want one session with two LUNs: %+v", ss)
+	}
+	stop := make(chan struct{})
+	var writes int
+	var werr error
+	done := make(chan struct{})
+	go func() { writes, werr = writeLoop(da.Path, stop); close(done) }()
+	if err := b.Detach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(200 * time.Millisecond) // let the writer run on after the detach
+	close(stop)
+	<-done
+	if werr != nil {
+		t.Fatalf("I/O on LUN 0 failed while LUN 1 was detached: %v", werr)
+	}
+	ss2 := sessionsOf(t, lt.IQN)
+	if len(ss2) != 1 || ss2[0].ID != ss[0].ID {
+		t.Fatalf("the shared session changed: before %+v after %+v", ss, ss2)
+	}
+	if luns := lunsOf(t, ss[0].ID); len(luns) != 1 || luns[0].LUN != 0 {
+		t.Fatalf("LUNs after detaching LUN 1: %v", luns)
+	}
+	if err := da.Verify(); err != nil {
+		t.Fatalf("LUN 0 device changed: %v", err)
+	}
+	t.Logf("%d writes on LUN 0 while LUN 1 was detached", writes)
+	if err := a.Detach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	assertDetached(t, lt.IQN)
+}
+
+func TestGuestISCSILUNDeletedFirst(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	lt.AddLUN(0, 16<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	tg := target(t, tr, vctx(lt, 0), nil)
+	dev, err := tg.Attach(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lt.RemoveLUN(0)
+	dctx, dcancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer dcancel()
+	start := time.Now()
+	if err := tg.Detach(dctx); err != nil {
+		t.Fatalf("detach after the LUN was deleted: %v (after %v)", err, time.Since(start))
+	}
+	t.Logf("detached in %v", time.Since(start))
+	assertDetached(t, lt.IQN)
+	if _, err := os.Stat("/sys/class/block/" + dev.Name); err == nil {
+		t.Fatalf("%s still exists", dev.Name)
+	}
+}
+
+func TestGuestISCSITargetGone(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	lt.AddLUN(0, 16<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	tg := target(t, tr, vctx(lt, 0, ParamReplacementTimeout, "120"), nil)
+	dev, err := tg.Attach(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The whole target goes away; the session goes into recovery with a
+	// replacement timeout far beyond the detach's deadline.
+	lt.SetEnabled(1, false)
+	deadline := 30 * time.Second
+	dctx, dcancel := context.WithTimeout(context.Background(), deadline)
+	defer dcancel()
+	start := time.Now()
+	err = tg.Detach(dctx)
+	el := time.Since(start)
+	t.Logf("detach of a dead target: %v in %v", err, el)
+	if el > deadline+2*time.Second {
+		t.Fatalf("detach ran %v past its %v deadline", el, deadline)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	assertDetached(t, lt.IQN)
+	if _, err := os.Stat("/sys/class/block/" + dev.Name); err == nil {
+		t.Fatalf("%s still exists", dev.Name)
+	}
+}
+
+// --- multipath (guest with multipathd) ---
+
+func TestMultipathISCSIFailoverAndExpand(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	lt := newLIOTarget(t, "127.0.0.1:3260", "127.0.0.2:3260")
+	wwid := lt.AddLUN(0, 32<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	tg := target(t, tr, vctx(lt, 0, "portals", `["127.0.0.1:3260","127.0.0.2:3260"]`, "wwid", wwid,
+		ParamReplacementTimeout, "3"), nil)
+	dm, err := tg.Attach(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slaves, _ := devices.Slaves(dm.Name)
+	t.Logf("map %s (%s) over %v", dm.Path, dm.ID.DMName, slaves)
+	if dm.ID.Kind != devices.KindDM || len(slaves) != 2 {
+		t.Fatalf("want a dm map over two paths, got %s kind %s slaves %v", dm.Name, dm.ID.Kind, slaves)
+	}
+
+	stop := make(chan struct{})
+	var writes int
+	var werr error
+	done := make(chan struct{})
+	go func() { writes, werr = writeLoop(dm.Path, stop); close(done) }()
+	time.Sleep(500 * time.Millisecond)
+	lt.SetEnabled(2, false)
+	// Wait until the path is reported failed while writes go on.
+	waitFor(t, 60*time.Second, "a failed path", func() bool {
+		abnormal, msg := tg.Health(ctx)
+		return abnormal && strings.Contains(msg, "127.0.0.2")
+	})
+	before := writes
+	time.Sleep(2 * time.Second)
+	lt.SetEnabled(2, true)
+	waitFor(t, 90*time.Second, "both paths back", func() bool {
+		abnormal, _ := tg.Health(ctx)
+		return !abnormal && mpathActivePaths(t, dm) == 2
+	})
+	close(stop)
+	<-done
+	if werr != nil {
+		t.Fatalf("I/O error on the map during failover: %v", werr)
+	}
+	t.Logf("%d writes without error (%d before the path failed)", writes, before)
+
+	lt.Grow(0, 64<<20)
+	size, err := tg.Expand(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, _ := devices.Lookup(dm.Name)
+	if size != 64<<20 || d.Size != 64<<20 {
+		t.Fatalf("after expand: returned %d, map %d, want %d", size, d.Size, 64<<20)
+	}
+	for _, s := range slaves {
+		if p, _ := devices.Lookup(s); p.Size != 64<<20 {
+			t.Fatalf("path %s has %d bytes", s, p.Size)
+		}
+	}
+
+	if err := tg.Detach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat("/sys/class/block/" + dm.Name); err == nil {
+		t.Fatalf("map %s still exists", dm.Name)
+	}
+	assertDetached(t, lt.IQN)
+}
+
+// mpathActivePaths counts the map's paths the kernel has not failed.
+func mpathActivePaths(t *testing.T, dm *devices.Device) int {
+	out, err := os.ReadFile("/sys/class/block/" + dm.Name + "/dm/name")
+	if err != nil {
+		return -1
+	}
+	name := strings.TrimSpace(string(out))
+	cmd, err := (execRunner{}).run(context.Background(), "dmsetup", "status", name)
+	if err != nil {
+		t.Logf("dmsetup status: %v", err)
+		return -1
+	}
+	return strings.Count(string(cmd), " A ")
+}
+
+func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	end := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(end) {
+			t.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+var _ = io.Discard
