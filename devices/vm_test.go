@@ -1,0 +1,510 @@
+package devices
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/test/vm"
+)
+
+var guestModules = []string{"loop", "nvmet", "nvmet_tcp", "nvme_tcp", "iscsi_tcp",
+	"target_core_mod", "target_core_iblock", "iscsi_target_mod"}
+
+// TestVMDevices runs the in-guest tests: an nvmet namespace and a LIO LUN
+// appear and are matched by identity, a wrong WWID is refused, with the
+// kernel's events only and again with systemd-udevd (where the loop tests
+// run too), and a multipath map over two iSCSI portals is found.
+func TestVMDevices(t *testing.T) {
+	t.Run("kernel-events", func(t *testing.T) {
+		vm.RunGuestTests(t, vm.WithTestRun("^TestGuest(NVMe|SCSI)"),
+			vm.WithModules(guestModules...), vm.WithIscsid(), vm.WithTimeout(5*time.Minute))
+	})
+	t.Run("udev", func(t *testing.T) {
+		vm.RunGuestTests(t, vm.WithTestRun("^(TestGuest(NVMe|SCSI)|TestLoop|TestWaitersAroundAttach|TestManyConcurrentWaiters|TestVerifyDetects|TestOverflowRescan)"),
+			vm.WithModules(guestModules...), vm.WithIscsid(), vm.WithUdev(), vm.WithTimeout(6*time.Minute))
+	})
+	t.Run("multipath", func(t *testing.T) {
+		vm.RunGuestTests(t, vm.WithTestRun("^TestGuestMultipath"),
+			vm.WithModules(guestModules...), vm.WithIscsid(), vm.WithMultipathd(), vm.WithTimeout(5*time.Minute))
+	})
+}
+
+// TestVMBenchDevices measures, in a guest, the time from the action that
+// creates a device (the write to /dev/nvme-fabrics, the iSCSI login) to a
+// verified Device, next to the kernel's uevent. Runs with BERTH_BENCH=1.
+func TestVMBenchDevices(t *testing.T) {
+	if os.Getenv("BERTH_BENCH") != "1" {
+		t.Skip("benchmark: set BERTH_BENCH=1 (make bench)")
+	}
+	for _, udev := range []bool{false, true} {
+		name := "kernel-events"
+		opts := []vm.Option{vm.WithTestRun("^TestGuestBench"), vm.WithModules(guestModules...), vm.WithIscsid(),
+			vm.WithTimeout(8 * time.Minute), vm.WithEnv(map[string]string{"BERTH_BENCH": "1"})}
+		if udev {
+			name = "udev"
+			opts = append(opts, vm.WithUdev())
+		}
+		t.Run(name, func(t *testing.T) { vm.RunGuestTests(t, opts...) })
+	}
+}
+
+// ---- in-guest helpers ----
+
+func guestCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func cfs(t *testing.T, path, value string) {
+	t.Helper()
+	if err := os.WriteFile(path, []byte(value), 0o644); err != nil {
+		t.Fatalf("write %q to %s: %v", value, path, err)
+	}
+}
+
+func mkdir(t *testing.T, path string) {
+	t.Helper()
+	if err := os.Mkdir(path, 0o755); err != nil {
+		t.Fatalf("mkdir %s: %v", path, err)
+	}
+}
+
+func run(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	out, err := exec.Command(name, args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %s: %v: %s", name, strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// backingLoop attaches a sparse tmpfs file through the package itself.
+func backingLoop(t *testing.T, l *Listener, size int64) *Device {
+	t.Helper()
+	f := testFile(t, t.TempDir(), "backing.img", size)
+	d, err := AttachLoop(guestCtx(t), l, f, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { DetachLoop(d) })
+	return d
+}
+
+func guestListener(t *testing.T) *Listener {
+	t.Helper()
+	l := newTestListener(t)
+	_, err := os.Stat("/run/udev/control")
+	if l.Udev() != (err == nil) {
+		t.Fatalf("listener udev mode %v, /run/udev/control: %v", l.Udev(), err)
+	}
+	t.Logf("listener: udev=%v", l.Udev())
+	return l
+}
+
+// checkReady asserts what Wait promises about udev: its database has the
+// device when udevd runs.
+func checkReady(t *testing.T, l *Listener, d *Device) {
+	t.Helper()
+	if l.Udev() && !udevInitialized(d.Major, d.Minor) {
+		t.Errorf("%s returned before udev initialised it", d)
+	}
+	if err := d.Verify(); err != nil {
+		t.Errorf("Verify: %v", err)
+	}
+}
+
+type nvmet struct {
+	nqn, sub, port string
+}
+
+const nvmetRoot = "/sys/kernel/config/nvmet"
+
+func newNVMet(t *testing.T, nqn string, portID int, dev *Device, uuid, nguid string) *nvmet {
+	t.Helper()
+	n := &nvmet{nqn: nqn, sub: filepath.Join(nvmetRoot, "subsystems", nqn), port: filepath.Join(nvmetRoot, "ports", strconv.Itoa(portID))}
+	mkdir(t, n.sub)
+	t.Cleanup(func() { os.Remove(n.sub) })
+	cfs(t, n.sub+"/attr_allow_any_host", "1")
+	ns := n.sub + "/namespaces/1"
+	mkdir(t, ns)
+	t.Cleanup(func() { os.WriteFile(ns+"/enable", []byte("0"), 0); os.Remove(ns) })
+	cfs(t, ns+"/device_path", dev.Path)
+	cfs(t, ns+"/device_uuid", uuid)
+	cfs(t, ns+"/device_nguid", nguid)
+	cfs(t, ns+"/enable", "1")
+	mkdir(t, n.port)
+	t.Cleanup(func() { os.Remove(n.port) })
+	cfs(t, n.port+"/addr_trtype", "tcp")
+	cfs(t, n.port+"/addr_adrfam", "ipv4")
+	cfs(t, n.port+"/addr_traddr", "127.0.0.1")
+	cfs(t, n.port+"/addr_trsvcid", strconv.Itoa(4420+portID))
+	link := n.port + "/subsystems/" + nqn
+	if err := os.Symlink(n.sub, link); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.Remove(link) })
+	return n
+}
+
+// connect writes the connect string to /dev/nvme-fabrics and returns the
+// controller name; it is deleted when the test ends.
+func (n *nvmet) connect(t *testing.T) string {
+	t.Helper()
+	f, err := os.OpenFile("/dev/nvme-fabrics", os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	port, _ := strconv.Atoi(filepath.Base(n.port))
+	opts := fmt.Sprintf("transport=tcp,traddr=127.0.0.1,trsvcid=%d,nqn=%s", 4420+port, n.nqn)
+	if _, err := f.WriteString(opts); err != nil {
+		t.Fatalf("connect %s: %v", opts, err)
+	}
+	buf := make([]byte, 128)
+	k, err := f.Read(buf)
+	if err != nil {
+		t.Fatalf("read /dev/nvme-fabrics: %v", err)
+	}
+	m := regexp.MustCompile(`instance=(\d+)`).FindStringSubmatch(string(buf[:k]))
+	if m == nil {
+		t.Fatalf("connect answered %q", buf[:k])
+	}
+	ctrl := "nvme" + m[1]
+	t.Cleanup(func() { os.WriteFile("/sys/class/nvme/"+ctrl+"/delete_controller", []byte("1"), 0) })
+	return ctrl
+}
+
+const (
+	nvmeUUID  = "6e4f2a2d-0c1b-4b8e-9c55-7e4d3f1a2b3c"
+	nvmeNGUID = "00112233-4455-6677-8899-aabbccddeeff"
+)
+
+func TestGuestNVMeMatch(t *testing.T) {
+	vm.RequireGuest(t)
+	ctx := guestCtx(t)
+	l := guestListener(t)
+	nqn := "nqn.2026-01.io.berth:devices-nvme"
+	n := newNVMet(t, nqn, 1, backingLoop(t, l, 32<<20), nvmeUUID, nvmeNGUID)
+
+	right := l.Subscribe(MatchNVMe(nqn, 1, strings.ToUpper(nvmeUUID), nvmeNGUID))
+	defer right.Close()
+	wrong := l.Subscribe(MatchNVMe(nqn, 1, "", "00112233-4455-6677-8899-aabbccddeef0"))
+	defer wrong.Close()
+	start := time.Now()
+	ctrl := n.connect(t)
+	d, err := right.Wait(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := right.Trace()
+	t.Logf("%s via %s: found %v after the connect write (kernel event after %v, udev event after %v, from scan %v)",
+		d, ctrl, tr.Found.Sub(start), sinceOrZero(tr.KernelEvent.Received, start), sinceOrZero(tr.UdevEvent.Received, start), tr.FromScan)
+	if d.ID.Kind != KindNVMe || d.ID.NQN != nqn || d.ID.NSID != 1 || d.ID.UUID != nvmeUUID || normHexID(d.ID.NGUID) != normHexID(nvmeNGUID) || d.Size != 32<<20 {
+		t.Errorf("device %+v identity %+v", d, d.ID)
+	}
+	// The multipath head sits under the subsystem, not the controller.
+	if real, err := filepath.EvalSymlinks("/sys/class/block/" + d.Name); err == nil {
+		t.Logf("%s is %s", d.Name, real)
+	}
+	checkReady(t, l, d)
+
+	// A namespace with another NGUID is never taken for this one.
+	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if got, err := wrong.Wait(wctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("mismatching NGUID: %v %v, want a timeout", got, err)
+	}
+	// A Device whose expected identity differs fails Verify.
+	other := *d
+	other.ID.NGUID = "00112233445566778899aabbccddeef0"
+	if err := other.Verify(); !errors.Is(err, errdefs.ErrFailedPrecondition) {
+		t.Errorf("Verify with another NGUID: %v", err)
+	}
+
+	// Disconnecting removes the namespace; a removal waiter sees it.
+	gone := l.subscribeRemoval(d)
+	defer gone.Close()
+	cfs(t, "/sys/class/nvme/"+ctrl+"/delete_controller", "1")
+	if _, err := gone.Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Verify(); !errors.Is(err, errdefs.ErrFailedPrecondition) {
+		t.Errorf("Verify after disconnect: %v", err)
+	}
+}
+
+func sinceOrZero(t, start time.Time) time.Duration {
+	if t.IsZero() {
+		return 0
+	}
+	return t.Sub(start)
+}
+
+// lio is an iSCSI target in LIO with one LUN.
+type lio struct {
+	iqn, serial string
+	portals     []string
+}
+
+const lioRoot = "/sys/kernel/config/target"
+
+func newLIO(t *testing.T, name string, dev *Device, serial string, portals ...string) *lio {
+	t.Helper()
+	tg := &lio{iqn: "iqn.2026-01.io.berth:" + name, serial: serial, portals: portals}
+	so := filepath.Join(lioRoot, "core", "iblock_0", name)
+	if err := os.MkdirAll(so, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.Remove(so) })
+	cfs(t, so+"/control", "udev_path="+dev.Path)
+	cfs(t, so+"/wwn/vpd_unit_serial", serial)
+	cfs(t, so+"/enable", "1")
+	tpg := filepath.Join(lioRoot, "iscsi", tg.iqn, "tpgt_1")
+	if err := os.MkdirAll(tpg, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		os.WriteFile(tpg+"/enable", []byte("0"), 0)
+		for _, p := range portals {
+			os.Remove(tpg + "/np/" + p)
+		}
+		os.Remove(tpg + "/lun/lun_0/" + name)
+		os.Remove(tpg + "/lun/lun_0")
+		os.Remove(tpg)
+		os.Remove(filepath.Dir(tpg))
+	})
+	mkdir(t, tpg+"/lun/lun_0")
+	if err := os.Symlink(so, tpg+"/lun/lun_0/"+name); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range portals {
+		mkdir(t, tpg+"/np/"+p)
+	}
+	for attr, v := range map[string]string{"generate_node_acls": "1", "authentication": "0", "demo_mode_write_protect": "0", "cache_dynamic_acls": "1"} {
+		cfs(t, tpg+"/attrib/"+attr, v)
+	}
+	cfs(t, tpg+"/enable", "1")
+	return tg
+}
+
+// wwid is the NAA 6 identifier LIO derives from the unit serial.
+func (tg *lio) wwid() string {
+	hex := strings.Map(func(r rune) rune {
+		if strings.ContainsRune("0123456789abcdef", r) {
+			return r
+		}
+		return -1
+	}, strings.ToLower(tg.serial))
+	return "naa.6001405" + hex[:25]
+}
+
+// login logs in through portal and scans the session's host for LUNs (the
+// image's open-iscsi does not scan by itself).
+func (tg *lio) login(t *testing.T, portal string) {
+	t.Helper()
+	run(t, "iscsiadm", "-m", "discovery", "-t", "sendtargets", "-p", portal)
+	run(t, "iscsiadm", "-m", "node", "-T", tg.iqn, "-p", portal, "--login")
+	t.Cleanup(func() {
+		exec.Command("iscsiadm", "-m", "node", "-T", tg.iqn, "-p", portal, "--logout").Run()
+		exec.Command("iscsiadm", "-m", "node", "-T", tg.iqn, "-p", portal, "-o", "delete").Run()
+	})
+	sessions, _ := filepath.Glob("/sys/class/iscsi_session/session*")
+	for _, s := range sessions {
+		name, _ := readAttr(s, "targetname")
+		addr, _ := readAttr(filepath.Join(s, "device", "connection"+strings.TrimPrefix(filepath.Base(s), "session")+":0", "iscsi_connection", "connection"+strings.TrimPrefix(filepath.Base(s), "session")+":0"), "persistent_address")
+		real, err := filepath.EvalSymlinks(s)
+		if name != tg.iqn || err != nil {
+			continue
+		}
+		m := regexp.MustCompile(`/host(\d+)/`).FindStringSubmatch(real)
+		if m == nil {
+			t.Fatalf("no SCSI host in %s", real)
+		}
+		if addr != "" && !strings.HasPrefix(portal, addr+":") {
+			continue
+		}
+		cfs(t, "/sys/class/scsi_host/host"+m[1]+"/scan", "- - -")
+	}
+}
+
+func TestGuestSCSIMatch(t *testing.T) {
+	vm.RequireGuest(t)
+	ctx := guestCtx(t)
+	l := guestListener(t)
+	tg := newLIO(t, "devscsi", backingLoop(t, l, 64<<20), "a1b2c3d4-e5f6-0718-293a-4b5c6d7e8f90", "127.0.0.1:3260")
+
+	w := l.Subscribe(MatchSCSI("", tg.wwid()))
+	defer w.Close()
+	wrong := l.Subscribe(MatchSCSI("", "naa.6001405ffffffffffffffffffffffffff"))
+	defer wrong.Close()
+	start := time.Now()
+	tg.login(t, "127.0.0.1:3260")
+	d, err := w.Wait(ctx)
+	if err != nil {
+		logSCSIDisks(t)
+		t.Fatal(err)
+	}
+	tr := w.Trace()
+	t.Logf("%s found %v after the login began (login returned, kernel event after %v, udev event after %v, from scan %v)",
+		d, tr.Found.Sub(start), sinceOrZero(tr.KernelEvent.Received, start), sinceOrZero(tr.UdevEvent.Received, start), tr.FromScan)
+	if d.ID.Kind != KindSCSI || d.ID.WWID != tg.wwid() || !regexp.MustCompile(`^\d+:0:0:0$`).MatchString(d.ID.HCTL) || d.Size != 64<<20 {
+		t.Errorf("device %+v identity %+v", d, d.ID)
+	}
+	// The kernel's wwid and our VPD 0x83 parser agree.
+	page, err := os.ReadFile("/sys/block/" + d.Name + "/device/vpd_pg83")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ds, err := ParseVPD83(page)
+	if err != nil || PreferredWWID(ds) != d.ID.WWID {
+		t.Errorf("vpd_pg83 gives %q (%v), kernel wwid %q", PreferredWWID(ds), err, d.ID.WWID)
+	}
+	if os.Getenv("BERTH_SAVE_SAMPLES") != "" {
+		t.Logf("vpd_pg83 of %s: %x", d.Name, page)
+	}
+	checkReady(t, l, d)
+	// Matching by address and the udev form of the WWID finds the same disk.
+	byAddr := l.Subscribe(MatchSCSI(d.ID.HCTL, "3"+strings.TrimPrefix(tg.wwid(), "naa.")))
+	if d2, err := byAddr.Wait(ctx); err != nil || d2.Name != d.Name {
+		t.Errorf("by address: %v %v", d2, err)
+	}
+	byAddr.Close()
+
+	// WWID mismatch: never matched, and Verify of a device expected with
+	// another WWID is refused.
+	wctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if got, err := wrong.Wait(wctx); !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "WWID") {
+		t.Errorf("mismatching WWID: %v %v, want a timeout naming the WWID", got, err)
+	}
+	other := *d
+	other.ID.WWID = "naa.6001405ffffffffffffffffffffffffff"
+	if err := other.Verify(); !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), d.ID.WWID) {
+		t.Errorf("Verify with another WWID: %v", err)
+	}
+
+	if err := RemoveSCSIDevice(ctx, l, d); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat("/sys/block/" + d.Name); err == nil {
+		t.Errorf("%s still exists", d.Name)
+	}
+	if err := RemoveSCSIDevice(ctx, l, d); err != nil {
+		t.Errorf("second removal: %v", err)
+	}
+}
+
+func logSCSIDisks(t *testing.T) {
+	scanBlock(KindSCSI, nil, func(d *Device) bool {
+		t.Logf("SCSI disk %s: %+v designators %q", d.Name, d.ID, d.designators)
+		return false
+	})
+}
+
+func TestGuestMultipath(t *testing.T) {
+	vm.RequireGuest(t)
+	ctx := guestCtx(t)
+	l := guestListener(t)
+	if !l.Udev() {
+		t.Fatal("multipathd guests run udevd")
+	}
+	portals := []string{"127.0.0.1:3260", "127.0.0.2:3260"}
+	tg := newLIO(t, "devmpath", backingLoop(t, l, 64<<20), "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", portals...)
+
+	mp := l.Subscribe(MatchMultipath(tg.wwid()))
+	defer mp.Close()
+	paths := map[string]*Device{}
+	for _, p := range portals {
+		w := l.Subscribe(MatchSCSI("", tg.wwid()))
+		tg.login(t, p)
+		// Each login adds a path; wait until a path not seen before shows.
+		for {
+			d, err := w.Wait(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if paths[d.Name] == nil {
+				paths[d.Name] = d
+				break
+			}
+			w.Close()
+			w = l.Subscribe(notIn{MatchSCSI("", tg.wwid()), paths})
+		}
+		w.Close()
+	}
+	start := time.Now()
+	dm, err := mp.Wait(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("map %s (%s, %s) found %v after the second path", dm, dm.ID.DMName, dm.ID.WWID, time.Since(start))
+	checkReady(t, l, dm)
+	var names []string
+	for name := range paths {
+		names = append(names, name)
+		m, err := MultipathMap(name)
+		if err != nil || m.Name != dm.Name {
+			t.Errorf("MultipathMap(%s) = %v %v, want %s", name, m, err, dm.Name)
+		}
+	}
+	sort.Strings(names)
+	slaves, err := Slaves(dm.Name)
+	if sort.Strings(slaves); err != nil || strings.Join(slaves, ",") != strings.Join(names, ",") {
+		t.Errorf("slaves %v %v, want %v", slaves, err, names)
+	}
+	ps, err := MultipathPaths(dm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("paths: %+v", ps)
+	if len(ps) != 2 {
+		t.Fatalf("%d paths, want 2", len(ps))
+	}
+	for _, p := range ps {
+		if !p.Active || p.SCSIState != "running" || paths[p.Name] == nil {
+			t.Errorf("path %+v", p)
+		}
+	}
+	// A path cannot be removed under its map.
+	for _, p := range paths {
+		if err := RemoveSCSIDevice(ctx, l, p); !errors.Is(err, errdefs.ErrBusy) {
+			t.Errorf("RemoveSCSIDevice(%s) under a map: %v, want ErrBusy", p.Name, err)
+		}
+		break
+	}
+	if err := RemoveMultipathMap(ctx, l, dm); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat("/sys/block/" + dm.Name); err == nil {
+		t.Errorf("%s still exists", dm.Name)
+	}
+	if err := RemoveMultipathMap(ctx, l, dm); err != nil {
+		t.Errorf("second map removal: %v", err)
+	}
+	for _, p := range paths {
+		if err := RemoveSCSIDevice(ctx, l, p); err != nil {
+			t.Errorf("RemoveSCSIDevice(%s): %v", p.Name, err)
+		}
+	}
+}
+
+// notIn matches what m matches, except the devices already found.
+type notIn struct {
+	m    Matcher
+	seen map[string]*Device
+}
+
+func (n notIn) Match(d *Device) bool { return n.m.Match(d) && n.seen[d.Name] == nil }
+func (n notIn) String() string       { return n.m.String() + " (another path)" }
