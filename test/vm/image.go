@@ -172,6 +172,36 @@ func buildBerth() (string, error) {
 	return berthBin, berthErr
 }
 
+type builtBinary struct {
+	once sync.Once
+	path string
+	err  error
+}
+
+var testBinaries sync.Map // package dir -> *builtBinary
+
+// testBinary builds the test binary of the package in pkgDir once per process.
+func testBinary(pkgDir string) (string, error) {
+	v, _ := testBinaries.LoadOrStore(pkgDir, &builtBinary{})
+	b := v.(*builtBinary)
+	b.once.Do(func() {
+		dir, err := processDir()
+		if err != nil {
+			b.err = err
+			return
+		}
+		f, err := os.CreateTemp(dir, "guest-*.test")
+		if err != nil {
+			b.err = err
+			return
+		}
+		f.Close()
+		b.path = f.Name()
+		b.err = buildTestBinary(pkgDir, b.path)
+	})
+	return b.path, b.err
+}
+
 // buildTestBinary builds the test binary of the package in pkgDir.
 func buildTestBinary(pkgDir, out string) error {
 	cmd := exec.Command(goTool(), "test", "-c", "-o", out, ".")

@@ -142,8 +142,8 @@ func (m *Machine) prepare(img *image) error {
 	if err != nil {
 		return err
 	}
-	testBin := filepath.Join(m.dir, "guest.test")
-	if err := buildTestBinary(pkgDir, testBin); err != nil {
+	testBin, err := testBinary(pkgDir)
+	if err != nil {
 		return err
 	}
 	berth, err := buildBerth()
@@ -356,9 +356,6 @@ func (m *Machine) start() error {
 		timer.Stop()
 		ln.Close()
 		m.mu.Lock()
-		if m.conn != nil {
-			// QEMU closed its end; reading drains what is buffered.
-		}
 		m.waitErr = err
 		m.mu.Unlock()
 		wg.Wait()

@@ -307,3 +307,64 @@ func iscsiLoginErr(t *testing.T, iqn, portal string, chap *target.CHAP) error {
 	}
 	return nil
 }
+
+const twoVMsNQN = "nqn.2014-08.io.berth:two-vms"
+
+// TestVMTwoVMs boots a target guest and an initiator guest on a private
+// link; the initiator connects over NVMe/TCP, then the target guest is
+// killed and the initiator must see its path go down.
+func TestVMTwoVMs(t *testing.T) {
+	t.Parallel()
+	link := vm.NewLink(t)
+	tgt := vm.Boot(t, vm.WithName("target"), vm.WithTestRun("^TestTwoVMsTarget$"),
+		vm.WithNIC(link, "192.168.77.1/24"))
+	tgt.WaitSignal("target-ready", 3*time.Minute)
+	ini := vm.Boot(t, vm.WithName("initiator"), vm.WithTestRun("^TestTwoVMsInitiator$"),
+		vm.WithNIC(link, "192.168.77.2/24"))
+	ini.WaitSignal("connected", 3*time.Minute)
+	tgt.Kill()
+	ini.ReportTests(t)
+}
+
+func TestTwoVMsTarget(t *testing.T) {
+	vm.RequireGuest(t)
+	target.NewNVMeTarget(t, target.NVMeConfig{NQN: twoVMsNQN, Ports: []string{"192.168.77.1:4420"}})
+	vm.SignalHost("target-ready")
+	vm.WaitHost(t, "stop") // until the host kills this guest
+}
+
+func TestTwoVMsInitiator(t *testing.T) {
+	vm.RequireGuest(t)
+	target.LoadModules(t, "nvme_tcp")
+	ctrl := nvmeConnect(t, "transport=tcp,traddr=192.168.77.1,trsvcid=4420,nqn="+twoVMsNQN+
+		",keep_alive_tmo=2,reconnect_delay=1,ctrl_loss_tmo=60")
+	dev := waitFor(t, "a namespace of "+ctrl, func() string {
+		return findBlock(`^nvme[0-9]+n[0-9]+$`, "device/subsysnqn", twoVMsNQN)
+	})
+	f, err := os.OpenFile("/dev/"+dev, os.O_RDWR|unix.O_DIRECT, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 4096) // page-aligned enough for O_DIRECT from the Go heap at this size
+	copy(buf, "across the link")
+	if _, err := f.WriteAt(buf, 0); err != nil {
+		t.Fatalf("write %s: %v", dev, err)
+	}
+	f.Close()
+	state := func() string {
+		b, _ := os.ReadFile("/sys/class/nvme/" + ctrl + "/state")
+		return strings.TrimSpace(string(b))
+	}
+	if s := state(); s != "live" {
+		t.Fatalf("%s state %q before the target went away", ctrl, s)
+	}
+	t0 := time.Now()
+	vm.SignalHost("connected")
+	waitFor(t, ctrl+" to leave the live state", func() string {
+		if s := state(); s != "live" {
+			return s
+		}
+		return ""
+	})
+	t.Logf("%s: %s %v after the target guest was killed", ctrl, state(), time.Since(t0))
+}
