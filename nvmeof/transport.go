@@ -357,7 +357,7 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 		return r
 	}
 	if err != nil {
-		r.err = err
+		r.err = fmt.Errorf("%w (hostnqn %s)", err, host.NQN)
 		return r
 	}
 	r.ctrl = fmt.Sprintf("nvme%d", inst)

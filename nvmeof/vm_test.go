@@ -19,6 +19,7 @@ import (
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/test/vm"
+	"github.com/berth-csi/berth/test/vm/target"
 )
 
 // TestVMNVMeoF boots a guest with the kernel's NVMe/TCP target (nvmet)
@@ -26,7 +27,6 @@ import (
 func TestVMNVMeoF(t *testing.T) {
 	vm.RunGuestTests(t,
 		vm.WithTestRun("^TestGuest"),
-		vm.WithModules("nvme_tcp", "nvmet_tcp"),
 		vm.WithTimeout(8*time.Minute),
 	)
 }
@@ -128,9 +128,8 @@ func TestGuestAttachDetach(t *testing.T) {
 	vm.RequireGuest(t)
 	ctx := guestContext(t)
 	nqn := "nqn.2026-01.io.berth:attach"
-	sub := newNVMetSubsys(t, nqn)
-	sub.addNamespace(1, 64<<20, guestUUID1, guestNGUID1)
-	newNVMetPort(t, 4420).expose(sub)
+	target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{"127.0.0.1:4420"},
+		Namespaces: []target.NVMeNamespace{{Size: 64 << 20, UUID: guestUUID1, NGUID: guestNGUID1}}})
 
 	tr := guestTransport(t, nil)
 	tg, err := tr.Parse(map[string]string{"transport": "nvmeof", "nqn": nqn, "nsid": "1", "traddr": "127.0.0.1", "trsvcid": "4420"}, nil)
@@ -191,9 +190,8 @@ func TestGuestReuseAndDuplicate(t *testing.T) {
 	vm.RequireGuest(t)
 	ctx := guestContext(t)
 	nqn := "nqn.2026-01.io.berth:reuse"
-	sub := newNVMetSubsys(t, nqn)
-	sub.addNamespace(1, 32<<20, "", "")
-	newNVMetPort(t, 4424).expose(sub)
+	target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{"127.0.0.1:4424"},
+		Namespaces: []target.NVMeNamespace{{Size: 32 << 20}}})
 	tr := guestTransport(t, nil)
 	host, err := tr.HostIdentity()
 	if err != nil {
@@ -234,9 +232,8 @@ func TestGuestIdentity(t *testing.T) {
 	vm.RequireGuest(t)
 	ctx := guestContext(t)
 	nqn := "nqn.2026-01.io.berth:identity"
-	sub := newNVMetSubsys(t, nqn)
-	sub.addNamespace(1, 32<<20, guestUUID1, guestNGUID1)
-	newNVMetPort(t, 4425).expose(sub)
+	target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{"127.0.0.1:4425"},
+		Namespaces: []target.NVMeNamespace{{Size: 32 << 20, UUID: guestUUID1, NGUID: guestNGUID1}}})
 	tr := guestTransport(t, nil)
 	base := map[string]string{"nqn": nqn, "traddr": "127.0.0.1", "trsvcid": "4425"}
 	with := func(kv ...string) map[string]string {
@@ -314,10 +311,8 @@ func TestGuestTwoNamespaces(t *testing.T) {
 	vm.RequireGuest(t)
 	ctx := guestContext(t)
 	nqn := "nqn.2026-01.io.berth:two"
-	sub := newNVMetSubsys(t, nqn)
-	sub.addNamespace(1, 32<<20, "", "")
-	sub.addNamespace(2, 48<<20, "", "")
-	newNVMetPort(t, 4426).expose(sub)
+	target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{"127.0.0.1:4426"},
+		Namespaces: []target.NVMeNamespace{{Size: 32 << 20}, {Size: 48 << 20}}})
 	vc1 := map[string]string{"nqn": nqn, "nsid": "1", "traddr": "127.0.0.1", "trsvcid": "4426"}
 	vc2 := map[string]string{"nqn": nqn, "nsid": "2", "traddr": "127.0.0.1", "trsvcid": "4426"}
 
@@ -395,12 +390,8 @@ func TestGuestMultipath(t *testing.T) {
 	vm.RequireGuest(t)
 	ctx := guestContext(t)
 	nqn := "nqn.2026-01.io.berth:multipath"
-	sub := newNVMetSubsys(t, nqn)
-	sub.addNamespace(1, 64<<20, guestUUID1, "")
-	p1 := newNVMetPort(t, 4430)
-	p2 := newNVMetPort(t, 4431)
-	p1.expose(sub)
-	p2.expose(sub)
+	tgt := target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{"127.0.0.1:4430", "127.0.0.1:4431"},
+		Namespaces: []target.NVMeNamespace{{Size: 64 << 20, UUID: guestUUID1}}})
 	tr := guestTransport(t, nil)
 	tg, err := tr.Parse(map[string]string{"nqn": nqn, "uuid": guestUUID1,
 		"targets": "127.0.0.1:4430,127.0.0.1:4431", "reconnectDelay": "1", "ctrlLossTmo": "-1"}, nil)
@@ -463,7 +454,7 @@ func TestGuestMultipath(t *testing.T) {
 	}()
 	waitFor(t, 10*time.Second, "first writes", func() bool { return writes.Load() > 20 })
 
-	p2.hide(sub)
+	tgt.RemovePort("127.0.0.1:4431")
 	waitFor(t, 20*time.Second, "health showing the path down", func() bool {
 		abnormal, _ := tg.Health(ctx)
 		return abnormal
@@ -476,7 +467,7 @@ func TestGuestMultipath(t *testing.T) {
 	before := writes.Load()
 	waitFor(t, 10*time.Second, "writes through the remaining path", func() bool { return writes.Load() > before+50 })
 
-	p2.expose(sub)
+	tgt.AddPort("127.0.0.1:4431")
 	waitFor(t, 30*time.Second, "the path reconnecting", func() bool {
 		abnormal, _ := tg.Health(ctx)
 		return !abnormal
@@ -512,9 +503,8 @@ func TestGuestExpand(t *testing.T) {
 	vm.RequireGuest(t)
 	ctx := guestContext(t)
 	nqn := "nqn.2026-01.io.berth:expand"
-	sub := newNVMetSubsys(t, nqn)
-	file := sub.addNamespace(1, 64<<20, "", "")
-	newNVMetPort(t, 4432).expose(sub)
+	tgt := target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{"127.0.0.1:4432"},
+		Namespaces: []target.NVMeNamespace{{Size: 64 << 20}}})
 	tr := guestTransport(t, nil)
 	tg, err := tr.Parse(map[string]string{"nqn": nqn, "nsid": "1", "traddr": "127.0.0.1", "trsvcid": "4432"}, nil)
 	if err != nil {
@@ -538,7 +528,7 @@ func TestGuestExpand(t *testing.T) {
 		ch <- result{s, err}
 	}()
 	time.Sleep(100 * time.Millisecond)
-	sub.resize(1, file, 96<<20)
+	tgt.Grow(1, 96<<20)
 	r := <-ch
 	if r.err != nil || r.size != 96<<20 {
 		t.Fatalf("ExpandTo: %d, %v", r.size, r.err)
@@ -562,4 +552,42 @@ func TestGuestExpand(t *testing.T) {
 	if !bytes.Contains([]byte(fmt.Sprint(err)), []byte(dev.Name)) {
 		t.Errorf("error %v does not name %s", err, dev.Name)
 	}
+}
+
+// The target registers hosts by NQN: berth presents /etc/nvme/hostnqn.
+func TestGuestHostNQN(t *testing.T) {
+	vm.RequireGuest(t)
+	ctx := guestContext(t)
+	tr := guestTransport(t, nil)
+	host, err := tr.HostIdentity()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ok := target.NewNVMeTarget(t, target.NVMeConfig{NQN: "nqn.2026-01.io.berth:hosts-ok",
+		AllowedHosts: []string{host.NQN}, Ports: []string{"127.0.0.1:4427"}})
+	other := target.NewNVMeTarget(t, target.NVMeConfig{NQN: "nqn.2026-01.io.berth:hosts-other",
+		AllowedHosts: []string{"nqn.2026-01.io.example:another-node"}, Ports: []string{"127.0.0.1:4427"}})
+
+	tg, err := tr.Parse(map[string]string{"nqn": ok.NQN(), "nsid": "1", "traddr": "127.0.0.1", "trsvcid": "4427"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustAttach(t, ctx, tg)
+	if err := tg.Detach(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	tg, err = tr.Parse(map[string]string{"nqn": other.NQN(), "nsid": "1", "traddr": "127.0.0.1", "trsvcid": "4427"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev, err := tg.Attach(ctx)
+	if err == nil {
+		t.Fatalf("attached %s to a subsystem that does not allow this host", dev)
+	}
+	t.Logf("refused host: %v", err)
+	if !errors.Is(err, errdefs.ErrFailedPrecondition) && !errors.Is(err, errdefs.ErrPermissionDenied) {
+		t.Errorf("error %v: want FailedPrecondition or PermissionDenied", err)
+	}
+	wantControllers(t, other.NQN(), 0)
 }
