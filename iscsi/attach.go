@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -498,6 +500,19 @@ func (t *Transport) detachPath(ctx context.Context, v *Volume, p path) error {
 	if sess == nil {
 		return t.deleteRecord(ctx, v, p)
 	}
+	if sess.State != "LOGGED_IN" {
+		// The target is unreachable: the disk's queue is blocked until
+		// the replacement timeout, and deleting it would wait that long
+		// to flush its cache. When the LUN is all the session has, the
+		// logout takes the disk with it, at once.
+		luns, err := t.sys.LUNs(sess.ID)
+		if err != nil {
+			return err
+		}
+		if len(luns) == 0 || (len(luns) == 1 && luns[0].LUN == v.LUN) {
+			return t.logout(ctx, v, p, sess)
+		}
+	}
 	if h, ok, err := t.sessionLUN(sess.ID, v.LUN); err != nil {
 		return err
 	} else if ok {
@@ -512,19 +527,23 @@ func (t *Transport) detachPath(ctx context.Context, v *Volume, p path) error {
 // is not logged in (target gone), the disk is set offline first so that
 // its removal does not wait for the session's replacement timeout.
 func (t *Transport) removeDisk(ctx context.Context, sess *Session, h HCTL) error {
-	if cur, err := t.sys.Session(sess.ID); err == nil && cur.State != "LOGGED_IN" {
-		if err := t.sys.Offline(h); err != nil {
-			t.log.Warn("set SCSI device offline before removal", "hctl", h.String(), "error", err)
+	if t.sys.SCSIDeviceState(h) == "running" {
+		if cur, err := t.sys.Session(sess.ID); err == nil && cur.State != "LOGGED_IN" {
+			if err := t.sys.Offline(h); err != nil {
+				t.log.Debug("set SCSI device offline before removal", "hctl", h.String(), "error", err)
+			}
 		}
 	}
 	name, err := t.sys.BlockDevice(h)
 	if err == nil {
 		dev, err := devices.Lookup(name)
 		if err == nil {
-			if err := devices.RemoveSCSIDevice(ctx, t.opts.Listener, dev); err != nil {
-				return fmt.Errorf("remove SCSI disk %s (%s): %w", dev.Path, h, err)
-			}
-			return nil
+			return t.removals.remove(ctx, dev, func(ctx context.Context) error {
+				if err := devices.RemoveSCSIDevice(ctx, t.opts.Listener, dev); err != nil {
+					return fmt.Errorf("remove SCSI disk %s (%s): %w", dev.Path, h, err)
+				}
+				return nil
+			})
 		}
 		if !errors.Is(err, errdefs.ErrNotFound) {
 			return err
@@ -541,6 +560,56 @@ func (t *Transport) removeDisk(ctx context.Context, sess *Session, h HCTL) error
 	return nil
 }
 
+// inflight runs each disk removal once, in the background: the kernel's
+// delete of a disk whose target is unreachable blocks until the session's
+// replacement timeout, and no RPC may outlive its deadline. A retry of the
+// same removal waits for the one in flight.
+type inflight struct {
+	mu sync.Mutex
+	m  map[string]chan struct{}
+	e  map[string]error
+}
+
+func (in *inflight) remove(ctx context.Context, dev *devices.Device, fn func(context.Context) error) error {
+	key := fmt.Sprintf("%s/%d:%d", dev.Name, dev.Major, dev.Minor)
+	in.mu.Lock()
+	if in.m == nil {
+		in.m, in.e = map[string]chan struct{}{}, map[string]error{}
+	}
+	done, running := in.m[key]
+	if !running {
+		done = make(chan struct{})
+		in.m[key] = done
+		// The removal's own bound is generous; the caller's deadline
+		// only bounds how long the caller waits.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), removeBound)
+		go func() {
+			defer cancel()
+			err := fn(rctx)
+			in.mu.Lock()
+			in.e[key] = err
+			delete(in.m, key)
+			close(done)
+			in.mu.Unlock()
+		}()
+	}
+	in.mu.Unlock()
+	select {
+	case <-done:
+		in.mu.Lock()
+		err := in.e[key]
+		delete(in.e, key)
+		in.mu.Unlock()
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("remove %s: the kernel is still deleting it (a disk of an unreachable target waits for the session's replacement timeout); retry later: %w", dev.Path,
+			errors.Join(errdefs.ErrUnavailable, ctx.Err()))
+	}
+}
+
+// removeBound caps a background disk removal.
+const removeBound = 15 * time.Minute
+
 // logoutIfUnused logs out of sess when it has no SCSI device left, and
 // deletes the node record with it.
 func (t *Transport) logoutIfUnused(ctx context.Context, v *Volume, p path, sess *Session) error {
@@ -552,6 +621,11 @@ func (t *Transport) logoutIfUnused(ctx context.Context, v *Volume, p path, sess 
 		t.log.Debug("iSCSI session kept: other LUNs use it", "session", sess.ID, "target", v.IQN, "luns", len(luns))
 		return nil
 	}
+	return t.logout(ctx, v, p, sess)
+}
+
+// logout logs out of sess and deletes its node record.
+func (t *Transport) logout(ctx context.Context, v *Volume, p path, sess *Session) error {
 	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsSessionLogout(sess.ID)...); err != nil {
 		switch exitCode(err) {
 		case ISCSI_ERR_SESS_NOT_FOUND, ISCSI_ERR_NO_OBJS_FOUND:

@@ -77,8 +77,16 @@ func (tg *lioTarget) tpgDir(tpgt int) string {
 }
 
 // AddLUN exports a new zeroed LUN of size bytes on every TPG and returns
-// the WWID the initiator will see.
-func (tg *lioTarget) AddLUN(lun int, size int64) string {
+// the WWID the initiator will see. It is an iblock backstore over a loop
+// device, so it can grow.
+func (tg *lioTarget) AddLUN(lun int, size int64) string { return tg.addLUN(lun, size, false) }
+
+// AddCachedLUN exports a buffered fileio LUN, which reports a volatile
+// write cache, as arrays do: the initiator sends SYNCHRONIZE CACHE when
+// such a disk is removed.
+func (tg *lioTarget) AddCachedLUN(lun int, size int64) string { return tg.addLUN(lun, size, true) }
+
+func (tg *lioTarget) addLUN(lun int, size int64, cached bool) string {
 	t := tg.t
 	t.Helper()
 	n := lioSeq.Add(1)
@@ -89,16 +97,20 @@ func (tg *lioTarget) AddLUN(lun int, size int64) string {
 	if err := os.Truncate(l.file, size); err != nil {
 		t.Fatal(err)
 	}
-	out, err := exec.Command("losetup", "-f", "--show", l.file).CombinedOutput()
-	if err != nil {
-		t.Fatalf("losetup: %v: %s", err, out)
+	kind, control := "fileio", fmt.Sprintf("fd_dev_name=%s,fd_dev_size=%d,fd_buffered_io=1", l.file, size)
+	if !cached {
+		out, err := exec.Command("losetup", "-f", "--show", l.file).CombinedOutput()
+		if err != nil {
+			t.Fatalf("losetup: %v: %s", err, out)
+		}
+		l.loop = strings.TrimSpace(string(out))
+		kind, control = "iblock", "udev_path="+l.loop
 	}
-	l.loop = strings.TrimSpace(string(out))
-	hba := filepath.Join(lioRoot, "core", fmt.Sprintf("iblock_%d", n))
+	hba := filepath.Join(lioRoot, "core", fmt.Sprintf("%s_%d", kind, n))
 	lioMkdir(t, hba)
 	l.core = filepath.Join(hba, "disk")
 	lioMkdir(t, l.core)
-	lioWrite(t, filepath.Join(l.core, "control"), "udev_path="+l.loop)
+	lioWrite(t, filepath.Join(l.core, "control"), control)
 	// The serial becomes the NAA WWID; it must be set before the LUN is
 	// linked.
 	l.serial = fmt.Sprintf("b3e7a1c0-0000-4000-8000-%012d", n)
@@ -165,6 +177,19 @@ func (tg *lioTarget) SetEnabled(tpgt int, on bool) {
 	lioWrite(tg.t, filepath.Join(tg.tpgDir(tpgt), "enable"), v)
 }
 
+// Vanish makes a TPG's portal stop answering: the listener goes first,
+// then the sessions are dropped, so the initiator's reconnects are refused
+// at the TCP level and it keeps retrying until the replacement timeout, as
+// with a target that crashed or left the network. (A login refused by a
+// live target would end recovery at once.)
+func (tg *lioTarget) Vanish(tpgt int) {
+	d := tg.tpgDir(tpgt)
+	if err := os.Remove(filepath.Join(d, "np", tg.tpgs[tpgt])); err != nil {
+		tg.t.Fatalf("LIO: remove portal: %v", err)
+	}
+	lioWrite(tg.t, filepath.Join(d, "enable"), "0")
+}
+
 func (tg *lioTarget) destroy() {
 	base := filepath.Join(lioRoot, "iscsi", tg.IQN)
 	for tpgt, p := range tg.tpgs {
@@ -182,7 +207,9 @@ func (tg *lioTarget) destroy() {
 	for _, l := range tg.luns {
 		os.Remove(l.core)
 		os.Remove(filepath.Dir(l.core))
-		exec.Command("losetup", "-d", l.loop).Run()
+		if l.loop != "" {
+			exec.Command("losetup", "-d", l.loop).Run()
+		}
 		os.Remove(l.file)
 	}
 }

@@ -115,8 +115,10 @@ type sizeMatcher struct {
 	size int64
 }
 
-func (m sizeMatcher) Match(d *devices.Device) bool { return d != nil && d.Name == m.name && d.Size == m.size }
-func (m sizeMatcher) String() string            { return fmt.Sprintf("%s with %d bytes", m.name, m.size) }
+func (m sizeMatcher) Match(d *devices.Device) bool {
+	return d != nil && d.Name == m.name && d.Size == m.size
+}
+func (m sizeMatcher) String() string { return fmt.Sprintf("%s with %d bytes", m.name, m.size) }
 
 // resizeMap has multipathd grow the map to the paths' size and waits for
 // the map's change event.

@@ -67,6 +67,8 @@ type Transport struct {
 	db    recordDB
 	run   runner
 	locks keyedMutex
+	// removals are the disk deletions in flight.
+	removals inflight
 }
 
 // New returns the transport. It does not touch the node: readiness is

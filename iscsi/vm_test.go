@@ -466,7 +466,7 @@ func TestGuestISCSILUNDeletedFirst(t *testing.T) {
 func TestGuestISCSITargetGone(t *testing.T) {
 	tr := guestTransport(t, Options{})
 	lt := newLIOTarget(t, "127.0.0.1:3260")
-	lt.AddLUN(0, 16<<20)
+	lt.AddCachedLUN(0, 16<<20)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	tg := target(t, tr, vctx(lt, 0, ParamReplacementTimeout, "120"), nil)
@@ -474,9 +474,12 @@ func TestGuestISCSITargetGone(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if wc, _ := os.ReadFile("/sys/class/block/" + dev.Name + "/queue/write_cache"); !strings.HasPrefix(string(wc), "write back") {
+		t.Fatalf("the LUN reports no write cache (%q): the test would not exercise SYNCHRONIZE CACHE", wc)
+	}
 	// The whole target goes away; the session goes into recovery with a
 	// replacement timeout far beyond the detach's deadline.
-	lt.SetEnabled(1, false)
+	lt.Vanish(1)
 	deadline := 30 * time.Second
 	dctx, dcancel := context.WithTimeout(context.Background(), deadline)
 	defer dcancel()
@@ -494,6 +497,59 @@ func TestGuestISCSITargetGone(t *testing.T) {
 	if _, err := os.Stat("/sys/class/block/" + dev.Name); err == nil {
 		t.Fatalf("%s still exists", dev.Name)
 	}
+}
+
+// TestGuestISCSITargetGoneSharedSession: the dead session still has
+// another volume's LUN, so it stays; the detach still returns by its
+// deadline and a retry after the replacement timeout completes.
+func TestGuestISCSITargetGoneSharedSession(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	lt.AddCachedLUN(0, 16<<20)
+	lt.AddCachedLUN(1, 16<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	a := target(t, tr, vctx(lt, 0, ParamReplacementTimeout, "8"), nil)
+	b := target(t, tr, vctx(lt, 1, ParamReplacementTimeout, "8"), nil)
+	if _, err := a.Attach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	db, err := b.Attach(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lt.Vanish(1)
+	waitFor(t, 30*time.Second, "the session to fail", func() bool {
+		ss := sessionsOf(t, lt.IQN)
+		return len(ss) == 1 && ss[0].State != "LOGGED_IN"
+	})
+	deadline := 3 * time.Second
+	dctx, dcancel := context.WithTimeout(context.Background(), deadline)
+	defer dcancel()
+	start := time.Now()
+	err = b.Detach(dctx)
+	el := time.Since(start)
+	t.Logf("detach on a dead shared session: %v in %v", err, el)
+	if el > deadline+2*time.Second {
+		t.Fatalf("detach ran %v past its %v deadline", el, deadline)
+	}
+	// Once the replacement timeout has failed the session's I/O, a retry
+	// finishes the job; the session stays for the other LUN.
+	waitFor(t, 60*time.Second, "a detach retry to succeed", func() bool {
+		rctx, rcancel := context.WithTimeout(context.Background(), 3*time.Second)
+		defer rcancel()
+		return b.Detach(rctx) == nil
+	})
+	if _, err := os.Stat("/sys/class/block/" + db.Name); err == nil {
+		t.Fatalf("%s still exists", db.Name)
+	}
+	if ss := sessionsOf(t, lt.IQN); len(ss) != 1 {
+		t.Fatalf("the shared session should stay for LUN 0: %+v", ss)
+	}
+	if err := a.Detach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	assertDetached(t, lt.IQN)
 }
 
 // --- multipath (guest with multipathd) ---
