@@ -516,11 +516,16 @@ func (g *Target) Detach(ctx context.Context) error {
 	return nil
 }
 
-// Expand returns the namespace's size after asking its controllers to
-// rescan. The caller that knows the size it expects should use ExpandTo,
-// which waits for it.
+// expandSettle bounds how long Expand, which does not know the size to
+// expect, waits for a size change after asking for a rescan.
+const expandSettle = time.Second
+
+// Expand asks the namespace's live controllers to rescan and returns its
+// size: the new one if a change arrives within a second, else the
+// current one. A caller that knows the size it needs should use
+// ExpandTo, which waits for exactly that.
 func (g *Target) Expand(ctx context.Context) (int64, error) {
-	return g.ExpandTo(ctx, 0)
+	return g.expand(ctx, 0)
 }
 
 // ExpandTo waits until the namespace reports at least minBytes. Targets
@@ -529,7 +534,17 @@ func (g *Target) Expand(ctx context.Context) (int64, error) {
 // subscribes to those events, checks sysfs once, asks live controllers
 // to rescan (for targets that send no AEN), then waits until ctx ends.
 func (g *Target) ExpandTo(ctx context.Context, minBytes int64) (int64, error) {
+	if minBytes <= 0 {
+		return 0, fmt.Errorf("expand %s: required size %d: %w", g.Key(), minBytes, errdefs.ErrInvalidArgument)
+	}
+	return g.expand(ctx, minBytes)
+}
+
+func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 	t := g.t
+	if t.opts.Listener == nil {
+		return 0, fmt.Errorf("expand %s: the transport has no device listener: %w", g.Key(), errdefs.ErrFailedPrecondition)
+	}
 	h, ok, err := g.head()
 	if err != nil {
 		return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
@@ -537,21 +552,19 @@ func (g *Target) ExpandTo(ctx context.Context, minBytes int64) (int64, error) {
 	if !ok {
 		return 0, fmt.Errorf("expand %s: namespace not attached: %w", g.Key(), errdefs.ErrNotFound)
 	}
-	var w *devices.Waiter
-	if minBytes > 0 {
-		if t.opts.Listener == nil {
-			return 0, fmt.Errorf("expand %s: the transport has no device listener: %w", g.Key(), errdefs.ErrFailedPrecondition)
-		}
-		w = t.opts.Listener.Subscribe(sizeMatcher{name: h.Name, min: minBytes})
-		defer w.Close()
-	}
-	size, err := readSize(filepath.Join(t.opts.SysRoot, "block", h.Name))
+	sizeOf := func() (int64, error) { return readSize(filepath.Join(t.opts.SysRoot, "block", h.Name)) }
+	// Subscribe first, then read: a change between the two is not lost.
+	m := &sizeMatcher{name: h.Name, min: minBytes, not: -1}
+	w := t.opts.Listener.Subscribe(m)
+	defer w.Close()
+	size, err := sizeOf()
 	if err != nil {
 		return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
 	}
 	if minBytes > 0 && size >= minBytes {
 		return size, nil
 	}
+	m.setNot(size)
 	if paths, err := readNamespacePaths(t.opts.SysRoot, h.Name); err == nil {
 		ctrls, _ := readControllers(t.opts.SysRoot)
 		for _, p := range paths {
@@ -564,14 +577,21 @@ func (g *Target) ExpandTo(ctx context.Context, minBytes int64) (int64, error) {
 			}
 		}
 	}
-	if minBytes <= 0 {
-		return size, nil
-	}
 	start := time.Now()
+	if minBytes <= 0 {
+		wctx, cancel := context.WithTimeout(ctx, expandSettle)
+		defer cancel()
+		if dev, err := w.Wait(wctx); err == nil {
+			return dev.Size, nil
+		} else if ctx.Err() != nil {
+			return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
+		}
+		return sizeOf()
+	}
 	dev, err := w.Wait(ctx)
 	if err != nil {
 		if ctx.Err() != nil {
-			cur, _ := readSize(filepath.Join(t.opts.SysRoot, "block", h.Name))
+			cur, _ := sizeOf()
 			return cur, fmt.Errorf("expand %s: namespace %s still reports %d bytes after %s, want %d; the target has not announced the new size: %w",
 				g.Key(), h.Name, cur, time.Since(start).Round(time.Millisecond), minBytes, errdefs.ErrUnavailable)
 		}
@@ -580,17 +600,38 @@ func (g *Target) ExpandTo(ctx context.Context, minBytes int64) (int64, error) {
 	return dev.Size, nil
 }
 
-// sizeMatcher matches a block device once it has at least min bytes.
+// sizeMatcher matches a block device once it has at least min bytes
+// (min > 0) or a size other than not (min == 0).
 type sizeMatcher struct {
 	name string
 	min  int64
+	mu   sync.Mutex
+	not  int64 // -1: not known yet, matches nothing
 }
 
-func (m sizeMatcher) Match(d *devices.Device) bool {
-	return d != nil && d.Name == m.name && d.Size >= m.min
+func (m *sizeMatcher) setNot(n int64) {
+	m.mu.Lock()
+	m.not = n
+	m.mu.Unlock()
 }
-func (m sizeMatcher) String() string {
-	return fmt.Sprintf("%s with at least %d bytes", m.name, m.min)
+
+func (m *sizeMatcher) Match(d *devices.Device) bool {
+	if d == nil || d.Name != m.name {
+		return false
+	}
+	if m.min > 0 {
+		return d.Size >= m.min
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.not >= 0 && d.Size != m.not
+}
+
+func (m *sizeMatcher) String() string {
+	if m.min > 0 {
+		return fmt.Sprintf("%s with at least %d bytes", m.name, m.min)
+	}
+	return fmt.Sprintf("%s with a new size", m.name)
 }
 
 // PathStatus is the state of one path of a volume.

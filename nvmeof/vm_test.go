@@ -537,8 +537,19 @@ func TestGuestExpand(t *testing.T) {
 	if d, err := devices.Lookup(dev.Name); err != nil || d.Size != 96<<20 {
 		t.Errorf("device after expand: %+v, %v", d, err)
 	}
+	if got, err := tg.Expand(ctx); err != nil || got != 96<<20 {
+		t.Fatalf("Expand with no change: %d, %v", got, err)
+	}
+	// Expand without a size sees a change that arrives within its settle time.
+	go func() {
+		time.Sleep(100 * time.Millisecond)
+		tgt.Grow(1, 112<<20)
+	}()
+	if got, err := tg.Expand(ctx); err != nil || got != 112<<20 {
+		t.Fatalf("Expand while the target grows: %d, %v", got, err)
+	}
 	// Already there: no wait.
-	if s, err := tg.ExpandTo(ctx, 80<<20); err != nil || s != 96<<20 {
+	if s, err := tg.ExpandTo(ctx, 80<<20); err != nil || s != 112<<20 {
 		t.Errorf("ExpandTo smaller: %d, %v", s, err)
 	}
 
@@ -546,7 +557,7 @@ func TestGuestExpand(t *testing.T) {
 	sctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
 	_, err = tg.ExpandTo(sctx, 1<<30)
-	if err == nil || !strings.Contains(err.Error(), "still reports 100663296 bytes") || !strings.Contains(err.Error(), "has not announced the new size") {
+	if err == nil || !strings.Contains(err.Error(), "still reports 117440512 bytes") || !strings.Contains(err.Error(), "has not announced the new size") {
 		t.Errorf("ExpandTo beyond the target: %v", err)
 	}
 	if !bytes.Contains([]byte(fmt.Sprint(err)), []byte(dev.Name)) {
