@@ -24,7 +24,7 @@ func RequireGuest(t testing.TB) {
 // SignalHost tells the host harness that the guest reached a point named
 // name (Machine.WaitSignal returns). Guest side.
 func SignalHost(name string) {
-	fmt.Fprintf(os.Stdout, "\n%s%s\n", signalMarker, name)
+	fmt.Fprintf(os.Stdout, "%s%s\n", signalMarker, name)
 }
 
 var (

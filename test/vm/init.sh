@@ -1,21 +1,113 @@
 #!/bin/sh
 # PID 1 of a berth test guest (busybox sh). Reads /berth-vm/config.sh written
 # by the host harness, prepares the system, runs the test binary with its
-# output on ttyS1 and powers off. The last console line it writes,
+# output on ttyS1 and powers off. Its last line on ttyS1 and on the console,
 # "BERTH-VM-EXIT <status>", is what the host waits for.
+#
+# With BERTH_VM_SYSTEMD=1 it mounts the Debian root disk (/dev/vda), installs
+# a service that runs "init.sh tests" and switches root to systemd.
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
 export HOME=/root
 
-fail() {
-	echo "berth-vm: $*" >/dev/console
-	echo "BERTH-VM-EXIT 255" >/dev/console
+say() { echo "berth-vm: $*" >/dev/console; }
+
+finish() { # status
 	sync
-	poweroff -f
+	echo "BERTH-VM-EXIT $1" >/dev/ttyS1 # last close of ttyS1: waits until sent
+	echo "BERTH-VM-EXIT $1" >/dev/console
+	if [ "$$" = 1 ]; then
+		poweroff -f
+	else
+		systemctl poweroff --force --force
+	fi
+	sleep 60
 }
+
+fail() {
+	say "$*"
+	finish 255
+}
+
+# prepare loads modules and sets up the network links.
+prepare() {
+	if [ -n "$BERTH_VM_MODULES" ]; then
+		modprobe -a $BERTH_VM_MODULES || fail "modprobe $BERTH_VM_MODULES failed"
+	fi
+	if [ -n "$BERTH_VM_NICS" ]; then
+		modprobe -a virtio_pci virtio_net || fail "cannot load virtio_net"
+		i=0
+		for a in $BERTH_VM_NICS; do
+			ip link set "eth$i" up || fail "no eth$i"
+			ip addr add "$a" dev "eth$i" || fail "cannot set $a on eth$i"
+			i=$((i + 1))
+		done
+	fi
+}
+
+# run_tests runs the test binary and powers off.
+run_tests() {
+	stty -F /dev/ttyS1 raw -echo 2>/dev/null
+	cd /berth-vm/pkg || fail "no /berth-vm/pkg"
+	echo "BERTH-VM-START" >/dev/console
+	/berth-vm/guest.test "$@" </dev/ttyS1 >/dev/ttyS1 2>&1
+	status=$?
+	cd /
+	finish $status
+}
+
+mode=$1
+. /berth-vm/config.sh # sets the test binary's arguments
+
+if [ "$mode" = tests ]; then # systemd mode, from berth-vm-tests.service
+	prepare
+	run_tests "$@"
+fi
 
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
+
+if [ "$BERTH_VM_SYSTEMD" = 1 ]; then
+	modprobe -a virtio_pci virtio_blk || fail "cannot load virtio_blk"
+	i=0
+	while [ ! -b /dev/vda ] && [ $i -lt 200 ]; do
+		sleep 0.05
+		i=$((i + 1))
+	done
+	mkdir -p /newroot
+	mount -t ext4 /dev/vda /newroot || fail "cannot mount the root disk /dev/vda"
+	cp -a /berth-vm /newroot/
+	cp -a /usr/bin/berth /newroot/usr/bin/berth
+	for f in $BERTH_VM_FILES; do
+		mkdir -p "/newroot$(dirname "$f")"
+		cp -a "$f" "/newroot$f"
+	done
+	u=/newroot/etc/systemd/system
+	cat >$u/berth-vm-tests.service <<-EOF
+		[Unit]
+		Description=berth in-guest tests
+		After=multi-user.target
+		[Service]
+		Type=simple
+		ExecStart=/berth-vm/init.sh tests
+		StandardOutput=journal+console
+	EOF
+	mkdir -p $u/multi-user.target.wants
+	ln -sf ../berth-vm-tests.service $u/multi-user.target.wants/
+	# Nothing starts by default that the tests do not ask for (units stay
+	# startable with systemctl): no daemons, gettys, timers or boot-time scans.
+	rm -f $u/*.wants/multipathd.service $u/*.wants/multipathd.socket $u/*.wants/open-iscsi.service \
+		$u/*.wants/iscsid.socket $u/*.wants/nvmf-autoconnect.service $u/*.wants/nvmefc-boot-connections.service \
+		$u/*.wants/e2scrub_reap.service $u/*.wants/systemd-pstore.service $u/*.wants/uuidd.socket \
+		$u/*.wants/getty@tty1.service $u/timers.target.wants/*
+	ln -sf /dev/null $u/serial-getty@ttyS0.service
+	ln -sf /dev/null $u/serial-getty@ttyS1.service
+	hostname "${BERTH_VM_HOSTNAME:-guest}" && echo "${BERTH_VM_HOSTNAME:-guest}" >/newroot/etc/hostname
+	mount --move /dev /newroot/dev
+	umount /proc /sys
+	exec switch_root /newroot /lib/systemd/systemd
+fi
+
 mkdir -p /dev/pts /dev/shm
 mount -t devpts devpts /dev/pts
 mount -t tmpfs -o mode=0755 tmpfs /run
@@ -24,29 +116,13 @@ mount -t tmpfs tmpfs /dev/shm
 ln -sf /proc/self/fd /dev/fd
 mkdir -p /run/lock/iscsi /run/udev /run/multipath /var/lib/iscsi
 
-. /berth-vm/config.sh
-
 modprobe configfs 2>/dev/null
 mount -t configfs configfs /sys/kernel/config || fail "cannot mount configfs"
 [ -d /sys/kernel/debug ] && mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
 
 hostname "${BERTH_VM_HOSTNAME:-guest}"
 ip link set lo up
-ip addr add 127.0.0.2/8 dev lo 2>/dev/null
-
-if [ -n "$BERTH_VM_MODULES" ]; then
-	modprobe -a $BERTH_VM_MODULES || fail "modprobe $BERTH_VM_MODULES failed"
-fi
-
-if [ -n "$BERTH_VM_NICS" ]; then
-	modprobe -a virtio_pci virtio_net || fail "cannot load virtio_net"
-	i=0
-	for a in $BERTH_VM_NICS; do
-		ip link set "eth$i" up || fail "no eth$i"
-		ip addr add "$a" dev "eth$i" || fail "cannot set $a on eth$i"
-		i=$((i + 1))
-	done
-fi
+prepare
 
 if [ "$BERTH_VM_UDEV" = 1 ]; then
 	/usr/lib/systemd/systemd-udevd --daemon || fail "systemd-udevd did not start"
@@ -63,12 +139,4 @@ if [ "$BERTH_VM_MULTIPATHD" = 1 ]; then
 	multipathd || fail "multipathd did not start"
 fi
 
-stty -F /dev/ttyS1 raw -echo 2>/dev/null
-cd /berth-vm/pkg || fail "no /berth-vm/pkg"
-echo "BERTH-VM-START" >/dev/console
-/berth-vm/guest.test "$@" </dev/ttyS1 >/dev/ttyS1 2>&1
-status=$?
-cd /
-sync
-echo "BERTH-VM-EXIT $status" >/dev/console
-poweroff -f
+run_tests "$@"

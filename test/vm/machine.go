@@ -175,6 +175,7 @@ func (m *Machine) prepare(img *image) error {
 	bw := bufio.NewWriterSize(f, 1<<20)
 	c := newCPIOWriter(bw)
 	c.Bytes("init", 0o755, initScript)
+	c.Bytes("berth-vm/init.sh", 0o755, initScript)
 	c.Bytes("berth-vm/config.sh", 0o644, m.configScript(img))
 	c.File("berth-vm/guest.test", testBin)
 	c.File("usr/bin/berth", berth)
@@ -252,6 +253,12 @@ func (m *Machine) configScript(img *image) []byte {
 	flag("BERTH_VM_ISCSID", cfg.iscsid)
 	flag("BERTH_VM_MULTIPATHD", cfg.multipathd)
 	flag("BERTH_VM_SYSTEMD", cfg.systemd)
+	var files []string
+	for _, g := range cfg.files {
+		files = append(files, g)
+	}
+	sort.Strings(files)
+	set("BERTH_VM_FILES", strings.Join(files, " "))
 	fmt.Fprintf(&b, "export BERTH_VM_GUEST=1\n")
 	fmt.Fprintf(&b, "export BERTH_VM_KERNEL=%s\n", shellQuote(img.kernelVersion))
 	keys := make([]string, 0, len(cfg.env))
@@ -407,6 +414,11 @@ func (m *Machine) readGuestOutput(r io.Reader, j *test2json) {
 			j.write(line)
 			m.mu.Lock()
 			m.guestOut.WriteString(line)
+			if s, ok := strings.CutPrefix(line, exitMarker); ok {
+				if n, err := strconv.Atoi(strings.TrimSpace(s)); err == nil {
+					m.exitCode = n
+				}
+			}
 			if i := strings.Index(line, signalMarker); i >= 0 {
 				m.signals[strings.TrimSpace(line[i+len(signalMarker):])] = true
 				m.cond.Broadcast()

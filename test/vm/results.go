@@ -104,6 +104,9 @@ func collectResults(events []testEvent) []*testResult {
 			if !sub && (strings.HasPrefix(o, "=== RUN") || strings.HasPrefix(o, "=== PAUSE") || strings.HasPrefix(o, "=== CONT")) {
 				continue
 			}
+			if strings.HasPrefix(o, signalMarker) {
+				continue
+			}
 			r.output = append(r.output, o)
 		case "pass", "fail", "skip":
 			if !sub {

@@ -368,3 +368,26 @@ func TestTwoVMsInitiator(t *testing.T) {
 	})
 	t.Logf("%s: %s %v after the target guest was killed", ctrl, state(), time.Since(t0))
 }
+
+// TestVMSystemd boots the Debian root with systemd as PID 1.
+func TestVMSystemd(t *testing.T) {
+	t.Parallel()
+	vm.RunGuestTests(t, vm.WithTestRun("^TestSystemdGuest"), vm.WithSystemd())
+}
+
+func TestSystemdGuest(t *testing.T) {
+	vm.RequireGuest(t)
+	comm, err := os.ReadFile("/proc/1/comm")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.TrimSpace(string(comm)); got != "systemd" {
+		t.Fatalf("PID 1 is %q, want systemd", got)
+	}
+	out, _ := exec.Command("systemctl", "is-system-running", "--wait").CombinedOutput()
+	t.Logf("system state: %s", strings.TrimSpace(string(out)))
+	t.Logf("%s", run(t, "systemd-analyze", "blame"))
+	if _, err := os.Stat("/run/udev/control"); err != nil {
+		t.Errorf("systemd-udevd is not running: %v", err)
+	}
+}
