@@ -28,3 +28,5 @@ func requireRoot(t testing.TB, tools ...string) {
 	}
 	t.Skip(why)
 }
+
+func mkdirAll(p string) error { return os.MkdirAll(p, 0o750) }

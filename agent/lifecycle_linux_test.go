@@ -512,7 +512,9 @@ func TestConflicts(t *testing.T) {
 		_, err := h.node.NodeStageVolume(ctx, req)
 		return err
 	}
-	wantCode(t, "restage as xfs", restage(func(r *csi.NodeStageVolumeRequest) { r.VolumeCapability = mountCap("xfs", r.VolumeCapability.AccessMode.Mode) }), codes.AlreadyExists)
+	wantCode(t, "restage as xfs", restage(func(r *csi.NodeStageVolumeRequest) {
+		r.VolumeCapability = mountCap("xfs", r.VolumeCapability.AccessMode.Mode)
+	}), codes.AlreadyExists)
 	wantCode(t, "restage with another mode", restage(func(r *csi.NodeStageVolumeRequest) { r.VolumeCapability = mountCap("ext4", snw) }), codes.AlreadyExists)
 	wantCode(t, "restage as block", restage(func(r *csi.NodeStageVolumeRequest) { r.VolumeCapability = blockCap(snw) }), codes.AlreadyExists)
 	h.image("b.img", 64*mib)
@@ -591,7 +593,9 @@ func TestBadRequests(t *testing.T) {
 		{"absolute image outside the root", func(r *csi.NodeStageVolumeRequest) { r.VolumeContext = map[string]string{"file": "/etc/passwd"} }, codes.InvalidArgument},
 		{"image through a symlink", func(r *csi.NodeStageVolumeRequest) { r.VolumeContext = map[string]string{"file": "passwd.img"} }, codes.InvalidArgument},
 		{"missing image", func(r *csi.NodeStageVolumeRequest) { r.VolumeContext = map[string]string{"file": "nope.img"} }, codes.NotFound},
-		{"shell metacharacters", func(r *csi.NodeStageVolumeRequest) { r.VolumeContext = map[string]string{"file": "$(reboot);`id`|x.img"} }, codes.NotFound},
+		{"shell metacharacters", func(r *csi.NodeStageVolumeRequest) {
+			r.VolumeContext = map[string]string{"file": "$(reboot);`id`|x.img"}
+		}, codes.NotFound},
 		{"transport not enabled", func(r *csi.NodeStageVolumeRequest) { r.VolumeContext = map[string]string{"transport": "iscsi"} }, codes.InvalidArgument},
 	} {
 		t.Run("stage/"+tc.name, func(t *testing.T) {
