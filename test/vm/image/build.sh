@@ -30,7 +30,7 @@ missing=0
 for tool in qemu-system-x86_64 busybox cpio mmdebstrap depmod modprobe mkfs.ext4 zstd; do
 	command -v "$tool" >/dev/null 2>&1 || missing=1
 done
-[ -x /bin/busybox ] && /bin/busybox --list | grep -qx ash || missing=1
+/bin/busybox ash -c 'exit 0' 2>/dev/null || missing=1
 if [ "$missing" = 1 ]; then
 	log "installing host prerequisites with scripts/install-deps.sh"
 	"$repo_root/scripts/install-deps.sh"
@@ -100,17 +100,26 @@ kernel_candidates() {
 	apt-cache depends linux-image-cloud-amd64 2>/dev/null |
 		sed -n 's/^ *Depends: \(linux-image-[0-9].*-cloud-amd64\)$/\1/p' | head -n1
 }
-if [ -z "$kpkg" ]; then
-	kpkg=$(kernel_candidates)
+# apt-cache is slow on a busy machine: its answer is kept until the apt lists change.
+lists_stamp="${BERTH_VM_KERNEL:-} $(stat -c %Y /var/lib/apt/lists 2>/dev/null) $({ cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null || true; } | sha)"
+resolved=$cache/.kernel-resolved
+if [ -f "$resolved" ] && [ "$(head -n1 "$resolved")" = "$lists_stamp" ]; then
+	{ read -r _; read -r kpkg kversion; } <"$resolved"
+else
 	if [ -z "$kpkg" ]; then
-		log "apt lists have no linux-image-cloud-amd64: apt-get update"
-		apt-get update -qq
 		kpkg=$(kernel_candidates)
+		if [ -z "$kpkg" ]; then
+			log "apt lists have no linux-image-cloud-amd64: apt-get update"
+			apt-get update -qq
+			kpkg=$(kernel_candidates)
+		fi
 	fi
+	[ -n "$kpkg" ] || die "cannot find the cloud kernel package through linux-image-cloud-amd64"
+	kversion=$(apt-cache policy "$kpkg" | sed -n 's/^ *Candidate: //p')
+	[ -n "$kversion" ] && [ "$kversion" != "(none)" ] || die "no candidate version for $kpkg"
+	lists_stamp="${BERTH_VM_KERNEL:-} $(stat -c %Y /var/lib/apt/lists 2>/dev/null) $({ cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null || true; } | sha)"
+	printf '%s\n%s %s\n' "$lists_stamp" "$kpkg" "$kversion" >"$resolved"
 fi
-[ -n "$kpkg" ] || die "cannot find the cloud kernel package through linux-image-cloud-amd64"
-kversion=$(apt-cache policy "$kpkg" | sed -n 's/^ *Candidate: //p')
-[ -n "$kversion" ] && [ "$kversion" != "(none)" ] || die "no candidate version for $kpkg"
 kver=${kpkg#linux-image-}
 
 build_kernel() { # $1: output dir
@@ -259,6 +268,7 @@ EOF
 image_key=$( { cat "${BASH_SOURCE[0]}"; echo "$kernel_key $root_key"; } | sha)
 image_dir=$cache/image-$image_key
 if [ -d "$image_dir" ]; then
+	touch "$image_dir" "$kernel_dir" "$root_dir"
 	log "image cached in $image_dir"
 else
 	t0=$SECONDS
@@ -269,10 +279,11 @@ fi
 ln -sfn "image-$image_key" "$cache/current.tmp"
 mv -T "$cache/current.tmp" "$cache/current"
 
-# Drop stages no longer referenced.
+# Drop stages no longer referenced, once no test started an hour ago can still use them.
 for d in "$cache"/kernel-* "$cache"/root-* "$cache"/image-*; do
 	[ -d "$d" ] || continue
 	case $d in "$kernel_dir" | "$root_dir" | "$image_dir") continue ;; esac
+	[ -n "$(find "$d" -maxdepth 0 -mmin +60)" ] || continue
 	log "removing stale $d"
 	rm -rf "$d"
 done
