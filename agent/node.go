@@ -373,6 +373,10 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if err := validatePath("target_path", target); err != nil {
 		return nil, err
 	}
+	vcap, err := validateCapability(req.GetVolumeCapability(), n.a.host.SupportedFsTypes(), n.a.host.ParseMountOptions)
+	if err != nil {
+		return nil, err
+	}
 	if staging == "" {
 		return nil, precondition("staging_target_path: missing; berth has the STAGE_UNSTAGE_VOLUME capability and publishes staged volumes only")
 	}
@@ -381,10 +385,6 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	}
 	if staging == target {
 		return nil, invalid("target_path: equal to staging_target_path")
-	}
-	vcap, err := validateCapability(req.GetVolumeCapability(), n.a.host.SupportedFsTypes(), n.a.host.ParseMountOptions)
-	if err != nil {
-		return nil, err
 	}
 	if _, err := mergeContext(req.GetVolumeContext(), req.GetPublishContext()); err != nil {
 		return nil, err
