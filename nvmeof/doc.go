@@ -64,8 +64,20 @@
 //
 // An existing controller to the same subsystem, transport, address,
 // port, host address and interface for the same hostnqn is reused, never
-// duplicated. Detach deletes a controller only when no other volume needs
-// it: see Options.Staged.
+// duplicated. Namespaces of one subsystem share its controllers, so
+// Detach flushes the namespace and deletes a controller only when no
+// other volume needs it: the volumes Options.Staged lists (the agent's
+// state, which survives restarts) and, as a second guard, any other
+// namespace of the subsystem that is mounted or held open. Detach refuses
+// (errdefs.ErrBusy) while its own namespace is still mounted.
+//
+// # Expand
+//
+// A target announces a namespace's new size with an asynchronous event;
+// the kernel updates the device and sends a "change" uevent. ExpandTo
+// waits for the size a caller needs, bounded by its context, and says so
+// when the target never announced it. Expand, which knows no size, asks
+// for a rescan and returns what arrives within a second.
 //
 // # RDMA
 //

@@ -197,11 +197,18 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 	if err != nil {
 		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
 	}
+	// Connects and deletes of one subsystem are serialized; the wait
+	// for the namespace below is not.
 	unlock, err := t.locks.lock(ctx, g.vol.NQN)
 	if err != nil {
 		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
 	}
-	defer unlock()
+	locked := true
+	defer func() {
+		if locked {
+			unlock()
+		}
+	}()
 	t.mu.Lock()
 	delete(t.released, g.Key())
 	t.mu.Unlock()
@@ -252,7 +259,19 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 		// volume of the subsystem uses them.
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 		defer cancel()
-		keep, _ := g.othersNeed(cctx)
+		if !locked {
+			u, err := t.locks.lock(cctx, g.vol.NQN)
+			if err != nil {
+				t.log.Warn("nvmeof: undo connect", "target", g.Key(), "error", err)
+				return
+			}
+			defer u()
+		}
+		keep, err := g.othersNeed(cctx)
+		if err != nil {
+			t.log.Warn("nvmeof: undo connect", "target", g.Key(), "error", err)
+			return
+		}
 		for _, c := range created {
 			if keep(c) {
 				continue
@@ -269,6 +288,8 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 		t.log.Warn("nvmeof: path not connected", "target", g.Key(), "error", e)
 	}
 
+	unlock()
+	locked = false
 	wctx, cancel := context.WithTimeout(ctx, t.opts.NamespaceTimeout)
 	defer cancel()
 	dev, err := w.Wait(wctx)

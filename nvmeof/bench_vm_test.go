@@ -1,0 +1,176 @@
+package nvmeof_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/berth-csi/berth/nvmeof"
+	"github.com/berth-csi/berth/test/vm"
+	"github.com/berth-csi/berth/test/vm/target"
+)
+
+// TestVMBenchNVMeoF measures NodeStageVolume of NVMe/TCP volumes (ext4)
+// in a guest against the same kernel steps done by a shell script
+// (testdata/raw-stage.sh) on identical namespaces: one volume, then 16
+// at once. It runs only with BERTH_BENCH=1 (make bench); results are the
+// lines marked "BENCH".
+func TestVMBenchNVMeoF(t *testing.T) {
+	if os.Getenv("BERTH_BENCH") != "1" {
+		t.Skip("benchmark: set BERTH_BENCH=1 (make bench)")
+	}
+	vm.RunGuestTests(t, vm.WithTestRun("^TestBenchNVMeoF"), vm.WithMemory(2048),
+		vm.WithTimeout(15*time.Minute), vm.WithEnv(map[string]string{"BERTH_BENCH": "1"}))
+}
+
+const benchVolumes = 16
+
+func TestBenchNVMeoFStage(t *testing.T) {
+	vm.RequireGuest(t)
+	if os.Getenv("BERTH_BENCH") != "1" {
+		t.Skip("benchmark: set BERTH_BENCH=1")
+	}
+	iterations := 5
+	if s := os.Getenv("BERTH_BENCH_ITERATIONS"); s != "" {
+		iterations, _ = strconv.Atoi(s)
+	}
+	logger := slog.New(slog.NewTextHandler(io.Discard, nil))
+	node := startAgent(t, logger)
+	nqn := "nqn.2026-01.io.berth:bench"
+	var nss []target.NVMeNamespace
+	for i := 0; i <= benchVolumes; i++ {
+		nss = append(nss, target.NVMeNamespace{Size: 64 << 20})
+	}
+	tgt := target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{"127.0.0.1:4450"}, Namespaces: nss})
+	host, err := nvmeof.LoadHostIdentity(nvmeof.DefaultHostDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
+	defer cancel()
+	dir := t.TempDir()
+
+	// wipe makes a namespace blank again (first and last MiB, where
+	// signatures live), through the target's backing device.
+	wipe := func(nsid uint32) {
+		f, err := os.OpenFile(tgt.BackingDevice(nsid), os.O_WRONLY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		zero := make([]byte, 1<<20)
+		if _, err := f.WriteAt(zero, 0); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WriteAt(zero, 64<<20-int64(len(zero))); err != nil {
+			t.Fatal(err)
+		}
+		if err := f.Sync(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	req := func(nsid uint32) *csi.NodeStageVolumeRequest {
+		staging := filepath.Join(dir, "staging", strconv.Itoa(int(nsid)))
+		os.MkdirAll(staging, 0o750)
+		return &csi.NodeStageVolumeRequest{
+			VolumeId: fmt.Sprintf("bench-%d", nsid), StagingTargetPath: staging, VolumeCapability: mountCap("ext4"),
+			VolumeContext: map[string]string{"nqn": nqn, "nsid": strconv.Itoa(int(nsid)), "traddr": "127.0.0.1", "trsvcid": "4450"},
+		}
+	}
+	// berth stages nsids at once and returns the wall time.
+	berth := func(nsids []uint32) time.Duration {
+		var wg sync.WaitGroup
+		errs := make(chan error, len(nsids))
+		start := time.Now()
+		for _, n := range nsids {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				if _, err := node.NodeStageVolume(ctx, req(n)); err != nil {
+					errs <- fmt.Errorf("stage namespace %d: %w", n, err)
+				}
+			}()
+		}
+		wg.Wait()
+		d := time.Since(start)
+		close(errs)
+		for err := range errs {
+			t.Fatal(err)
+		}
+		for _, n := range nsids {
+			r := req(n)
+			if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: r.VolumeId, StagingTargetPath: r.StagingTargetPath}); err != nil {
+				t.Fatal(err)
+			}
+			wipe(n)
+		}
+		return d
+	}
+	// raw runs the shell script on nsids and returns its run time.
+	raw := func(nsids []uint32) time.Duration {
+		root := filepath.Join(dir, "raw")
+		args := []string{"testdata/raw-stage.sh", nqn, "127.0.0.1", "4450", host.NQN, host.ID, root}
+		for _, n := range nsids {
+			args = append(args, strconv.Itoa(int(n)))
+		}
+		start := time.Now()
+		out, err := exec.CommandContext(ctx, "/bin/sh", args...).CombinedOutput()
+		d := time.Since(start)
+		if err != nil {
+			t.Fatalf("raw-stage.sh: %v: %s", err, out)
+		}
+		for _, n := range nsids {
+			if err := syscall.Unmount(filepath.Join(root, strconv.Itoa(int(n))), 0); err != nil {
+				t.Fatal(err)
+			}
+		}
+		ents, _ := os.ReadDir("/sys/class/nvme")
+		for _, e := range ents {
+			b, _ := os.ReadFile(filepath.Join("/sys/class/nvme", e.Name(), "subsysnqn"))
+			if strings.TrimSpace(string(b)) == nqn {
+				if err := os.WriteFile(filepath.Join("/sys/class/nvme", e.Name(), "delete_controller"), []byte("1"), 0); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		for _, n := range nsids {
+			wipe(n)
+		}
+		return d
+	}
+	median := func(ds []time.Duration) time.Duration {
+		slices.Sort(ds)
+		return ds[len(ds)/2]
+	}
+	ms := func(d time.Duration) string { return fmt.Sprintf("%.0f ms", float64(d)/float64(time.Millisecond)) }
+
+	var b1, r1 []time.Duration
+	for i := 0; i < iterations; i++ {
+		b1 = append(b1, berth([]uint32{1}))
+		r1 = append(r1, raw([]uint32{1}))
+	}
+	var many []uint32
+	for n := uint32(2); n <= benchVolumes+1; n++ {
+		many = append(many, n)
+	}
+	b16 := berth(many)
+	r16 := raw(many)
+
+	t.Logf("BENCH nvmeof stage (NVMe/TCP loopback, ext4 64 MiB, TCG guest, median of %d):", iterations)
+	t.Logf("BENCH   1 volume : berth NodeStageVolume %s, raw kernel steps %s (berth/raw %.2f)", ms(median(b1)), ms(median(r1)), float64(median(b1))/float64(median(r1)))
+	t.Logf("BENCH  %d volumes: berth %s (%s per volume), raw %s (%s per volume)", benchVolumes, ms(b16), ms(b16/benchVolumes), ms(r16), ms(r16/benchVolumes))
+	t.Logf("BENCH   all berth single runs: %v; raw: %v", b1, r1)
+}

@@ -1,0 +1,39 @@
+#!/bin/sh
+# The kernel steps of staging NVMe/TCP namespaces by hand, the baseline
+# berth's NodeStageVolume is measured against: one connect written to
+# /dev/nvme-fabrics, then for each namespace (in parallel) wait for its
+# block device, mkfs.ext4 and mount.
+#
+# usage: raw-stage.sh NQN TRADDR TRSVCID HOSTNQN HOSTID MOUNTROOT NSID...
+set -eu
+nqn=$1 traddr=$2 trsvcid=$3 hostnqn=$4 hostid=$5 root=$6
+shift 6
+
+printf 'transport=tcp,traddr=%s,trsvcid=%s,nqn=%s,hostnqn=%s,hostid=%s' \
+	"$traddr" "$trsvcid" "$nqn" "$hostnqn" "$hostid" >/dev/nvme-fabrics
+
+stage() {
+	ns=$1 dev=
+	while [ -z "$dev" ]; do
+		for d in /sys/block/nvme*n*; do
+			name=${d##*/}
+			case $name in nvme*c*) continue ;; esac # hidden multipath paths
+			[ "$(cat "$d/nsid" 2>/dev/null)" = "$ns" ] || continue
+			[ "$(cat "$d/device/subsysnqn" 2>/dev/null)" = "$nqn" ] || continue
+			[ -b "/dev/$name" ] && dev=/dev/$name
+		done
+		[ -n "$dev" ] || sleep 0.01
+	done
+	/usr/sbin/mkfs.ext4 -q -F "$dev"
+	mkdir -p "$root/$ns"
+	mount -t ext4 "$dev" "$root/$ns"
+}
+
+pids=
+for ns in "$@"; do
+	stage "$ns" &
+	pids="$pids $!"
+done
+for p in $pids; do
+	wait "$p"
+done

@@ -1,0 +1,190 @@
+package nvmeof
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+func TestStatusAndHealthFromSysfs(t *testing.T) {
+	root := sampleSys(t)
+	tr, err := NewTransport(Options{SysRoot: root, Host: &HostIdentity{NQN: hostA, ID: hidA}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	tg, err := tr.Parse(map[string]string{"nqn": subA, "nsid": "1", "targets": "127.0.0.1:4420,[::1]:4421,127.0.0.1:4429"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	head, paths, err := tg.Status(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []PathStatus{
+		{Path: "tcp:127.0.0.1:4420", Controller: "nvme1", State: "live", ANAState: "optimized"},
+		{Path: "tcp:[::1]:4421", Controller: "nvme2", State: "connecting", ANAState: "inaccessible"},
+		{Path: "tcp:127.0.0.1:4429"},
+	}
+	if head != "nvme1n1" || len(paths) != len(want) {
+		t.Fatalf("status %s %+v", head, paths)
+	}
+	for i := range want {
+		if paths[i] != want[i] {
+			t.Errorf("path %d: %+v, want %+v", i, paths[i], want[i])
+		}
+	}
+	abnormal, msg := tg.Health(ctx)
+	if !abnormal || !strings.Contains(msg, "nvme1n1: 1 of 3 paths up") || !strings.Contains(msg, "tcp:127.0.0.1:4429: no controller") {
+		t.Errorf("Health = %v, %q", abnormal, msg)
+	}
+
+	one, _ := tr.Parse(map[string]string{"nqn": subA, "nsid": "1", "traddr": "127.0.0.1"}, nil)
+	abnormal, msg = one.Health(ctx)
+	if abnormal || !strings.Contains(msg, "1 of 1 paths up") || !strings.Contains(msg, "extra path") {
+		t.Errorf("single path Health = %v, %q", abnormal, msg)
+	}
+
+	gone, _ := tr.Parse(map[string]string{"nqn": subA, "nsid": "9", "traddr": "127.0.0.1"}, nil)
+	if abnormal, msg := gone.Health(ctx); !abnormal || !strings.Contains(msg, "not attached") {
+		t.Errorf("missing namespace Health = %v, %q", abnormal, msg)
+	}
+	if _, err := gone.Expand(ctx); err == nil {
+		t.Error("Expand without a listener succeeded")
+	}
+	if _, err := one.Attach(ctx); !errors.Is(err, errdefs.ErrFailedPrecondition) {
+		t.Errorf("Attach without a listener: %v", err)
+	}
+}
+
+func TestSizeMatcher(t *testing.T) {
+	atLeast := &sizeMatcher{name: "nvme0n1", min: 100, not: -1}
+	changed := &sizeMatcher{name: "nvme0n1", not: -1}
+	for _, tc := range []struct {
+		m    *sizeMatcher
+		d    devices.Device
+		want bool
+	}{
+		{atLeast, devices.Device{Name: "nvme0n1", Size: 100}, true},
+		{atLeast, devices.Device{Name: "nvme0n1", Size: 99}, false},
+		{atLeast, devices.Device{Name: "nvme1n1", Size: 200}, false},
+		{changed, devices.Device{Name: "nvme0n1", Size: 50}, false}, // old size unknown yet
+	} {
+		if got := tc.m.Match(&tc.d); got != tc.want {
+			t.Errorf("%s Match(%s, %d) = %v", tc.m, tc.d.Name, tc.d.Size, got)
+		}
+	}
+	changed.setNot(50)
+	if changed.Match(&devices.Device{Name: "nvme0n1", Size: 50}) || !changed.Match(&devices.Device{Name: "nvme0n1", Size: 60}) {
+		t.Error("size change matcher")
+	}
+	if atLeast.Match(nil) {
+		t.Error("nil device matched")
+	}
+}
+
+func TestKeyedMutex(t *testing.T) {
+	var k keyedMutex
+	ctx := context.Background()
+	unlockA, err := k.lock(ctx, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Another key is independent.
+	unlockB, err := k.lock(ctx, "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlockB()
+	// The same key waits, and gives up with the context.
+	short, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+	defer cancel()
+	if _, err := k.lock(short, "a"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("second lock of a: %v", err)
+	}
+	got := make(chan struct{})
+	go func() {
+		u, err := k.lock(ctx, "a")
+		if err == nil {
+			u()
+		}
+		close(got)
+	}()
+	unlockA()
+	<-got
+	if len(k.locks) != 0 {
+		t.Errorf("%d lock entries left", len(k.locks))
+	}
+}
+
+func TestDetachKeepsControllersOthersNeed(t *testing.T) {
+	root := sampleSys(t)
+	for _, c := range []string{"nvme1", "nvme2", "nvme3"} {
+		writeID(t, root+"/class/nvme/"+c, "delete_controller", "")
+	}
+	deleted := func() []string {
+		var out []string
+		for _, c := range []string{"nvme1", "nvme2", "nvme3"} {
+			if readAttrT(t, root+"/class/nvme/"+c, "delete_controller") == "1" {
+				out = append(out, c)
+			}
+		}
+		return out
+	}
+	vc1 := map[string]string{"nqn": subA, "nsid": "1", "targets": "127.0.0.1:4420,[::1]:4421"}
+	vc2 := map[string]string{"nqn": subA, "nsid": "2", "traddr": "127.0.0.1"}
+	vcOther := map[string]string{"nqn": "nqn.2026-01.io.berth:b", "nsid": "1", "traddr": "127.0.0.1"}
+	staged := [][]map[string]string{{vc1, vc2, vcOther}}
+	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+		Staged: func(context.Context) ([]map[string]string, error) { return staged[0], nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	tg1, _ := tr.Parse(vc1, nil)
+	tg2, _ := tr.Parse(vc2, nil)
+
+	// Volume 2 still uses the 127.0.0.1:4420 path (nvme1): only the
+	// ::1 path (nvme2) goes; nvme3 is being deleted already.
+	if err := tg1.Detach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := deleted(); len(got) != 1 || got[0] != "nvme2" {
+		t.Fatalf("deleted %v, want [nvme2]", got)
+	}
+	// The agent still lists volume 1 (its record goes after Detach
+	// returns), but this process released it: nvme1 goes now.
+	if err := tg2.Detach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := deleted(); len(got) != 2 || got[0] != "nvme1" {
+		t.Fatalf("deleted %v, want [nvme1 nvme2]", got)
+	}
+
+	// A failing Staged callback fails the detach, deleting nothing.
+	root2 := sampleSys(t)
+	writeID(t, root2+"/class/nvme/nvme1", "delete_controller", "")
+	tr2, _ := NewTransport(Options{SysRoot: root2, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+		Staged: func(context.Context) ([]map[string]string, error) { return nil, errors.New("state unreadable") }})
+	tg, _ := tr2.Parse(vc2, nil)
+	if err := tg.Detach(ctx); err == nil || !strings.Contains(err.Error(), "state unreadable") {
+		t.Errorf("Detach with a failing Staged: %v", err)
+	}
+	if readAttrT(t, root2+"/class/nvme/nvme1", "delete_controller") != "" {
+		t.Error("controller deleted although the staged volumes are unknown")
+	}
+}
+
+func readAttrT(t *testing.T, dir, name string) string {
+	t.Helper()
+	s, err := readAttr(dir, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
