@@ -78,6 +78,8 @@ if [ "$BERTH_VM_SYSTEMD" = 1 ]; then
 	mount -t ext4 /dev/vda /newroot || fail "cannot mount the root disk /dev/vda"
 	cp -a /berth-vm /newroot/
 	cp -a /usr/bin/berth /newroot/usr/bin/berth
+	mkdir -p /newroot/usr/lib/modules
+	cp -a /usr/lib/modules/* /newroot/usr/lib/modules/
 	for f in $BERTH_VM_FILES; do
 		mkdir -p "/newroot$(dirname "$f")"
 		cp -a "$f" "/newroot$f"

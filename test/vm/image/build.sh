@@ -2,9 +2,9 @@
 # Builds and caches the guest image of berth's VM test suite, outside the repo:
 #
 #   kernel-<key>/  vmlinuz + lib/modules of Debian's cloud kernel (never installed on the host)
-#   root-<key>/    Debian root made with mmdebstrap (tools, udev, systemd)
+#   root-<key>/    tree/: Debian root made with mmdebstrap (tools, udev, systemd);
+#                  root.ext4: the same as a disk image for guests booting systemd
 #   image-<key>/   base.cpio.gz: busybox, storage tools with their libraries, kernel modules;
-#                  root.ext4: the Debian root as a disk image for guests booting systemd;
 #                  image.env: paths and kernel version read by the Go harness
 #   current ->     the image-<key> directory of the last successful build
 #
@@ -157,12 +157,24 @@ build_root() { # $1: output dir
 		--include="$(IFS=,; echo "${packages[*]}")" \
 		--dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
 		--dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
-		"$suite" "$tmp/root" "$sources" >&2
-	mv "$tmp/root" "$out"
-	rmdir "$tmp"
+		"$suite" "$tmp/tree" "$sources" >&2
+	guest_config "$tmp/tree"
+	echo berth-guest >"$tmp/tree/etc/hostname"
+	: >"$tmp/tree/etc/machine-id"
+	# The root as a disk image for guests that boot systemd (used as a snapshot).
+	log "packing root.ext4"
+	mkfs.ext4 -q -F -L berth-root -d "$tmp/tree" "$tmp/root.ext4" 1G
+	mv "$tmp" "$out"
 }
-root_key=$( { declare -f build_root; echo "$suite ${packages[*]}"; cat "$sources"; } | sha)
+# guest_config DIR: configuration files of the initiator tools.
+guest_config() {
+	mkdir -p "$1/etc/iscsi" "$1/var/lib/iscsi"
+	echo 'InitiatorName=iqn.2004-10.com.example:guest' >"$1/etc/iscsi/initiatorname.iscsi"
+	printf 'defaults {\n\tuser_friendly_names no\n\tfind_multipaths no\n}\n' >"$1/etc/multipath.conf"
+}
+root_key=$( { declare -f build_root guest_config; echo "$suite ${packages[*]}"; cat "$sources"; } | sha)
 root_dir=$cache/root-$root_key
+root_tree=$root_dir/tree
 if [ -d "$root_dir" ]; then
 	log "Debian root cached in $root_dir"
 else
@@ -201,17 +213,17 @@ build_image() { # $1: output dir
 	ln -s usr/bin "$ir/bin"; ln -s usr/sbin "$ir/sbin"; ln -s usr/lib "$ir/lib"; ln -s usr/lib64 "$ir/lib64"
 	ln -s /run "$ir/var/run"
 	log "copying ${#tools[@]} tools and their libraries"
-	for t in "${tools[@]}"; do copy_with_libs "$root_dir" "$ir" "$t"; done
+	for t in "${tools[@]}"; do copy_with_libs "$root_tree" "$ir" "$t"; done
 	# Libraries loaded at run time (NSS for iscsid's peer check, multipath checkers).
-	for m in "$root_dir"/usr/lib/x86_64-linux-gnu/libnss_files.so* \
-		"$root_dir"/usr/lib/x86_64-linux-gnu/multipath/*.so; do
-		[ -e "$m" ] && copy_with_libs "$root_dir" "$ir" "${m#"$root_dir"}"
+	for m in "$root_tree"/usr/lib/x86_64-linux-gnu/libnss_files.so* \
+		"$root_tree"/usr/lib/x86_64-linux-gnu/multipath/*.so; do
+		[ -e "$m" ] && copy_with_libs "$root_tree" "$ir" "${m#"$root_tree"}"
 	done
 	# udev rules and helpers, iscsi and multipath configuration.
-	cp -a "$root_dir/usr/lib/udev/rules.d" "$ir/usr/lib/udev/" 2>/dev/null || true
+	cp -a "$root_tree/usr/lib/udev/rules.d" "$ir/usr/lib/udev/" 2>/dev/null || true
 	mkdir -p "$ir/etc/udev" "$ir/etc/iscsi" "$ir/var/lib/iscsi"
-	cp -a "$root_dir/etc/udev/udev.conf" "$ir/etc/udev/" 2>/dev/null || true
-	cp -a "$root_dir/etc/iscsi/iscsid.conf" "$ir/etc/iscsi/"
+	cp -a "$root_tree/etc/udev/udev.conf" "$ir/etc/udev/" 2>/dev/null || true
+	cp -a "$root_tree/etc/iscsi/iscsid.conf" "$ir/etc/iscsi/"
 	# Busybox applets only where no real tool was copied.
 	cp /bin/busybox "$ir/usr/bin/busybox"
 	/bin/busybox --list-full | while read -r a; do
@@ -237,30 +249,18 @@ build_image() { # $1: output dir
 	printf 'root:x:0:\ndisk:x:6:\nnogroup:x:65534:\n' >"$ir/etc/group"
 	printf 'passwd: files\ngroup: files\nshadow: files\nhosts: files\n' >"$ir/etc/nsswitch.conf"
 	printf '127.0.0.1 localhost\n' >"$ir/etc/hosts"
-	echo 'InitiatorName=iqn.2004-10.com.example:guest' >"$ir/etc/iscsi/initiatorname.iscsi"
-	printf 'defaults {\n\tuser_friendly_names no\n\tfind_multipaths no\n}\n' >"$ir/etc/multipath.conf"
+	guest_config "$ir"
 	mkdir -p "$out.tmp"
 	log "packing base.cpio.gz"
 	(cd "$ir" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) | gzip -1 >"$out.tmp/base.cpio.gz"
-	# The Debian root as an ext4 image for guests that boot systemd.
-	log "packing root.ext4"
-	mkdir -p "$tmp/rootimg"
-	cp -a "$root_dir/." "$tmp/rootimg/"
-	cp -a "$ir/etc/iscsi/initiatorname.iscsi" "$ir/etc/multipath.conf" "$tmp/rootimg/etc/" 2>/dev/null || true
-	mv "$tmp/rootimg/etc/initiatorname.iscsi" "$tmp/rootimg/etc/iscsi/"
-	echo berth-guest >"$tmp/rootimg/etc/hostname"
-	mkdir -p "$tmp/rootimg/usr/lib/modules"
-	cp -a "$kernel_dir/lib/modules/$kver" "$tmp/rootimg/usr/lib/modules/"
-	: >"$tmp/rootimg/etc/machine-id"
-	mkfs.ext4 -q -F -L berth-root -d "$tmp/rootimg" "$out.tmp/root.ext4" 1G
 	cp "$kernel_dir/vmlinuz" "$out.tmp/vmlinuz"
 	cat >"$out.tmp/image.env" <<EOF
 KERNEL_VERSION=$kver
 KERNEL_PACKAGE=$kpkg=$kversion
 KERNEL=$out/vmlinuz
 BASE_INITRAMFS=$out/base.cpio.gz
-ROOT_DISK=$out/root.ext4
-ROOT_DIR=$root_dir
+ROOT_DISK=$root_dir/root.ext4
+ROOT_DIR=$root_tree
 EOF
 	rm -rf "$tmp"
 	mv "$out.tmp" "$out"
@@ -276,6 +276,7 @@ else
 	build_image "$image_dir"
 	log "image ready in $((SECONDS - t0)) s ($(du -sh --apparent-size "$image_dir/base.cpio.gz" | cut -f1) initramfs)"
 fi
+touch "$image_dir" "$kernel_dir" "$root_dir"
 ln -sfn "image-$image_key" "$cache/current.tmp"
 mv -T "$cache/current.tmp" "$cache/current"
 
