@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Builds and caches the guest image of berth's VM test suite, outside the repo:
 #
-#   kernel-<key>/  vmlinuz + lib/modules of Debian's cloud kernel (never installed on the host)
-#   root-<key>/    tree/: Debian root made with mmdebstrap (tools, udev, systemd);
+#   stages/kernel-<key>/  vmlinuz + lib/modules of Debian's cloud kernel (never installed on the host)
+#   stages/root-<key>/    tree/: Debian root made with mmdebstrap (tools, udev, systemd);
 #                  root.ext4: the same as a disk image for guests booting systemd
-#   image-<key>/   base.cpio.gz: busybox, storage tools with their libraries, kernel modules;
+#   stages/image-<key>/   base.cpio.gz: busybox, storage tools with their libraries, kernel modules;
 #                  image.env: paths and kernel version read by the Go harness
 #   current ->     the image-<key> directory of the last successful build
 #
@@ -37,7 +37,8 @@ if [ "$missing" = 1 ]; then
 fi
 ldd /bin/busybox >/dev/null 2>&1 && die "/bin/busybox is not static (install busybox-static)"
 
-mkdir -p "$cache"
+stages=$cache/stages
+mkdir -p "$stages"
 exec 9>"$cache/.lock"
 if ! flock -n 9; then
 	log "waiting for another build in $cache"
@@ -139,7 +140,7 @@ build_kernel() { # $1: output dir
 	rmdir "$tmp"
 }
 kernel_key=$( { declare -f build_kernel; echo "$kpkg=$kversion"; } | sha)
-kernel_dir=$cache/kernel-$kernel_key
+kernel_dir=$stages/kernel-$kernel_key
 if [ -d "$kernel_dir" ]; then
 	log "kernel $kver ($kversion) cached in $kernel_dir"
 else
@@ -173,7 +174,7 @@ guest_config() {
 	printf 'defaults {\n\tuser_friendly_names no\n\tfind_multipaths no\n}\n' >"$1/etc/multipath.conf"
 }
 root_key=$( { declare -f build_root guest_config; echo "$suite ${packages[*]}"; cat "$sources"; } | sha)
-root_dir=$cache/root-$root_key
+root_dir=$stages/root-$root_key
 root_tree=$root_dir/tree
 if [ -d "$root_dir" ]; then
 	log "Debian root cached in $root_dir"
@@ -266,7 +267,7 @@ EOF
 	mv "$out.tmp" "$out"
 }
 image_key=$( { cat "${BASH_SOURCE[0]}"; echo "$kernel_key $root_key"; } | sha)
-image_dir=$cache/image-$image_key
+image_dir=$stages/image-$image_key
 if [ -d "$image_dir" ]; then
 	touch "$image_dir" "$kernel_dir" "$root_dir"
 	log "image cached in $image_dir"
@@ -277,11 +278,11 @@ else
 	log "image ready in $((SECONDS - t0)) s ($(du -sh --apparent-size "$image_dir/base.cpio.gz" | cut -f1) initramfs)"
 fi
 touch "$image_dir" "$kernel_dir" "$root_dir"
-ln -sfn "image-$image_key" "$cache/current.tmp"
+ln -sfn "stages/image-$image_key" "$cache/current.tmp"
 mv -T "$cache/current.tmp" "$cache/current"
 
 # Drop stages no longer referenced, once no test started an hour ago can still use them.
-for d in "$cache"/kernel-* "$cache"/root-* "$cache"/image-*; do
+for d in "$stages"/kernel-* "$stages"/root-* "$stages"/image-*; do
 	[ -d "$d" ] || continue
 	case $d in "$kernel_dir" | "$root_dir" | "$image_dir") continue ;; esac
 	[ -n "$(find "$d" -maxdepth 0 -mmin +60)" ] || continue
