@@ -123,8 +123,15 @@ func (l *Listener) Subscribe(m Matcher) *Waiter {
 // subscribeRemoval returns a Waiter whose Wait returns (nil, nil) once dev
 // no longer exists under its name and number.
 func (l *Listener) subscribeRemoval(dev *Device) *Waiter {
+	return l.subscribeUntil(dev.Name, "removal of "+dev.String(), func() bool { return isGone(dev) })
+}
+
+// subscribeUntil returns a Waiter whose Wait returns (nil, nil) once cond
+// holds; cond is checked at the start of Wait and after every event of the
+// block device name.
+func (l *Listener) subscribeUntil(name, what string, cond func() bool) *Waiter {
 	w := l.newWaiter()
-	w.gone = dev
+	w.untilName, w.untilWhat, w.until = name, what, cond
 	return w
 }
 
@@ -334,7 +341,10 @@ type Waiter struct {
 	l          *Listener
 	m          Matcher
 	kind       string
-	gone       *Device
+	// A condition waiter (see subscribeUntil) has until set.
+	until     func() bool
+	untilName string
+	untilWhat string
 	subscribed time.Time
 
 	// scanned, when set (tests), is called after the first sysfs scan.
@@ -400,8 +410,8 @@ func (w *Waiter) Trace() WaitTrace {
 }
 
 func (w *Waiter) what() string {
-	if w.gone != nil {
-		return "removal of " + w.gone.String()
+	if w.until != nil {
+		return w.untilWhat
 	}
 	if w.m == nil {
 		return "nothing"
@@ -469,8 +479,8 @@ func (w *Waiter) Wait(ctx context.Context) (*Device, error) {
 
 // scan checks sysfs for the device.
 func (w *Waiter) scan() (*Device, bool, error) {
-	if w.gone != nil {
-		return nil, w.isGone(), nil
+	if w.until != nil {
+		return nil, w.until(), nil
 	}
 	if w.m == nil {
 		return nil, false, nil
@@ -495,9 +505,9 @@ func (w *Waiter) scan() (*Device, bool, error) {
 
 // consider checks one event.
 func (w *Waiter) consider(e *event) (*Device, bool) {
-	if w.gone != nil {
-		if e.Action == "remove" && e.Name() == w.gone.Name {
-			return nil, w.isGone()
+	if w.until != nil {
+		if e.Name() == w.untilName {
+			return nil, w.until()
 		}
 		return nil, false
 	}
@@ -537,13 +547,13 @@ func (w *Waiter) found(d *Device, fromScan bool) {
 	}
 }
 
-// isGone reports whether the device the removal waiter watches no longer
-// exists: its name is gone or now belongs to another device.
-func (w *Waiter) isGone() bool {
-	d, err := Lookup(w.gone.Name)
+// isGone reports whether dev no longer exists: its name is gone or now
+// belongs to another device.
+func isGone(dev *Device) bool {
+	d, err := Lookup(dev.Name)
 	if err != nil {
 		return errors.Is(err, errdefs.ErrNotFound)
 	}
-	return d.Major != w.gone.Major || d.Minor != w.gone.Minor ||
-		(d.DiskSeq != 0 && w.gone.DiskSeq != 0 && d.DiskSeq != w.gone.DiskSeq)
+	return d.Major != dev.Major || d.Minor != dev.Minor ||
+		(d.DiskSeq != 0 && dev.DiskSeq != 0 && d.DiskSeq != dev.DiskSeq)
 }

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -267,6 +268,37 @@ func DetachLoop(dev *Device) error {
 	}
 	if stillBacked(dev) {
 		return fmt.Errorf("detach %s: still open (mounted or held by a process); the kernel detaches it at the last close: %w", dev.Path, errdefs.ErrBusy)
+	}
+	return nil
+}
+
+// transientOpenWait bounds how long DetachLoopContext waits for the last
+// opener of a loop device it detached to let go; udev's probes take
+// milliseconds, a mount stays.
+const transientOpenWait = 3 * time.Second
+
+// DetachLoopContext is DetachLoop for callers with a listener: when a
+// short-lived opener (udev's blkid after the device changed) still holds the
+// device, it waits through the listener, briefly and at most until ctx ends,
+// for the kernel to finish the detach at that opener's last close, instead of
+// returning errdefs.ErrBusy at once.
+func DetachLoopContext(ctx context.Context, l *Listener, dev *Device) error {
+	if l == nil {
+		return DetachLoop(dev)
+	}
+	if dev == nil || dev.ID.Kind != KindLoop || checkName(dev.Name) != nil {
+		return DetachLoop(dev)
+	}
+	w := l.subscribeUntil(dev.Name, "detach of "+dev.String(), func() bool { return !stillBacked(dev) })
+	defer w.Close()
+	err := DetachLoop(dev)
+	if !errors.Is(err, errdefs.ErrBusy) {
+		return err
+	}
+	wctx, cancel := context.WithTimeout(ctx, transientOpenWait)
+	defer cancel()
+	if _, werr := w.Wait(wctx); werr != nil {
+		return fmt.Errorf("%w (waited %v for the holder to close it)", err, transientOpenWait)
 	}
 	return nil
 }
