@@ -338,13 +338,13 @@ type WaitTrace struct {
 // Waiter waits for one device. It receives events from Subscribe on, so
 // that nothing the caller's action causes can be missed.
 type Waiter struct {
-	l          *Listener
-	m          Matcher
-	kind       string
+	l    *Listener
+	m    Matcher
+	kind string
 	// A condition waiter (see subscribeUntil) has until set.
-	until     func() bool
-	untilName string
-	untilWhat string
+	until      func() bool
+	untilName  string
+	untilWhat  string
 	subscribed time.Time
 
 	// scanned, when set (tests), is called after the first sysfs scan.
