@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 )
@@ -23,7 +24,10 @@ import (
 // The socket activation test runs this test binary again, under
 // systemd-socket-activate, as a small CSI Identity server built the way
 // berth's main is: Listener, Ready, Watchdog(ProbeEndpoint), Stopping.
-const childEnv = "BERTH_SYSTEMD_TEST_SERVER"
+const (
+	childEnv      = "BERTH_SYSTEMD_TEST_SERVER"
+	childMountEnv = "BERTH_SYSTEMD_TEST_MOUNT"
+)
 
 func TestMain(m *testing.M) {
 	if path := os.Getenv(childEnv); path != "" {
@@ -51,7 +55,15 @@ func (s *identity) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeRe
 }
 
 func serveActivated(path string) int {
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	log := slog.New(NewLogHandler(os.Stderr, nil))
+	if dir := os.Getenv(childMountEnv); dir != "" {
+		// Proves the unit's hardening left berth in the host's mount
+		// namespace: the test looks for this mount from outside.
+		if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=64k"); err != nil {
+			log.Error("mount", "error", err)
+			return 9
+		}
+	}
 	l, err := Listener(path)
 	if err != nil || l == nil {
 		log.Error("no activated listener", "listener", l, "error", err)

@@ -3,11 +3,20 @@ package systemd
 import (
 	"bufio"
 	"bytes"
+	_ "embed"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+)
+
+// The shipped units, embedded so that in-guest tests have them too.
+var (
+	//go:embed berth.service
+	serviceUnit []byte
+	//go:embed berth.socket
+	socketUnit []byte
 )
 
 // unitValues returns every value of key in a unit file, in order.
@@ -35,14 +44,7 @@ func TestUnitsVerify(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	service, err := os.ReadFile("berth.service")
-	if err != nil {
-		t.Fatal(err)
-	}
-	socket, err := os.ReadFile("berth.socket")
-	if err != nil {
-		t.Fatal(err)
-	}
+	service, socket := serviceUnit, socketUnit
 	const bin = "/usr/local/bin/berth"
 	if !bytes.Contains(service, []byte("ExecStart="+bin+" ")) {
 		t.Fatalf("berth.service: ExecStart does not run %s, which `make install` installs", bin)
@@ -67,14 +69,7 @@ func TestUnitsVerify(t *testing.T) {
 // a private mount namespace (hiding its mounts from the kubelet) or a device
 // cgroup creeps in.
 func TestUnitsAgree(t *testing.T) {
-	service, err := os.ReadFile("berth.service")
-	if err != nil {
-		t.Fatal(err)
-	}
-	socket, err := os.ReadFile("berth.socket")
-	if err != nil {
-		t.Fatal(err)
-	}
+	service, socket := serviceUnit, socketUnit
 	listen := unitValues(t, socket, "ListenStream")
 	if len(listen) != 1 {
 		t.Fatalf("berth.socket: %d ListenStream= lines, want 1", len(listen))

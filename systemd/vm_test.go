@@ -1,0 +1,198 @@
+package systemd
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/berth-csi/berth/test/vm"
+)
+
+// TestVMSystemd runs the shipped units under a real systemd: socket
+// activation, READY=1, the hardening (mounts must reach the host), journal
+// fields, and a restart by the watchdog once Probe hangs.
+func TestVMSystemd(t *testing.T) {
+	t.Parallel()
+	vm.RunGuestTests(t, vm.WithSystemd(), vm.WithTestRun("^TestGuestSystemd"), vm.WithTimeout(6*time.Minute))
+}
+
+func systemctl(t *testing.T, args ...string) string {
+	t.Helper()
+	out, err := exec.Command("systemctl", args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("systemctl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+func unitProps(t *testing.T, unit string) map[string]string {
+	t.Helper()
+	out := systemctl(t, "show", unit, "-p", "ActiveState,SubState,MainPID,NRestarts,StatusText,Result")
+	props := map[string]string{}
+	for _, l := range strings.Split(out, "\n") {
+		if k, v, ok := strings.Cut(l, "="); ok {
+			props[k] = v
+		}
+	}
+	return props
+}
+
+// waitUnit polls systemctl show until cond holds (test code: systemd has
+// no event stream the test could wait on without D-Bus).
+func waitUnit(t *testing.T, unit, what string, timeout time.Duration, cond func(map[string]string) bool) map[string]string {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for {
+		p := unitProps(t, unit)
+		if cond(p) {
+			return p
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %s not reached within %s: %v", unit, what, timeout, p)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+func pluginPid(t *testing.T, sock string) string {
+	t.Helper()
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	info, err := csi.NewIdentityClient(conn).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true))
+	if err != nil {
+		t.Fatalf("GetPluginInfo through %s: %v", sock, err)
+	}
+	return info.GetVendorVersion()
+}
+
+func TestGuestSystemdUnits(t *testing.T) {
+	vm.RequireGuest(t)
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	service := serviceUnit
+	sock := unitValues(t, socketUnit, "ListenStream")[0]
+	mnt := t.TempDir()
+
+	// The shipped service, running this test binary as the CSI server and
+	// with a short watchdog; every hardening line stays as shipped.
+	var unit bytes.Buffer
+	s := bufio.NewScanner(bytes.NewReader(service))
+	for s.Scan() {
+		line := s.Text()
+		switch {
+		case strings.HasPrefix(line, "ExecStart="):
+			line = "ExecStart=" + self + "\nEnvironment=" + childEnv + "=" + sock + " " + childMountEnv + "=" + mnt
+		case strings.HasPrefix(line, "WatchdogSec="):
+			line = "WatchdogSec=6s"
+		}
+		unit.WriteString(line + "\n")
+	}
+	dir := "/run/systemd/system"
+	if err := os.WriteFile(filepath.Join(dir, "berth.service"), unit.Bytes(), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "berth.socket"), socketUnit, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	systemctl(t, "daemon-reload")
+	systemctl(t, "start", "berth.socket")
+	t.Cleanup(func() {
+		exec.Command("systemctl", "stop", "berth.service", "berth.socket").Run()
+		if t.Failed() {
+			out, _ := exec.Command("journalctl", "--no-pager", "-n", "60", "-u", "berth.service", "-u", "berth.socket").CombinedOutput()
+			t.Logf("journal:\n%s", out)
+		}
+	})
+	if p := unitProps(t, "berth.service"); p["ActiveState"] != "inactive" {
+		t.Fatalf("berth.service started before any connection: %v", p)
+	}
+
+	// The first connection starts the service; READY=1 makes it active.
+	pid := pluginPid(t, sock)
+	p := waitUnit(t, "berth.service", "active", 30*time.Second, func(p map[string]string) bool { return p["ActiveState"] == "active" })
+	if p["MainPID"] != pid || p["StatusText"] != "serving CSI requests" {
+		t.Fatalf("berth.service %v; the server that answered is pid %s", p, pid)
+	}
+
+	// The hardening kept berth in the host's mount namespace.
+	mounts, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(mnt))
+	if err != nil || len(mounts) != 1 || mounts[0].FSType != "tmpfs" {
+		t.Fatalf("the tmpfs berth mounted at %s is not visible outside the service (%v, %v): the unit gave it a private mount namespace", mnt, mounts, err)
+	}
+	t.Cleanup(func() {
+		// Each start of the service mounted once more.
+		for i := 0; i < 10 && unix.Unmount(mnt, 0) == nil; i++ {
+		}
+	})
+
+	// Healthy for two watchdog intervals: no restart.
+	time.Sleep(12 * time.Second)
+	if p := unitProps(t, "berth.service"); p["NRestarts"] != "0" || p["MainPID"] != pid {
+		t.Fatalf("berth.service restarted while healthy: %v", p)
+	}
+
+	// Wedge Probe: the pings stop and systemd restarts berth.
+	pidNum, _ := strconv.Atoi(pid)
+	if err := exec.Command("kill", "-USR1", strconv.Itoa(pidNum)).Run(); err != nil {
+		t.Fatal(err)
+	}
+	p = waitUnit(t, "berth.service", "a watchdog restart", 60*time.Second, func(p map[string]string) bool {
+		return p["NRestarts"] == "1" && p["ActiveState"] == "active" && p["MainPID"] != pid && p["MainPID"] != "0"
+	})
+	if np := pluginPid(t, sock); np != p["MainPID"] {
+		t.Fatalf("after the restart pid %s answers, MainPID is %s", np, p["MainPID"])
+	}
+
+	// The journal has systemd's verdict and berth's record as fields.
+	out, err := exec.Command("journalctl", "--no-pager", "-o", "json", "-u", "berth.service").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sawTimeout, sawFields bool
+	for _, l := range strings.Split(string(out), "\n") {
+		var e map[string]any
+		if json.Unmarshal([]byte(l), &e) != nil {
+			continue
+		}
+		msg, _ := e["MESSAGE"].(string)
+		errField, _ := e["ERROR"].(string)
+		if strings.Contains(msg, "Watchdog timeout") {
+			sawTimeout = true
+		}
+		if strings.HasPrefix(msg, "liveness check failed") && e["_PID"] == pid &&
+			e["PRIORITY"] == "3" && e["SYSLOG_IDENTIFIER"] == "berth" && e["WATCHDOG_INTERVAL"] == "6s" &&
+			errField != "" {
+			sawFields = true
+		}
+	}
+	if !sawTimeout || !sawFields {
+		t.Fatalf("journal: watchdog timeout %v, structured liveness record %v\n%s", sawTimeout, sawFields, out)
+	}
+
+	// Orderly stop: STOPPING=1, then a clean exit.
+	systemctl(t, "stop", "berth.service")
+	if p := unitProps(t, "berth.service"); p["ActiveState"] != "inactive" || p["Result"] != "success" {
+		t.Fatalf("after stop: %v", p)
+	}
+}
