@@ -3,16 +3,22 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"syscall"
+	"time"
 
 	"github.com/urfave/cli/v2"
 
 	"github.com/berth-csi/berth/agent"
+	"github.com/berth-csi/berth/doctor"
+	"github.com/berth-csi/berth/metrics"
+	"github.com/berth-csi/berth/systemd"
 )
 
 // version is set at build time: -ldflags '-X main.version=...'.
@@ -25,6 +31,7 @@ func main() {
 		Version: version,
 		Commands: []*cli.Command{
 			serveCommand(),
+			doctor.Command(),
 			{
 				Name:  "version",
 				Usage: "print the version",
@@ -54,8 +61,11 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "file-root", EnvVars: []string{"BERTH_FILE_ROOT"}, Usage: "directory of image files for the file transport (empty: transport disabled)"},
 			&cli.Int64Flag{Name: "max-volumes", EnvVars: []string{"BERTH_MAX_VOLUMES"}, Usage: "volumes this node may stage (0: no limit)"},
 			&cli.StringSliceFlag{Name: "topology", EnvVars: []string{"BERTH_TOPOLOGY"}, Usage: "topology segment key=value (repeatable)"},
-			&cli.StringFlag{Name: "log-format", Value: "text", EnvVars: []string{"BERTH_LOG_FORMAT"}, Usage: "log format: text or json"},
+			&cli.StringFlag{Name: "log-format", Value: "json", EnvVars: []string{"BERTH_LOG_FORMAT"}, Usage: "log format: json (journal fields under systemd) or text"},
 			&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"BERTH_LOG_LEVEL"}, Usage: "log level: debug, info, warn, error"},
+			&cli.StringFlag{Name: "metrics-address", EnvVars: []string{"BERTH_METRICS_ADDRESS"}, Usage: "serve Prometheus /metrics on host:port (empty: off)"},
+			&cli.StringFlag{Name: "probe-checks", EnvVars: []string{"BERTH_PROBE_CHECKS"}, Usage: "transports whose node checks (berth doctor) Probe runs: comma-separated iscsi, nvmeof, file (empty: none)"},
+			&cli.DurationFlag{Name: "shutdown-timeout", Value: 30 * time.Second, EnvVars: []string{"BERTH_SHUTDOWN_TIMEOUT"}, Usage: "how long calls in flight may take to finish on SIGTERM"},
 		},
 		Action: serve,
 	}
@@ -71,7 +81,7 @@ func newLogger(format, level string) (*slog.Logger, error) {
 	case "text":
 		return slog.New(slog.NewTextHandler(os.Stderr, opts)), nil
 	case "json":
-		return slog.New(slog.NewJSONHandler(os.Stderr, opts)), nil
+		return slog.New(systemd.NewLogHandler(os.Stderr, opts)), nil
 	}
 	return nil, fmt.Errorf("--log-format %q: want text or json", format)
 }
@@ -104,26 +114,90 @@ func serve(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
-
-	a, err := agent.New(agent.Config{
-		DriverName: c.String("driver-name"),
-		Version:    version,
-		NodeID:     c.String("node-id"),
-		StateDir:   c.String("state-dir"),
-		FileRoot:   c.String("file-root"),
-		MaxVolumes: c.Int64("max-volumes"),
-		Topology:   topo,
-		Logger:     log,
-	})
+	socket, err := agent.SocketPath(c.String("endpoint"))
 	if err != nil {
 		return err
 	}
-	lis, err := agent.Listen(c.String("endpoint"))
+	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+
+	cfg := agent.Config{
+		DriverName:      c.String("driver-name"),
+		Version:         version,
+		NodeID:          c.String("node-id"),
+		StateDir:        c.String("state-dir"),
+		FileRoot:        c.String("file-root"),
+		MaxVolumes:      c.Int64("max-volumes"),
+		Topology:        topo,
+		Logger:          log,
+		ShutdownTimeout: c.Duration("shutdown-timeout"),
+		OnReady: func() {
+			if err := systemd.Ready(); err != nil {
+				log.Warn("notify systemd", slog.String("error", err.Error()))
+			}
+		},
+		OnStopping: func() { _ = systemd.Stopping() },
+	}
+	if checks := c.String("probe-checks"); checks != "" {
+		transports, err := doctor.ParseTransports(checks)
+		if err != nil {
+			return fmt.Errorf("--probe-checks: %w", err)
+		}
+		cfg.ReadyFunc = doctor.ReadyFunc(doctor.Config{Transports: transports})
+	}
+
+	// Metrics read the agent's volume table, which exists once New ran.
+	var a *agent.Agent
+	var m *metrics.Metrics
+	if addr := c.String("metrics-address"); addr != "" {
+		m = metrics.New(cfg.DriverName, func(ctx context.Context) []metrics.Volume {
+			if a == nil {
+				return nil
+			}
+			vs := a.Volumes(ctx)
+			out := make([]metrics.Volume, 0, len(vs))
+			for _, v := range vs {
+				if v.Staged {
+					out = append(out, metrics.Volume{ID: v.ID, Transport: v.Transport, Abnormal: v.Abnormal})
+				}
+			}
+			return out
+		})
+		cfg.Interceptors = append(cfg.Interceptors, m.UnaryServerInterceptor())
+	}
+
+	a, err = agent.New(cfg)
+	if err != nil {
+		return err
+	}
+	lis, err := systemd.Listener(socket)
+	if err == nil && lis == nil {
+		lis, err = agent.Listen(c.String("endpoint"))
+	}
 	if err != nil {
 		a.Close()
 		return err
 	}
+
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	bgCtx, cancelBg := context.WithCancel(ctx)
+	defer cancelBg()
+	if m != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := m.ListenAndServe(bgCtx, c.String("metrics-address")); err != nil {
+				log.Error("metrics server stopped", slog.String("error", err.Error()))
+			}
+		}()
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		if err := systemd.Watchdog(bgCtx, log, systemd.ProbeEndpoint(socket)); err != nil {
+			log.Error("systemd watchdog", slog.String("error", err.Error()))
+		}
+	}()
 	return a.Serve(ctx, lis)
 }

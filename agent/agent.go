@@ -252,3 +252,33 @@ func (a *Agent) Serve(ctx context.Context, lis net.Listener) error {
 	a.log.Info("stopped")
 	return nil
 }
+
+// VolumeStatus describes a volume this node has staged (or began to stage).
+type VolumeStatus struct {
+	ID        string
+	Transport string
+	// Staged is false for a stage that did not complete.
+	Staged bool
+	// Abnormal and Message are the volume condition NodeGetVolumeStats
+	// reports.
+	Abnormal bool
+	Message  string
+	// Targets is the number of paths the volume is published at.
+	Targets int
+}
+
+// Volumes returns the state of every volume in the agent's records, for
+// metrics and diagnostics. It reads memory, sysfs and the mount table;
+// it does not take the per-volume locks, so it never answers Aborted.
+func (a *Agent) Volumes(ctx context.Context) []VolumeStatus {
+	recs := a.state.list()
+	out := make([]VolumeStatus, 0, len(recs))
+	for _, r := range recs {
+		c := a.condition(ctx, r)
+		out = append(out, VolumeStatus{
+			ID: r.VolumeID, Transport: r.Transport, Staged: r.Staged,
+			Abnormal: c.Abnormal, Message: c.Message, Targets: len(r.Publishes),
+		})
+	}
+	return out
+}

@@ -607,7 +607,7 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 	if err != nil {
 		return nil, err
 	}
-	cond := n.condition(ctx, rec)
+	cond := n.a.condition(ctx, rec)
 	resp := &csi.NodeGetVolumeStatsResponse{VolumeCondition: cond}
 	if rec.AccessType == "block" {
 		d := n.a.recordedDevice(rec.Device)
@@ -644,19 +644,22 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 // condition reports the volume's health: the transport's view of the
 // connection, then whether the device is still the one staged and the
 // staging mount is in place.
-func (n *nodeServer) condition(ctx context.Context, rec *volumeRecord) *csi.VolumeCondition {
-	if tr, ok := n.a.transports[rec.Transport]; ok {
+func (a *Agent) condition(ctx context.Context, rec *volumeRecord) *csi.VolumeCondition {
+	if !rec.Staged || rec.Device == nil {
+		return &csi.VolumeCondition{Abnormal: true, Message: "staging did not complete; the CO retries NodeStageVolume or calls NodeUnstageVolume"}
+	}
+	if tr, ok := a.transports[rec.Transport]; ok {
 		if t, err := tr.Parse(rec.Context, nil); err == nil {
 			if abnormal, msg := t.Health(ctx); abnormal {
 				return &csi.VolumeCondition{Abnormal: true, Message: msg}
 			}
 		}
 	}
-	if n.a.recordedDevice(rec.Device) == nil {
+	if a.recordedDevice(rec.Device) == nil {
 		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("device %s is gone or changed since stage", rec.Device.Path)}
 	}
 	if rec.AccessType != "block" {
-		m, err := n.a.host.MountInfo(rec.StagingPath)
+		m, err := a.host.MountInfo(rec.StagingPath)
 		if err != nil || !sameDevice(m, rec.Device) {
 			return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("staging path %s no longer has the volume's filesystem mounted", rec.StagingPath)}
 		}
