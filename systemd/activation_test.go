@@ -114,26 +114,21 @@ func serveActivated(path string) int {
 	}
 }
 
-func TestSocketActivation(t *testing.T) {
-	tool, err := exec.LookPath("systemd-socket-activate")
-	requireTool(t, err, "systemd-socket-activate")
-	self, err := os.Executable()
+// notifyMessages listens on a NOTIFY_SOCKET in dir and returns its path
+// and the lines received, one state per line.
+func notifyMessages(t *testing.T, dir string) (string, <-chan string) {
+	t.Helper()
+	path := filepath.Join(dir, "notify")
+	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: path, Net: "unixgram"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	dir := t.TempDir()
-	sock := filepath.Join(dir, "csi.sock")
-	notifyPath := filepath.Join(dir, "notify")
-	notifyConn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: notifyPath, Net: "unixgram"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer notifyConn.Close()
+	t.Cleanup(func() { conn.Close() })
 	msgs := make(chan string, 1000)
 	go func() {
 		buf := make([]byte, 4096)
 		for {
-			n, _, err := notifyConn.ReadFrom(buf)
+			n, _, err := conn.ReadFrom(buf)
 			if err != nil {
 				close(msgs)
 				return
@@ -143,13 +138,41 @@ func TestSocketActivation(t *testing.T) {
 			}
 		}
 	}()
+	return path, msgs
+}
 
-	const watchdog = 300 * time.Millisecond
-	cmd := exec.Command(tool, "-l", sock,
-		"-E", childEnv+"="+sock,
-		"-E", "NOTIFY_SOCKET="+notifyPath,
-		"-E", fmt.Sprintf("WATCHDOG_USEC=%d", watchdog.Microseconds()),
-		self)
+// expectMessage waits for a notify line that match accepts.
+func expectMessage(t *testing.T, msgs <-chan string, what string, match func(string) bool) {
+	t.Helper()
+	timeout := time.After(20 * time.Second)
+	for {
+		select {
+		case m, ok := <-msgs:
+			if !ok {
+				t.Fatalf("notify socket closed waiting for %s", what)
+			}
+			if match(m) {
+				return
+			}
+		case <-timeout:
+			t.Fatalf("no %s on NOTIFY_SOCKET", what)
+		}
+	}
+}
+
+func is(s string) func(string) bool { return func(m string) bool { return m == s } }
+
+// socketActivate runs argv under systemd-socket-activate listening on sock,
+// with extra environment, and kills it at the end of the test if needed.
+func socketActivate(t *testing.T, sock string, env []string, argv ...string) *exec.Cmd {
+	t.Helper()
+	tool, err := exec.LookPath("systemd-socket-activate")
+	requireTool(t, err, "systemd-socket-activate")
+	args := []string{"-l", sock}
+	for _, e := range env {
+		args = append(args, "-E", e)
+	}
+	cmd := exec.Command(tool, append(args, argv...)...)
 	cmd.Stderr = tWriter{t} // Wait returns after the last line is logged
 	t.Logf("running %s", strings.Join(cmd.Args, " "))
 	if err := cmd.Start(); err != nil {
@@ -161,10 +184,27 @@ func TestSocketActivation(t *testing.T) {
 			cmd.Wait()
 		}
 	})
-
 	// systemd-socket-activate starts the server on the first connection,
 	// as systemd does for a socket unit.
 	waitFor(t, "the activation socket", func() bool { _, err := os.Stat(sock); return err == nil })
+	return cmd
+}
+
+func TestSocketActivation(t *testing.T) {
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "csi.sock")
+	notifyPath, msgs := notifyMessages(t, dir)
+	const watchdog = 300 * time.Millisecond
+	cmd := socketActivate(t, sock, []string{
+		childEnv + "=" + sock,
+		"NOTIFY_SOCKET=" + notifyPath,
+		fmt.Sprintf("WATCHDOG_USEC=%d", watchdog.Microseconds()),
+	}, self)
+
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -180,34 +220,16 @@ func TestSocketActivation(t *testing.T) {
 		t.Fatalf("GetPluginInfo = %v, want the server started as pid %d", info, cmd.Process.Pid)
 	}
 
-	expect := func(what string, match func(string) bool) {
-		t.Helper()
-		timeout := time.After(10 * time.Second)
-		for {
-			select {
-			case m, ok := <-msgs:
-				if !ok {
-					t.Fatalf("notify socket closed waiting for %s", what)
-				}
-				if match(m) {
-					return
-				}
-			case <-timeout:
-				t.Fatalf("no %s on NOTIFY_SOCKET", what)
-			}
-		}
-	}
-	is := func(s string) func(string) bool { return func(m string) bool { return m == s } }
-	expect("READY=1", is("READY=1"))
+	expectMessage(t, msgs, "READY=1", is("READY=1"))
 	for i := 0; i < 3; i++ {
-		expect("WATCHDOG=1", is("WATCHDOG=1"))
+		expectMessage(t, msgs, "WATCHDOG=1", is("WATCHDOG=1"))
 	}
 
 	// Wedge Probe: pings must stop.
 	if err := cmd.Process.Signal(syscall.SIGUSR1); err != nil {
 		t.Fatal(err)
 	}
-	expect("liveness failure status", func(m string) bool { return strings.HasPrefix(m, "STATUS=liveness check failing") })
+	expectMessage(t, msgs, "liveness failure status", func(m string) bool { return strings.HasPrefix(m, "STATUS=liveness check failing") })
 	quiet := time.After(4 * watchdog)
 wait:
 	for {
@@ -224,7 +246,7 @@ wait:
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}
-	expect("STOPPING=1", is("STOPPING=1"))
+	expectMessage(t, msgs, "STOPPING=1", is("STOPPING=1"))
 	if err := cmd.Wait(); err != nil {
 		t.Fatalf("server exited: %v", err)
 	}
