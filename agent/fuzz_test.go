@@ -1,10 +1,18 @@
 package agent
 
 import (
+	"context"
+	"io"
+	"log/slog"
 	"path/filepath"
 	"strings"
 	"testing"
 	"unicode/utf8"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 )
 
 // FuzzValidatePath: an accepted path is absolute, clean, printable, and
@@ -75,6 +83,66 @@ func FuzzStateFileName(f *testing.F) {
 		name := stateFileName(id)
 		if strings.ContainsAny(name, "/\x00") || name == "." || name == ".." || len(name) != 69 {
 			t.Fatalf("state file name %q for %q", name, id)
+		}
+	})
+}
+
+// FuzzNodeRequests feeds arbitrary request bytes to every Node RPC of an
+// agent on fakes. No input may panic or end as Internal, and a refused
+// NodeStageVolume leaves no record and no mount behind.
+func FuzzNodeRequests(f *testing.F) {
+	seed := func(m proto.Message) {
+		b, err := proto.Marshal(m)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+	seed(stageReq("vol", "/tmp/x", "1"))
+	seed(&csi.NodePublishVolumeRequest{VolumeId: "vol", StagingTargetPath: "/tmp/x", TargetPath: "/tmp/y", VolumeCapability: blockCap(snw)})
+	seed(&csi.NodeExpandVolumeRequest{VolumeId: "vol", VolumePath: "/tmp/x", CapacityRange: &csi.CapacityRange{RequiredBytes: -1}})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		a, host, _ := newFakeAgent(t)
+		a.log = slog.New(slog.NewTextHandler(io.Discard, nil))
+		n := &nodeServer{a: a}
+		ctx := context.Background()
+		check := func(what string, err error) {
+			if c := status.Code(err); c == codes.Internal || c == codes.Unknown {
+				t.Fatalf("%s: %v", what, err)
+			}
+		}
+		var stage csi.NodeStageVolumeRequest
+		if proto.Unmarshal(b, &stage) == nil {
+			_, err := n.NodeStageVolume(ctx, &stage)
+			check("stage", err)
+			if err != nil && (a.state.count() != 0 || len(host.mounts) != 0) {
+				t.Fatalf("refused stage (%v) left %d records, %d mounts", err, a.state.count(), len(host.mounts))
+			}
+		}
+		var pub csi.NodePublishVolumeRequest
+		if proto.Unmarshal(b, &pub) == nil {
+			_, err := n.NodePublishVolume(ctx, &pub)
+			check("publish", err)
+		}
+		var unpub csi.NodeUnpublishVolumeRequest
+		if proto.Unmarshal(b, &unpub) == nil {
+			_, err := n.NodeUnpublishVolume(ctx, &unpub)
+			check("unpublish", err)
+		}
+		var unstage csi.NodeUnstageVolumeRequest
+		if proto.Unmarshal(b, &unstage) == nil {
+			_, err := n.NodeUnstageVolume(ctx, &unstage)
+			check("unstage", err)
+		}
+		var stats csi.NodeGetVolumeStatsRequest
+		if proto.Unmarshal(b, &stats) == nil {
+			_, err := n.NodeGetVolumeStats(ctx, &stats)
+			check("stats", err)
+		}
+		var exp csi.NodeExpandVolumeRequest
+		if proto.Unmarshal(b, &exp) == nil {
+			_, err := n.NodeExpandVolume(ctx, &exp)
+			check("expand", err)
 		}
 	})
 }

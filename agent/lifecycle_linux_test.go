@@ -31,7 +31,7 @@ const mib = 1 << 20
 // harness runs a real Agent on a unix socket in a temporary directory
 // and talks to it through a real gRPC client.
 type harness struct {
-	t        *testing.T
+	t        testing.TB
 	dir      string
 	root     string // file root
 	stateDir string
@@ -41,7 +41,7 @@ type harness struct {
 	stop     func()
 }
 
-func newHarness(t *testing.T, mods ...func(*Config)) *harness {
+func newHarness(t testing.TB, mods ...func(*Config)) *harness {
 	t.Helper()
 	requireRoot(t, "mkfs.ext4", "mkfs.xfs", "blkid", "e2fsck")
 	dir := t.TempDir()
@@ -133,7 +133,7 @@ func logLevel() slog.Level {
 	return slog.LevelInfo
 }
 
-type testWriter struct{ t *testing.T }
+type testWriter struct{ t testing.TB }
 
 func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Helper()
@@ -221,26 +221,26 @@ type vol struct {
 }
 
 func (h *harness) stage(v vol) error {
-	_, err := twice(h.t, "NodeStageVolume", h.node.NodeStageVolume, &csi.NodeStageVolumeRequest{
+	_, err := twice(h.t.(*testing.T), "NodeStageVolume", h.node.NodeStageVolume, &csi.NodeStageVolumeRequest{
 		VolumeId: v.id, StagingTargetPath: v.staging, VolumeCapability: v.cap, VolumeContext: v.vctx,
 	})
 	return err
 }
 
 func (h *harness) publish(v vol, ro bool) error {
-	_, err := twice(h.t, "NodePublishVolume", h.node.NodePublishVolume, &csi.NodePublishVolumeRequest{
+	_, err := twice(h.t.(*testing.T), "NodePublishVolume", h.node.NodePublishVolume, &csi.NodePublishVolumeRequest{
 		VolumeId: v.id, StagingTargetPath: v.staging, TargetPath: v.target, VolumeCapability: v.cap, VolumeContext: v.vctx, Readonly: ro,
 	})
 	return err
 }
 
 func (h *harness) unpublish(v vol) error {
-	_, err := twice(h.t, "NodeUnpublishVolume", h.node.NodeUnpublishVolume, &csi.NodeUnpublishVolumeRequest{VolumeId: v.id, TargetPath: v.target})
+	_, err := twice(h.t.(*testing.T), "NodeUnpublishVolume", h.node.NodeUnpublishVolume, &csi.NodeUnpublishVolumeRequest{VolumeId: v.id, TargetPath: v.target})
 	return err
 }
 
 func (h *harness) unstage(v vol) error {
-	_, err := twice(h.t, "NodeUnstageVolume", h.node.NodeUnstageVolume, &csi.NodeUnstageVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging})
+	_, err := twice(h.t.(*testing.T), "NodeUnstageVolume", h.node.NodeUnstageVolume, &csi.NodeUnstageVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging})
 	return err
 }
 
