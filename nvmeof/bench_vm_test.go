@@ -18,6 +18,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
+	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/nvmeof"
 	"github.com/berth-csi/berth/test/vm"
 	"github.com/berth-csi/berth/test/vm/target"
@@ -120,8 +121,7 @@ func TestBenchNVMeoFStage(t *testing.T) {
 		return d
 	}
 	// raw runs the shell script on nsids and returns its run time.
-	raw := func(nsids []uint32) time.Duration {
-		root := filepath.Join(dir, "raw")
+	raw := func(nsids []uint32, root string) time.Duration {
 		args := []string{"testdata/raw-stage.sh", nqn, "127.0.0.1", "4450", host.NQN, host.ID, root}
 		for _, n := range nsids {
 			args = append(args, strconv.Itoa(int(n)))
@@ -133,6 +133,9 @@ func TestBenchNVMeoFStage(t *testing.T) {
 			t.Fatalf("raw-stage.sh: %v: %s", err, out)
 		}
 		for _, n := range nsids {
+			if root == "-" {
+				break
+			}
 			if err := syscall.Unmount(filepath.Join(root, strconv.Itoa(int(n))), 0); err != nil {
 				t.Fatal(err)
 			}
@@ -160,17 +163,45 @@ func TestBenchNVMeoFStage(t *testing.T) {
 	var b1, r1 []time.Duration
 	for i := 0; i < iterations; i++ {
 		b1 = append(b1, berth([]uint32{1}))
-		r1 = append(r1, raw([]uint32{1}))
+		r1 = append(r1, raw([]uint32{1}, filepath.Join(dir, "raw")))
+	}
+	// The attach alone: Target.Attach (connect, uevent, verified device)
+	// against the connect write and a device poll.
+	l, err := devices.NewListener()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	tr, err := nvmeof.NewTransport(nvmeof.Options{Listener: l, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tg, err := tr.Parse(req(1).VolumeContext, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ba, ra []time.Duration
+	for i := 0; i < iterations; i++ {
+		start := time.Now()
+		if _, err := tg.Attach(ctx); err != nil {
+			t.Fatal(err)
+		}
+		ba = append(ba, time.Since(start))
+		if err := tg.Detach(ctx); err != nil {
+			t.Fatal(err)
+		}
+		ra = append(ra, raw([]uint32{1}, "-"))
 	}
 	var many []uint32
 	for n := uint32(2); n <= benchVolumes+1; n++ {
 		many = append(many, n)
 	}
 	b16 := berth(many)
-	r16 := raw(many)
+	r16 := raw(many, filepath.Join(dir, "raw"))
 
 	t.Logf("BENCH nvmeof stage (NVMe/TCP loopback, ext4 64 MiB, TCG guest, median of %d):", iterations)
 	t.Logf("BENCH   1 volume : berth NodeStageVolume %s, raw kernel steps %s (berth/raw %.2f)", ms(median(b1)), ms(median(r1)), float64(median(b1))/float64(median(r1)))
+	t.Logf("BENCH   attach   : berth Target.Attach %s, raw connect + device %s", ms(median(ba)), ms(median(ra)))
 	t.Logf("BENCH  %d volumes: berth %s (%s per volume), raw %s (%s per volume)", benchVolumes, ms(b16), ms(b16/benchVolumes), ms(r16), ms(r16/benchVolumes))
-	t.Logf("BENCH   all berth single runs: %v; raw: %v", b1, r1)
+	t.Logf("BENCH   single runs: berth stage %v; raw stage %v; berth attach %v; raw attach %v", b1, r1, ba, ra)
 }

@@ -5,6 +5,7 @@
 # block device, mkfs.ext4 and mount.
 #
 # usage: raw-stage.sh NQN TRADDR TRSVCID HOSTNQN HOSTID MOUNTROOT NSID...
+# MOUNTROOT "-" stops once the block devices exist (the attach alone).
 set -eu
 nqn=$1 traddr=$2 trsvcid=$3 hostnqn=$4 hostid=$5 root=$6
 shift 6
@@ -24,6 +25,7 @@ stage() {
 		done
 		[ -n "$dev" ] || sleep 0.01
 	done
+	[ "$root" = - ] && return
 	/usr/sbin/mkfs.ext4 -q -F "$dev"
 	mkdir -p "$root/$ns"
 	mount -t ext4 "$dev" "$root/$ns"
