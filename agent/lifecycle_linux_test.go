@@ -727,3 +727,78 @@ func TestListen(t *testing.T) {
 
 var _ = io.EOF
 var _ = errdefs.ErrNotFound
+
+// mountsAt counts the mounts stacked at p.
+func mountsAt(t *testing.T, p string) int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	must(t, "read mountinfo", err)
+	n := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && f[4] == p {
+			n++
+		}
+	}
+	return n
+}
+
+// An agent that crashed at any point of a stage or publish finishes or
+// undoes the work when the CO retries, without stacking mounts.
+func TestCrashRecovery(t *testing.T) {
+	h := newHarness(t)
+	v := h.newVol("crash", 64*mib, mountCap("ext4", snw))
+	must(t, "stage", h.stage(v))
+	must(t, "publish", h.publish(v, false))
+
+	// Crash after the mounts, before the records said so.
+	h.stop()
+	st, err := openStore(filepath.Join(h.stateDir, "volumes"))
+	must(t, "open state", err)
+	rec, ok := st.get(v.id)
+	if !ok {
+		t.Fatal("no record")
+	}
+	rec.Staged = false
+	must(t, "rewind state", st.put(rec))
+	h.start()
+	must(t, "stage after crash", h.stage(v))
+	must(t, "publish after crash", h.publish(v, false))
+	if n := mountsAt(t, v.staging); n != 1 {
+		t.Fatalf("%d mounts at the staging path, want 1", n)
+	}
+	if n := mountsAt(t, v.target); n != 1 {
+		t.Fatalf("%d mounts at the target path, want 1", n)
+	}
+
+	// Crash after recording a publish, before mounting it.
+	other := filepath.Join(filepath.Dir(v.target), "other")
+	rec, _ = h.recordOf(v.id)
+	rec.Publishes[other] = publishRecord{Mode: snw.String()}
+	h.stop()
+	st, _ = openStore(filepath.Join(h.stateDir, "volumes"))
+	must(t, "record publish intent", st.put(rec))
+	h.start()
+	// Unstage refuses while a real publish exists, then drops the stale
+	// one once the real one is gone.
+	wantCode(t, "unstage while published", h.unstage(v), codes.FailedPrecondition)
+	must(t, "unpublish", h.unpublish(v))
+	must(t, "unstage", h.unstage(v))
+
+	// Crash after the intent record, before anything was attached.
+	h.stop()
+	st, _ = openStore(filepath.Join(h.stateDir, "volumes"))
+	must(t, "intent record", st.put(&volumeRecord{VolumeID: v.id, Transport: "file", Context: v.vctx, TargetKey: filepath.Join(h.root, "crash.img"), AccessType: "mount", FsType: "ext4", Mode: snw.String(), StagingPath: v.staging}))
+	h.start()
+	must(t, "unstage of an intent", h.unstage(v))
+	if n := len(stateFiles(t, h)); n != 0 {
+		t.Fatalf("%d state files left", n)
+	}
+}
+
+func (h *harness) recordOf(id string) (*volumeRecord, bool) {
+	st, err := openStore(filepath.Join(h.stateDir, "volumes"))
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	return st.get(id)
+}
