@@ -136,8 +136,9 @@ func logFrom(ctx context.Context, fallback *slog.Logger) *slog.Logger {
 // stripped, is logged at debug level when it arrives.
 func logInterceptor(log *slog.Logger) grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		attrs := requestAttrs(req)
 		l := log.With(slog.String("method", info.FullMethod))
-		l = l.With(requestAttrs(req)...)
+		l = l.With(attrs...)
 		if l.Enabled(ctx, slog.LevelDebug) {
 			if m, ok := req.(proto.Message); ok {
 				l.DebugContext(ctx, "request", slog.String("request", protojson.Format(stripSecrets(m))))
@@ -149,7 +150,13 @@ func logInterceptor(log *slog.Logger) grpc.UnaryServerInterceptor {
 		code := Code(err)
 		switch code {
 		case codes.OK:
-			l.InfoContext(ctx, "done", slog.Duration("duration", d))
+			// Calls about no volume (Probe, GetCapabilities, GetInfo)
+			// come every few seconds; they are logged at debug level.
+			lvl := slog.LevelInfo
+			if len(attrs) == 0 {
+				lvl = slog.LevelDebug
+			}
+			l.Log(ctx, lvl, "done", slog.Duration("duration", d))
 		case codes.Internal, codes.Unknown, codes.DataLoss:
 			l.ErrorContext(ctx, "failed", slog.String("code", code.String()), slog.String("error", errorMessage(err)), slog.Duration("duration", d))
 		default:
