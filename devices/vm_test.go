@@ -416,51 +416,29 @@ func logSCSIDisks(t *testing.T) {
 	})
 }
 
-func TestGuestMultipath(t *testing.T) {
-	vm.RequireGuest(t)
-	ctx := guestCtx(t)
-	l := guestListener(t)
-	if !l.Udev() {
-		t.Fatal("multipathd guests run udevd")
-	}
-	if _, err := os.Stat("/run/multipathd.pid"); err != nil {
-		run(t, "multipathd")
-		t.Cleanup(func() { exec.Command("multipathd", "shutdown").Run() })
-	}
-	portals := []string{"127.0.0.1:3260", "127.0.0.2:3260"}
-	tg := newLIO(t, "devmpath", backingLoop(t, l, 64<<20), "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", portals...)
-
-	mp := l.Subscribe(MatchMultipath(tg.wwid()))
-	defer mp.Close()
+// loginPaths logs in to every portal of tg and returns the disks that
+// appeared, found by WWID through the listener.
+func loginPaths(t *testing.T, ctx context.Context, l *Listener, tg *lio) map[string]*Device {
+	t.Helper()
 	paths := map[string]*Device{}
-	for _, p := range portals {
-		w := l.Subscribe(MatchSCSI("", tg.wwid()))
+	for _, p := range tg.portals {
+		w := l.Subscribe(notIn{MatchSCSI("", tg.wwid()), paths})
 		tg.login(t, p)
-		// Each login adds a path; wait until a path not seen before shows.
-		for {
-			d, err := w.Wait(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if paths[d.Name] == nil {
-				paths[d.Name] = d
-				break
-			}
-			w.Close()
-			w = l.Subscribe(notIn{MatchSCSI("", tg.wwid()), paths})
-		}
+		d, err := w.Wait(ctx)
 		w.Close()
-	}
-	start := time.Now()
-	dm, err := mp.Wait(ctx)
-	if err != nil {
-		for _, c := range [][]string{{"multipathd", "show", "paths"}, {"multipathd", "show", "maps"}, {"multipath", "-v3", "-d"}, {"dmsetup", "table"}, {"udevadm", "info", "/dev/" + firstKey(paths)}} {
-			out, cerr := exec.Command(c[0], c[1:]...).CombinedOutput()
-			t.Logf("%s: %v\n%s", strings.Join(c, " "), cerr, out)
+		if err != nil {
+			logSCSIDisks(t)
+			t.Fatalf("path through %s: %v", p, err)
 		}
-		t.Fatal(err)
+		paths[d.Name] = d
 	}
-	t.Logf("map %s (%s, %s) found %v after the second path", dm, dm.ID.DMName, dm.ID.WWID, time.Since(start))
+	return paths
+}
+
+// checkMap checks the map's view of its paths and removes the map, then
+// its paths.
+func checkMap(t *testing.T, ctx context.Context, l *Listener, dm *Device, paths map[string]*Device) {
+	t.Helper()
 	checkReady(t, l, dm)
 	var names []string
 	for name := range paths {
@@ -480,8 +458,8 @@ func TestGuestMultipath(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("paths: %+v", ps)
-	if len(ps) != 2 {
-		t.Fatalf("%d paths, want 2", len(ps))
+	if len(ps) != len(paths) {
+		t.Fatalf("%d paths, want %d", len(ps), len(paths))
 	}
 	for _, p := range ps {
 		if !p.Active || p.SCSIState != "running" || paths[p.Name] == nil {
@@ -489,11 +467,8 @@ func TestGuestMultipath(t *testing.T) {
 		}
 	}
 	// A path cannot be removed under its map.
-	for _, p := range paths {
-		if err := RemoveSCSIDevice(ctx, l, p); !errors.Is(err, errdefs.ErrBusy) {
-			t.Errorf("RemoveSCSIDevice(%s) under a map: %v, want ErrBusy", p.Name, err)
-		}
-		break
+	if err := RemoveSCSIDevice(ctx, l, paths[names[0]]); !errors.Is(err, errdefs.ErrBusy) {
+		t.Errorf("RemoveSCSIDevice(%s) under a map: %v, want ErrBusy", names[0], err)
 	}
 	if err := RemoveMultipathMap(ctx, l, dm); err != nil {
 		t.Fatal(err)
@@ -511,11 +486,80 @@ func TestGuestMultipath(t *testing.T) {
 	}
 }
 
-func firstKey(m map[string]*Device) string {
-	for k := range m {
-		return k
+// TestGuestMultipathMap builds the map over two iSCSI paths itself, the way
+// multipathd does (uuid "mpath-<WWID>", created, loaded, resumed), so the
+// package's side is tested whatever multipathd does: the map is found by its
+// events once it is live, its paths and their states are read through
+// DM_TABLE_STATUS, a failed path shows, and the map is removed by ioctls.
+func TestGuestMultipathMap(t *testing.T) {
+	vm.RequireGuest(t)
+	ctx := guestCtx(t)
+	l := guestListener(t)
+	tg := newLIO(t, "devmap", backingLoop(t, l, 64<<20), "1a2b3c4d-5e6f-7081-92a3-b4c5d6e7f809", "127.0.0.1:3260", "127.0.0.2:3260")
+	paths := loginPaths(t, ctx, l, tg)
+	var devs []string
+	for _, p := range paths {
+		devs = append(devs, fmt.Sprintf("%d:%d 1000", p.Major, p.Minor))
 	}
-	return ""
+	sort.Strings(devs)
+	uuid := "mpath-3" + strings.TrimPrefix(tg.wwid(), "naa.")
+	table := fmt.Sprintf("0 %d multipath 0 0 1 1 round-robin 0 %d 1 %s", (64<<20)/512, len(devs), strings.Join(devs, " "))
+
+	mp := l.Subscribe(MatchMultipath(tg.wwid()))
+	defer mp.Close()
+	run(t, "dmsetup", "create", "--noudevsync", "mpathtest", "-u", uuid, "--table", table)
+	t.Cleanup(func() { exec.Command("dmsetup", "remove", "--noudevsync", "mpathtest").Run() })
+	dm, err := mp.Wait(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dm.ID.WWID != uuid || dm.ID.DMName != "mpathtest" || dm.Size != 64<<20 {
+		t.Errorf("map %+v identity %+v", dm, dm.ID)
+	}
+	// Fail one path in the map: the status shows it.
+	first := strings.Fields(devs[0])[0]
+	run(t, "dmsetup", "message", "mpathtest", "0", "fail_path", first)
+	ps, err := MultipathPaths(dm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range ps {
+		dev := fmt.Sprintf("%d:%d", p.Major, p.Minor)
+		if (dev == first) == p.Active || (dev == first && p.FailCount != 1) {
+			t.Errorf("after fail_path %s: %+v", first, p)
+		}
+	}
+	run(t, "dmsetup", "message", "mpathtest", "0", "reinstate_path", first)
+	checkMap(t, ctx, l, dm, paths)
+}
+
+// TestGuestMultipathd has multipathd assemble the map over two portals.
+func TestGuestMultipathd(t *testing.T) {
+	vm.RequireGuest(t)
+	ctx := guestCtx(t)
+	l := guestListener(t)
+	if !l.Udev() {
+		t.Fatal("multipathd guests run udevd")
+	}
+	if _, err := os.Stat("/run/multipathd.pid"); err != nil {
+		run(t, "multipathd")
+		t.Cleanup(func() { exec.Command("multipathd", "shutdown").Run() })
+	}
+	tg := newLIO(t, "devmpath", backingLoop(t, l, 64<<20), "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", "127.0.0.1:3260", "127.0.0.2:3260")
+	mp := l.Subscribe(MatchMultipath(tg.wwid()))
+	defer mp.Close()
+	paths := loginPaths(t, ctx, l, tg)
+	start := time.Now()
+	dm, err := mp.Wait(ctx)
+	if err != nil {
+		for _, c := range [][]string{{"multipathd", "show", "paths"}, {"multipathd", "show", "maps"}, {"multipath", "-v3", "-d"}, {"dmsetup", "table"}} {
+			out, cerr := exec.Command(c[0], c[1:]...).CombinedOutput()
+			t.Logf("%s: %v\n%s", strings.Join(c, " "), cerr, out)
+		}
+		t.Fatal(err)
+	}
+	t.Logf("map %s (%s, %s) found %v after the second path", dm, dm.ID.DMName, dm.ID.WWID, time.Since(start))
+	checkMap(t, ctx, l, dm, paths)
 }
 
 // notIn matches what m matches, except the devices already found.
