@@ -196,7 +196,11 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		// Raw block: the device is published directly, nothing is
 		// mounted at the staging path.
 		rec.Staged = true
-		return &csi.NodeStageVolumeResponse{}, n.a.state.put(rec)
+		if err := n.a.state.put(rec); err != nil {
+			return nil, err
+		}
+		log.InfoContext(ctx, "staged for raw block access")
+		return &csi.NodeStageVolumeResponse{}, nil
 	}
 	if err := n.a.verify(dev); err != nil {
 		return nil, err
@@ -238,6 +242,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if err := n.a.state.put(rec); err != nil {
 		return nil, err
 	}
+	log.InfoContext(ctx, "staged", slog.String("fs_type", vcap.FsType))
 	return &csi.NodeStageVolumeResponse{}, nil
 }
 
@@ -350,6 +355,9 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	}
 	if err := n.a.state.remove(id); err != nil {
 		return nil, err
+	}
+	if rec.Device != nil {
+		log.InfoContext(ctx, "detached", slog.String("device", rec.Device.Path))
 	}
 	return &csi.NodeUnstageVolumeResponse{}, nil
 }
