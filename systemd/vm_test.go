@@ -196,3 +196,75 @@ func TestGuestSystemdUnits(t *testing.T) {
 		t.Fatalf("after stop: %v", p)
 	}
 }
+
+// TestGuestSystemdBerth starts the real berth through the shipped units,
+// changed only in the binary's path (/usr/bin/berth in the guest).
+func TestGuestSystemdBerth(t *testing.T) {
+	vm.RequireGuest(t)
+	const bin = "/usr/local/bin/berth"
+	service := bytes.ReplaceAll(serviceUnit, []byte("ExecStart="+bin+" "), []byte("ExecStart=/usr/bin/berth "))
+	if bytes.Equal(service, serviceUnit) {
+		t.Fatalf("berth.service does not start %s", bin)
+	}
+	sock := unitValues(t, socketUnit, "ListenStream")[0]
+	dir := "/run/systemd/system"
+	if err := os.WriteFile(filepath.Join(dir, "berth.service"), service, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "berth.socket"), socketUnit, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	systemctl(t, "daemon-reload")
+	systemctl(t, "start", "berth.socket")
+	t.Cleanup(func() {
+		exec.Command("systemctl", "stop", "berth.service", "berth.socket").Run()
+		if t.Failed() {
+			out, _ := exec.Command("journalctl", "--no-pager", "-n", "60", "-u", "berth.service", "-u", "berth.socket").CombinedOutput()
+			t.Logf("journal:\n%s", out)
+		}
+	})
+
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	info, err := csi.NewIdentityClient(conn).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true))
+	if err != nil || info.GetName() != "berth.csi.io" {
+		t.Fatalf("GetPluginInfo through %s: %v, %v", sock, info, err)
+	}
+	p := waitUnit(t, "berth.service", "active", 30*time.Second, func(p map[string]string) bool { return p["ActiveState"] == "active" })
+	if p["StatusText"] != "serving CSI requests" || p["NRestarts"] != "0" {
+		t.Fatalf("berth.service: %v", p)
+	}
+	pid := p["MainPID"]
+
+	out, err := exec.Command("journalctl", "--no-pager", "-o", "json", "-u", "berth.service").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	serving := false
+	for _, l := range strings.Split(string(out), "\n") {
+		var e map[string]any
+		if json.Unmarshal([]byte(l), &e) != nil {
+			continue
+		}
+		if e["MESSAGE"] == "serving" && e["_PID"] == pid && e["SYSLOG_IDENTIFIER"] == "berth" &&
+			e["DRIVER"] == "berth.csi.io" && e["ENDPOINT"] == sock {
+			serving = true
+		}
+	}
+	if !serving {
+		t.Fatalf("no structured \"serving\" record from pid %s in the journal:\n%s", pid, out)
+	}
+
+	systemctl(t, "stop", "berth.service")
+	if p := unitProps(t, "berth.service"); p["ActiveState"] != "inactive" || p["Result"] != "success" {
+		t.Fatalf("after stop: %v", p)
+	}
+	if fi, err := os.Lstat(sock); err != nil || fi.Mode().Type() != os.ModeSocket {
+		t.Fatalf("socket %s after berth stopped: %v %v", sock, fi, err)
+	}
+}
