@@ -476,6 +476,29 @@ func TestGuestMultipath(t *testing.T) {
 	t.Logf("path back: %s", msg)
 	before = writes.Load()
 	waitFor(t, 10*time.Second, "writes after the reconnect", func() bool { return writes.Load() > before+20 })
+
+	// ANA: the target makes the port's group inaccessible; the host
+	// learns it by AEN, I/O moves to the other path, Health says so.
+	ana := anaStateFile(t, "4431")
+	for _, tc := range []struct {
+		state    string
+		abnormal bool
+	}{{"non-optimized", false}, {"inaccessible", true}, {"optimized", false}} {
+		if err := os.WriteFile(ana, []byte(tc.state), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 20*time.Second, "ANA state "+tc.state, func() bool {
+			_, paths, err := tg.Status(ctx)
+			return err == nil && len(paths) == 2 && paths[1].ANAState == tc.state
+		})
+		abnormal, msg := tg.Health(ctx)
+		t.Logf("ANA %s: %s", tc.state, msg)
+		if abnormal != tc.abnormal {
+			t.Errorf("ANA %s: Health abnormal=%v, want %v", tc.state, abnormal, tc.abnormal)
+		}
+		before = writes.Load()
+		waitFor(t, 10*time.Second, "writes with ANA "+tc.state, func() bool { return writes.Load() > before+10 })
+	}
 	close(stop)
 	<-done
 	if err, _ := writeErr.Load().(error); err != nil {
@@ -497,6 +520,20 @@ func TestGuestMultipath(t *testing.T) {
 		t.Fatal(err)
 	}
 	wantControllers(t, nqn, 0)
+}
+
+// anaStateFile is the ANA state of group 1 of the nvmet port on trsvcid.
+func anaStateFile(t *testing.T, trsvcid string) string {
+	t.Helper()
+	ents, _ := os.ReadDir("/sys/kernel/config/nvmet/ports")
+	for _, e := range ents {
+		dir := "/sys/kernel/config/nvmet/ports/" + e.Name()
+		if b, err := os.ReadFile(dir + "/addr_trsvcid"); err == nil && strings.TrimSpace(string(b)) == trsvcid {
+			return dir + "/ana_groups/1/ana_state"
+		}
+	}
+	t.Fatalf("no nvmet port on %s", trsvcid)
+	return ""
 }
 
 func TestGuestExpand(t *testing.T) {
