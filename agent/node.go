@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"slices"
+	"syscall"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
@@ -325,7 +326,9 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 			return nil, precondition("volume %q: still published at %q; NodeUnpublishVolume first", id, target)
 		}
 		if err := removeTarget(target); err != nil {
-			return nil, err
+			// A stale record must not block the unstage the CO asks
+			// for; the path is left for the operator.
+			log.WarnContext(ctx, "stale publish target not removed", slog.String("target_path", target), slog.String("error", err.Error()))
 		}
 		delete(rec.Publishes, target)
 		if err := n.a.state.put(rec); err != nil {
@@ -366,10 +369,16 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 // or a file. A missing path is fine.
 func removeTarget(p string) error {
 	err := os.Remove(p)
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("remove target_path %q: %w", p, err)
+	switch {
+	case err == nil, errors.Is(err, fs.ErrNotExist):
+		return nil
+	case errors.Is(err, syscall.ENOTEMPTY), errors.Is(err, syscall.EBUSY):
+		// Files below an unmounted target were written into the
+		// directory itself (the mount was gone), or something is still
+		// mounted there: berth does not delete data it did not create.
+		return precondition("remove target_path %q: %v; check what is inside or mounted there", p, err)
 	}
-	return nil
+	return fmt.Errorf("remove target_path %q: %w", p, err)
 }
 
 func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (_ *csi.NodePublishVolumeResponse, retErr error) {
