@@ -1,8 +1,11 @@
 package doctor
 
 import (
+	"bytes"
 	"encoding/json"
+	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -14,17 +17,36 @@ import (
 	"github.com/berth-csi/berth/test/vm/target"
 )
 
-// TestVMDoctor runs `berth doctor` on a guest that lacks iscsid, the NVMe/TCP
+// TestVMDoctor runs the berth binary's `berth doctor` on a guest that lacks iscsid, the NVMe/TCP
 // modules and a shared kubelet mount, then fixes each and runs it again.
 func TestVMDoctor(t *testing.T) {
 	t.Parallel()
 	vm.RunGuestTests(t, vm.WithTestRun("^TestGuestDoctor"))
 }
 
+// berthDoctor runs the guest's berth binary: `berth doctor args...`.
+func berthDoctor(t *testing.T, args ...string) (string, int) {
+	t.Helper()
+	cmd := exec.Command("/usr/bin/berth", append([]string{"doctor"}, args...)...)
+	var out bytes.Buffer
+	cmd.Stdout = &out
+	cmd.Stderr = &out
+	err := cmd.Run()
+	var ee *exec.ExitError
+	switch {
+	case err == nil:
+		return out.String(), 0
+	case errors.As(err, &ee):
+		return out.String(), ee.ExitCode()
+	}
+	t.Fatalf("berth doctor: %v", err)
+	return "", 0
+}
+
 func guestReport(t *testing.T, args []string) (Report, bool, string, int) {
 	t.Helper()
-	table, code := runCommand(t, args...)
-	out, jcode := runCommand(t, append(args, "--json")...)
+	table, code := berthDoctor(t, args...)
+	out, jcode := berthDoctor(t, append(args, "--json")...)
 	if jcode != code {
 		t.Fatalf("exit %d with --json, %d without", jcode, code)
 	}
