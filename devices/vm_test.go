@@ -570,3 +570,127 @@ type notIn struct {
 
 func (n notIn) Match(d *Device) bool { return n.m.Match(d) && n.seen[d.Name] == nil }
 func (n notIn) String() string       { return n.m.String() + " (another path)" }
+
+// latencies collects durations for the benchmark report.
+type latencies map[string][]time.Duration
+
+func (l latencies) add(name string, d time.Duration) { l[name] = append(l[name], d) }
+
+func (l latencies) report(t *testing.T, what string) {
+	names := make([]string, 0, len(l))
+	for n := range l {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		ds := l[n]
+		sort.Slice(ds, func(i, j int) bool { return ds[i] < ds[j] })
+		t.Logf("BENCH devices %-28s %-36s n=%-3d p50=%-10v max=%v", what, n, len(ds),
+			ds[len(ds)/2].Round(time.Microsecond), ds[len(ds)-1].Round(time.Microsecond))
+	}
+}
+
+const benchRounds = 10
+
+func benchMode(l *Listener) string {
+	if l.Udev() {
+		return "(udev)"
+	}
+	return "(kernel events)"
+}
+
+// TestGuestBenchNVMe: the connect write to /dev/nvme-fabrics, then a
+// verified namespace device, benchRounds times.
+func TestGuestBenchNVMe(t *testing.T) {
+	vm.RequireGuest(t)
+	if os.Getenv("BERTH_BENCH") != "1" {
+		t.Skip("benchmark")
+	}
+	ctx := guestCtx(t)
+	l := guestListener(t)
+	nqn := "nqn.2026-01.io.berth:devices-bench"
+	n := newNVMet(t, nqn, 2, backingLoop(t, l, 16<<20), nvmeUUID, nvmeNGUID)
+	lat := latencies{}
+	for range benchRounds {
+		w := l.Subscribe(MatchNVMe(nqn, 1, nvmeUUID, ""))
+		start := time.Now()
+		ctrl := n.connect(t)
+		written := time.Now()
+		d, err := w.Wait(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := d.Verify(); err != nil {
+			t.Fatal(err)
+		}
+		done := time.Now()
+		tr := w.Trace()
+		w.Close()
+		lat.add("connect write -> verified device", done.Sub(start))
+		lat.add("write returned -> verified device", done.Sub(written))
+		if !tr.KernelEvent.Received.IsZero() {
+			lat.add("kernel uevent -> verified device", done.Sub(tr.KernelEvent.Received))
+			lat.add("write returned -> kernel uevent", tr.KernelEvent.Received.Sub(written))
+		}
+		if !tr.UdevEvent.Received.IsZero() {
+			lat.add("kernel uevent -> udev event", tr.UdevEvent.Received.Sub(tr.KernelEvent.Received))
+		}
+		gone := l.subscribeRemoval(d)
+		cfs(t, "/sys/class/nvme/"+ctrl+"/delete_controller", "1")
+		if _, err := gone.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+		gone.Close()
+	}
+	lat.report(t, "nvme-tcp "+benchMode(l))
+}
+
+// TestGuestBenchSCSI: a LUN scan on a logged-in iSCSI session, then a
+// verified disk, benchRounds times (the disk is deleted between rounds).
+func TestGuestBenchSCSI(t *testing.T) {
+	vm.RequireGuest(t)
+	if os.Getenv("BERTH_BENCH") != "1" {
+		t.Skip("benchmark")
+	}
+	ctx := guestCtx(t)
+	l := guestListener(t)
+	tg := newLIO(t, "devbench", backingLoop(t, l, 16<<20), "2b3c4d5e-6f70-8192-a3b4-c5d6e7f8091a", "127.0.0.1:3260")
+	w := l.Subscribe(MatchSCSI("", tg.wwid()))
+	loginStart := time.Now()
+	tg.login(t, "127.0.0.1:3260")
+	d, err := w.Wait(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.Close()
+	lat := latencies{}
+	lat.add("login+scan -> verified disk", time.Since(loginStart))
+	host := strings.SplitN(d.ID.HCTL, ":", 2)[0]
+	for range benchRounds {
+		if err := RemoveSCSIDevice(ctx, l, d); err != nil {
+			t.Fatal(err)
+		}
+		w := l.Subscribe(MatchSCSI(d.ID.HCTL, tg.wwid()))
+		start := time.Now()
+		cfs(t, "/sys/class/scsi_host/host"+host+"/scan", "- - -")
+		written := time.Now()
+		if d, err = w.Wait(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.Verify(); err != nil {
+			t.Fatal(err)
+		}
+		done := time.Now()
+		tr := w.Trace()
+		w.Close()
+		lat.add("scan write -> verified disk", done.Sub(start))
+		lat.add("scan returned -> verified disk", done.Sub(written))
+		if !tr.KernelEvent.Received.IsZero() {
+			lat.add("kernel uevent -> verified disk", done.Sub(tr.KernelEvent.Received))
+		}
+		if !tr.UdevEvent.Received.IsZero() {
+			lat.add("kernel uevent -> udev event", tr.UdevEvent.Received.Sub(tr.KernelEvent.Received))
+		}
+	}
+	lat.report(t, "iscsi "+benchMode(l))
+}
