@@ -16,8 +16,11 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/berth-csi/berth/agent"
+	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/doctor"
+	"github.com/berth-csi/berth/iscsi"
 	"github.com/berth-csi/berth/metrics"
+	"github.com/berth-csi/berth/nvmeof"
 	"github.com/berth-csi/berth/systemd"
 )
 
@@ -58,6 +61,7 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "node-id", Value: host, EnvVars: []string{"BERTH_NODE_ID"}, Usage: "node ID reported to the CO"},
 			&cli.StringFlag{Name: "driver-name", Value: agent.DefaultDriverName, EnvVars: []string{"BERTH_DRIVER_NAME"}, Usage: "CSI driver name"},
 			&cli.StringFlag{Name: "state-dir", Value: "/var/lib/berth", EnvVars: []string{"BERTH_STATE_DIR"}, Usage: "directory of the per-volume state"},
+			&cli.StringFlag{Name: "transports", Value: "nvmeof,iscsi", EnvVars: []string{"BERTH_TRANSPORTS"}, Usage: "network transports to serve: comma-separated nvmeof, iscsi (empty: none)"},
 			&cli.StringFlag{Name: "file-root", EnvVars: []string{"BERTH_FILE_ROOT"}, Usage: "directory of image files for the file transport (empty: transport disabled)"},
 			&cli.Int64Flag{Name: "max-volumes", EnvVars: []string{"BERTH_MAX_VOLUMES"}, Usage: "volumes this node may stage (0: no limit)"},
 			&cli.StringSliceFlag{Name: "topology", EnvVars: []string{"BERTH_TOPOLOGY"}, Usage: "topology segment key=value (repeatable)"},
@@ -166,6 +170,24 @@ func serve(c *cli.Context) error {
 		cfg.Interceptors = append(cfg.Interceptors, m.UnaryServerInterceptor())
 	}
 
+	// One uevent listener serves the agent and every transport.
+	l, err := devices.NewListener(devices.WithLogger(log))
+	if err != nil {
+		return fmt.Errorf("open uevent listener: %w", err)
+	}
+	defer l.Close()
+	cfg.Listener = l
+	ts, err := networkTransports(c.String("transports"), l, log, func(ctx context.Context) ([]map[string]string, error) {
+		if a == nil {
+			return nil, nil
+		}
+		return a.StagedContexts(ctx)
+	})
+	if err != nil {
+		return err
+	}
+	cfg.Transports = ts
+
 	a, err = agent.New(cfg)
 	if err != nil {
 		return err
@@ -200,4 +222,36 @@ func serve(c *cli.Context) error {
 		}
 	}()
 	return a.Serve(ctx, lis)
+}
+
+// networkTransports builds the transports named in a comma-separated list.
+func networkTransports(list string, l *devices.Listener, log *slog.Logger, staged func(context.Context) ([]map[string]string, error)) ([]agent.Transport, error) {
+	var out []agent.Transport
+	seen := map[string]bool{}
+	for _, name := range strings.Split(list, ",") {
+		name = strings.TrimSpace(name)
+		if name == "" || seen[name] {
+			continue
+		}
+		seen[name] = true
+		switch name {
+		case "nvmeof":
+			t, err := nvmeof.NewTransport(nvmeof.Options{Listener: l, Staged: staged, Logger: log})
+			if err != nil {
+				return nil, fmt.Errorf("nvmeof transport: %w", err)
+			}
+			out = append(out, agent.TransportFunc(t.Name(), t.Parse))
+		case "iscsi":
+			t, err := iscsi.New(iscsi.Options{Listener: l, Logger: log})
+			if err != nil {
+				return nil, fmt.Errorf("iscsi transport: %w", err)
+			}
+			out = append(out, agent.TransportFunc(t.Name(), t.Parse))
+		case "file":
+			return nil, fmt.Errorf("--transports: the file transport is enabled by --file-root")
+		default:
+			return nil, fmt.Errorf("--transports: unknown transport %q (want nvmeof, iscsi)", name)
+		}
+	}
+	return out, nil
 }

@@ -282,3 +282,15 @@ func (a *Agent) Volumes(ctx context.Context) []VolumeStatus {
 	}
 	return out
 }
+
+// StagedContexts returns the stored volume_context of every volume this
+// node has staged or is staging, of every transport. A transport uses it
+// to keep a connection that another volume still needs.
+func (a *Agent) StagedContexts(context.Context) ([]map[string]string, error) {
+	recs := a.state.list()
+	out := make([]map[string]string, 0, len(recs))
+	for _, r := range recs {
+		out = append(out, maps.Clone(r.Context))
+	}
+	return out, nil
+}

@@ -729,7 +729,12 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	if n.a.recordedDevice(rec.Device) == nil {
 		return nil, precondition("volume %q: its device %s is gone or changed since stage; unstage and stage again", id, rec.Device.Path)
 	}
-	size, err := target.Expand(ctx)
+	var size int64
+	if se, ok := target.(sizedExpander); ok && required > 0 {
+		size, err = se.ExpandTo(ctx, required)
+	} else {
+		size, err = target.Expand(ctx)
+	}
 	if err != nil {
 		return nil, err
 	}

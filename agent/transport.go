@@ -39,6 +39,36 @@ type Target interface {
 	Health(ctx context.Context) (abnormal bool, message string)
 }
 
+// sizedExpander is implemented by targets that can wait for a rescan to
+// reach a size (a target whose new capacity shows up asynchronously).
+// NodeExpandVolume uses it when the CO names the size it expects.
+type sizedExpander interface {
+	ExpandTo(ctx context.Context, minBytes int64) (int64, error)
+}
+
+// TransportFunc makes a Transport of a package whose Parse returns its
+// own target type (so that it need not import agent):
+//
+//	agent.TransportFunc(t.Name(), t.Parse)
+func TransportFunc[T Target](name string, parse func(volumeContext, secrets map[string]string) (T, error)) Transport {
+	return funcTransport[T]{name: name, parse: parse}
+}
+
+type funcTransport[T Target] struct {
+	name  string
+	parse func(volumeContext, secrets map[string]string) (T, error)
+}
+
+func (f funcTransport[T]) Name() string { return f.name }
+
+func (f funcTransport[T]) Parse(vc, secrets map[string]string) (Target, error) {
+	t, err := f.parse(vc, secrets)
+	if err != nil {
+		return nil, err // never a typed nil inside the interface
+	}
+	return t, nil
+}
+
 // volume_context keys that select or imply a transport.
 const (
 	ContextTransport = "transport"
