@@ -8,7 +8,7 @@ VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo de
 LDFLAGS   := -s -w -X main.version=$(VERSION)
 PREFIX    ?= /usr/local
 
-.PHONY: all build deps test unit-test sanity-test vm-test vm-image bench demo install clean fuzz
+.PHONY: all build deps test unit-test sanity-test manifest-test vm-test vm-image bench demo install clean fuzz
 
 all: build
 
@@ -20,11 +20,15 @@ deps:
 	./scripts/install-deps.sh
 
 # The whole suite: unit and host tests (root, loop devices), csi-sanity, VMs.
-test: deps unit-test sanity-test vm-test
+test: deps unit-test sanity-test manifest-test vm-test
 
 # Unit tests and host tests on loop devices. VM entry tests are named TestVM*.
 unit-test: build
-	$(GO) test -count=1 -timeout 15m -skip '^TestVM' ./...
+	BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m -skip '^TestVM' ./...
+
+# Kubernetes manifests decoded strictly into the API types (nested module).
+manifest-test: build
+	cd deploy/kubernetes/validate && BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -mod=mod -count=1 ./...
 
 sanity-test: build
 	cd test/sanity && BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m ./...
