@@ -317,7 +317,8 @@ func TestVerifyDetectsSwappedBackingFile(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := clearLoop(d.Name); err != nil {
+	// With udev, its probe may hold the device a moment: wait for the detach.
+	if err := DetachLoopContext(ctx, l, d); err != nil {
 		t.Fatal(err)
 	}
 	bf, err := os.OpenFile(b, os.O_RDWR, 0)
@@ -347,7 +348,7 @@ func TestVerifyDetectsSwappedBackingFile(t *testing.T) {
 		t.Errorf("DetachLoop of the stale device detached %s: %v", b, err)
 	}
 	// Same file again on the same name: the disk sequence number tells.
-	if err := clearLoop(d.Name); err != nil {
+	if err := DetachLoopContext(ctx, l, swapped); err != nil {
 		t.Fatal(err)
 	}
 	af, err := os.OpenFile(a, os.O_RDWR, 0)
@@ -357,6 +358,9 @@ func TestVerifyDetectsSwappedBackingFile(t *testing.T) {
 	defer af.Close()
 	if err := configureLoop(d.Name, af, a, false); err != nil {
 		t.Fatal(err)
+	}
+	if again, err := Lookup(d.Name); err == nil {
+		t.Cleanup(func() { detachForTest(t, again) })
 	}
 	if err := d.Verify(); !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "sequence") {
 		t.Errorf("Verify after re-attach of the same file: %v", err)
