@@ -123,9 +123,14 @@ func (f *fileTarget) Attach(ctx context.Context) (*devices.Device, error) {
 	return devices.AttachLoop(ctx, f.t.listener, f.path, false)
 }
 
-// Detach detaches the loop device of the image, if any.
+// Detach detaches the loop device of the image, if any. An image deleted
+// while attached is found under the name the kernel gives it then
+// ("<path> (deleted)"), so its loop device does not leak.
 func (f *fileTarget) Detach(context.Context) error {
 	d, err := devices.FindLoop(f.path)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		d, err = findDeletedLoop(f.path)
+	}
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return nil
 	}
@@ -133,6 +138,32 @@ func (f *fileTarget) Detach(context.Context) error {
 		return err
 	}
 	return devices.DetachLoop(d)
+}
+
+// deletedSuffix is what the kernel appends to a loop device's
+// backing_file once the file is unlinked.
+const deletedSuffix = " (deleted)"
+
+// findDeletedLoop returns the loop device whose backing file was path
+// and has been deleted.
+func findDeletedLoop(path string) (*devices.Device, error) {
+	entries, err := os.ReadDir("/sys/class/block")
+	if err != nil {
+		return nil, fmt.Errorf("list block devices: %w", err)
+	}
+	for _, e := range entries {
+		if !strings.HasPrefix(e.Name(), "loop") {
+			continue
+		}
+		d, err := devices.Lookup(e.Name())
+		if err != nil {
+			continue // gone meanwhile, or not a configured loop device
+		}
+		if d.ID.BackingFile == path+deletedSuffix {
+			return d, nil
+		}
+	}
+	return nil, fmt.Errorf("loop device of deleted %s: %w", path, errdefs.ErrNotFound)
 }
 
 // Expand makes the loop device take the image file's current size.

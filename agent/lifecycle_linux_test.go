@@ -116,10 +116,14 @@ func (h *harness) cleanup() {
 			h.t.Errorf("test left %s mounted", mounts[i])
 		}
 	}
-	entries, _ := os.ReadDir(h.root)
+	// Every loop device backed by an image of this test, deleted or not.
+	entries, _ := os.ReadDir("/sys/class/block")
 	for _, e := range entries {
-		if d, err := devices.FindLoop(filepath.Join(h.root, e.Name())); err == nil {
-			h.t.Errorf("test left %s attached to %s", e.Name(), d.Path)
+		if !strings.HasPrefix(e.Name(), "loop") {
+			continue
+		}
+		if d, err := devices.Lookup(e.Name()); err == nil && strings.HasPrefix(d.ID.BackingFile, h.root+"/") {
+			h.t.Errorf("test left %s attached to %s", d.ID.BackingFile, d.Path)
 			_ = devices.DetachLoop(d)
 		}
 	}
@@ -801,4 +805,25 @@ func (h *harness) recordOf(id string) (*volumeRecord, bool) {
 		h.t.Fatal(err)
 	}
 	return st.get(id)
+}
+
+// An image deleted while staged still has its loop device detached at
+// unstage.
+func TestUnstageDeletedImage(t *testing.T) {
+	h := newHarness(t)
+	v := h.newVol("gone", 64*mib, mountCap("ext4", snw))
+	must(t, "stage", h.stage(v))
+	img := filepath.Join(h.root, "gone.img")
+	d, err := devices.FindLoop(img)
+	must(t, "find loop", err)
+	must(t, "delete image", os.Remove(img))
+	st, err := h.node.NodeGetVolumeStats(context.Background(), &csi.NodeGetVolumeStatsRequest{VolumeId: v.id, VolumePath: v.staging})
+	must(t, "stats", err)
+	if !st.GetVolumeCondition().GetAbnormal() {
+		t.Fatalf("deleted image reported healthy: %v", st.GetVolumeCondition())
+	}
+	must(t, "unstage", h.unstage(v))
+	if cur, err := devices.Lookup(d.Name); err == nil && cur.ID.BackingFile != "" && strings.HasPrefix(cur.ID.BackingFile, img) {
+		t.Fatalf("%s still backed by %q after unstage", d.Path, cur.ID.BackingFile)
+	}
 }
