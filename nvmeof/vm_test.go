@@ -639,3 +639,42 @@ func TestGuestHostNQN(t *testing.T) {
 	}
 	wantControllers(t, other.NQN(), 0)
 }
+
+// A target given by host name is resolved once, and the address is what
+// the kernel gets; detach and health resolve it the same way.
+func TestGuestHostName(t *testing.T) {
+	vm.RequireGuest(t)
+	ctx := guestContext(t)
+	hosts, _ := os.ReadFile("/etc/hosts")
+	if err := os.WriteFile("/etc/hosts", append(hosts, []byte("\n127.0.0.1 nvme-array.berth.test\n")...), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.WriteFile("/etc/hosts", hosts, 0o644) })
+	nqn := "nqn.2026-01.io.berth:hostname"
+	target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{"127.0.0.1:4428"}})
+	tr := guestTransport(t, nil)
+	tg, err := tr.Parse(map[string]string{"nqn": nqn, "nsid": "1", "targets": "nvme-array.berth.test:4428"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustAttach(t, ctx, tg)
+	cs := wantControllers(t, nqn, 1)
+	if cs[0].Address.TrAddr != "127.0.0.1" || cs[0].Address.TrSvcID != "4428" {
+		t.Errorf("controller address %+v", cs[0].Address)
+	}
+	if abnormal, msg := tg.Health(ctx); abnormal {
+		t.Errorf("Health: %s", msg)
+	}
+	if err := tg.Detach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	wantControllers(t, nqn, 0)
+
+	bad, err := tr.Parse(map[string]string{"nqn": nqn, "nsid": "1", "traddr": "no-such-host.berth.test"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := bad.Attach(ctx); !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "no-such-host.berth.test") {
+		t.Errorf("unresolvable target: %v", err)
+	}
+}
