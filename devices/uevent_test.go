@@ -99,6 +99,20 @@ func TestParseSCSIAndNVMeKernelEvents(t *testing.T) {
 	}
 }
 
+// udev-loop-change.bin was sent by systemd-udevd 252 (Debian 12) in a test
+// guest, after "change" was written to loop7's uevent attribute.
+func TestParseUdevSample(t *testing.T) {
+	ev, err := ParseUevent(readSample(t, "udev-loop-change.bin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ev.Source != SourceUdev || ev.Action != "change" || ev.DevPath != "/devices/virtual/block/loop7" ||
+		ev.Subsystem != "block" || ev.DevName != "/dev/loop7" || ev.Major != 7 || ev.Minor != 7 || ev.Seqnum != 1771 ||
+		ev.Env["SYNTH_UUID"] != "0" || ev.Env["DEVLINKS"] != "/dev/disk/by-diskseq/213" || ev.Env["SYSTEMD_READY"] != "0" {
+		t.Errorf("udev sample: %+v", ev)
+	}
+}
+
 func TestParseUdevMessage(t *testing.T) {
 	env := []string{
 		"ACTION=add", "DEVPATH=/devices/platform/host2/session1/target2:0:0/2:0:0:1/block/sdb",
@@ -167,6 +181,7 @@ func FuzzParseUevent(f *testing.F) {
 	for _, name := range []string{"kernel-loop-change-attach.bin", "kernel-loop-add.bin", "kernel-bdi-add.bin", "kernel-loop-remove.bin"} {
 		f.Add(readSample(f, name))
 	}
+	f.Add(readSample(f, "udev-loop-change.bin"))
 	f.Add(marshalUdevMessage([]string{"ACTION=change", "DEVPATH=/devices/virtual/block/dm-0", "SUBSYSTEM=block", "MAJOR=253", "MINOR=0", "SEQNUM=7"}))
 	f.Fuzz(func(t *testing.T, msg []byte) {
 		ev, err := ParseUevent(msg)

@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/test/vm"
 )
@@ -31,7 +33,7 @@ func TestVMDevices(t *testing.T) {
 			vm.WithModules(guestModules...), vm.WithIscsid(), vm.WithTimeout(5*time.Minute))
 	})
 	t.Run("udev", func(t *testing.T) {
-		vm.RunGuestTests(t, vm.WithTestRun("^(TestGuest(NVMe|SCSI)|TestLoop|TestWaitersAroundAttach|TestManyConcurrentWaiters|TestVerifyDetects|TestOverflowRescan)"),
+		vm.RunGuestTests(t, vm.WithTestRun("^(TestGuest(NVMe|SCSI|UdevMessage)|TestLoop|TestWaitersAroundAttach|TestManyConcurrentWaiters|TestVerifyDetects|TestOverflowRescan)"),
 			vm.WithModules(guestModules...), vm.WithIscsid(), vm.WithUdev(), vm.WithTimeout(6*time.Minute))
 	})
 	t.Run("multipath", func(t *testing.T) {
@@ -693,4 +695,55 @@ func TestGuestBenchSCSI(t *testing.T) {
 		}
 	}
 	lat.report(t, "iscsi "+benchMode(l))
+}
+
+// TestGuestUdevMessage parses a message systemd-udevd really sent (the
+// format the unit tests build by hand) and logs it in hex, so it can be
+// saved as a sample.
+func TestGuestUdevMessage(t *testing.T) {
+	vm.RequireGuest(t)
+	if _, err := os.Stat("/run/udev/control"); err != nil {
+		t.Fatalf("needs udevd: %v", err)
+	}
+	c, err := openUevent(groupUdev, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.f.Close()
+	cfs(t, "/sys/class/block/loop7/uevent", "change")
+	buf := make([]byte, maxMessage)
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		var msg []byte
+		var from *unix.SockaddrNetlink
+		err := c.rc.Read(func(fd uintptr) bool {
+			n, _, _, sa, err := unix.Recvmsg(int(fd), buf, nil, unix.MSG_DONTWAIT)
+			if errors.Is(err, unix.EAGAIN) {
+				return false
+			}
+			if err == nil {
+				msg, from = buf[:n], sa.(*unix.SockaddrNetlink)
+			}
+			return true
+		})
+		if err != nil || msg == nil {
+			t.Fatalf("receive: %v", err)
+		}
+		ev, err := ParseUevent(msg)
+		if err != nil {
+			t.Fatalf("udevd's message %q: %v", msg, err)
+		}
+		if ev.Source != SourceUdev || from.Groups != groupUdev || from.Pid == 0 {
+			t.Errorf("event %+v from %+v", ev, from)
+		}
+		if ev.Name() != "loop7" {
+			continue
+		}
+		if ev.Action != "change" || ev.Major != 7 || ev.Seqnum == 0 || ev.DevName != "/dev/loop7" {
+			t.Errorf("udev event %+v", ev)
+		}
+		t.Logf("udev message (%d bytes): %x", len(msg), msg)
+		return
+	}
+	t.Fatal("no udev event for loop7")
 }
