@@ -190,6 +190,13 @@ func (tg *lioTarget) Vanish(tpgt int) {
 	lioWrite(tg.t, filepath.Join(d, "enable"), "0")
 }
 
+// Restore brings back a portal taken away by Vanish.
+func (tg *lioTarget) Restore(tpgt int) {
+	d := tg.tpgDir(tpgt)
+	lioMkdir(tg.t, filepath.Join(d, "np", tg.tpgs[tpgt]))
+	lioWrite(tg.t, filepath.Join(d, "enable"), "1")
+}
+
 func (tg *lioTarget) destroy() {
 	base := filepath.Join(lioRoot, "iscsi", tg.IQN)
 	for tpgt, p := range tg.tpgs {

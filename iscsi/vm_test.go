@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -20,6 +21,30 @@ import (
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/test/vm"
 )
+
+// multipathFiles lists what multipathd needs in the guest besides its
+// binary: libgcc_s (glibc loads it for pthread_cancel) and its checker and
+// prioritizer plugins, taken from the image's Debian root.
+func multipathFiles(t *testing.T) map[string]string {
+	files := map[string]string{"/usr/lib/x86_64-linux-gnu/libgcc_s.so.1": "/usr/lib/x86_64-linux-gnu/libgcc_s.so.1"}
+	cache := os.Getenv("BERTH_VM_CACHE")
+	if cache == "" {
+		home, _ := os.UserHomeDir()
+		cache = filepath.Join(home, ".cache", "berth-vm")
+	}
+	b, err := os.ReadFile(filepath.Join(cache, "current", "image.env"))
+	if err != nil {
+		return files
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if root, ok := strings.CutPrefix(line, "ROOT_DIR="); ok {
+			if _, err := os.Stat(filepath.Join(root, "usr/lib/multipath")); err == nil {
+				files[filepath.Join(root, "usr/lib/multipath")] = "/usr/lib/multipath"
+			}
+		}
+	}
+	return files
+}
 
 var lioModules = []string{"iscsi_tcp", "target_core_mod", "target_core_iblock", "iscsi_target_mod", "loop"}
 
@@ -36,9 +61,10 @@ func TestVMISCSI(t *testing.T) {
 func TestVMISCSIMultipath(t *testing.T) {
 	vm.RunGuestTests(t,
 		vm.WithTestRun(guestRun("^TestMultipathISCSI")),
-		vm.WithModules(lioModules...),
+		vm.WithModules(append(lioModules, "dm_multipath", "dm_round_robin", "dm_service_time")...),
 		vm.WithIscsid(),
-		vm.WithMultipathd(),
+		vm.WithUdev(),
+		vm.WithExtraFiles(multipathFiles(t)),
 		vm.WithTimeout(6*time.Minute))
 }
 
@@ -366,7 +392,7 @@ func TestGuestISCSICHAP(t *testing.T) {
 
 // writeLoop writes and syncs to dev until stopped; it returns the number
 // of writes and the first error.
-func writeLoop(path string, stop <-chan struct{}) (int, error) {
+func writeLoop(path string, stop <-chan struct{}, count *atomic.Int64) (int, error) {
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_SYNC, 0)
 	if err != nil {
 		return 0, err
@@ -384,6 +410,9 @@ func writeLoop(path string, stop <-chan struct{}) (int, error) {
 			return n, err
 		}
 		n++
+		if count != nil {
+			count.Add(1)
+		}
 	}
 }
 
@@ -411,7 +440,7 @@ func TestGuestISCSITwoLUNsOneSession(t *testing.T) {
 	var writes int
 	var werr error
 	done := make(chan struct{})
-	go func() { writes, werr = writeLoop(da.Path, stop); close(done) }()
+	go func() { writes, werr = writeLoop(da.Path, stop, nil); close(done) }()
 	if err := b.Detach(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -554,7 +583,36 @@ func TestGuestISCSITargetGoneSharedSession(t *testing.T) {
 
 // --- multipath (guest with multipathd) ---
 
+// startMultipathd starts multipathd in the guest unless it runs; its
+// messages go to the test log.
+func startMultipathd(t *testing.T) {
+	t.Helper()
+	vm.RequireGuest(t)
+	if _, err := (execRunner{}).run(context.Background(), "multipathd", "show", "daemon"); err == nil {
+		return
+	}
+	cmd := exec.Command("multipathd", "-d", "-s")
+	cmd.Stdout, cmd.Stderr = testWriter{t}, testWriter{t}
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start multipathd: %v", err)
+	}
+	t.Cleanup(func() {
+		(execRunner{}).run(context.Background(), "multipathd", "shutdown")
+		cmd.Wait()
+	})
+	var last error
+	end := time.Now().Add(20 * time.Second)
+	for time.Now().Before(end) {
+		if _, last = (execRunner{}).run(context.Background(), "multipathd", "show", "daemon"); last == nil {
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	t.Fatalf("multipathd does not answer: %v", last)
+}
+
 func TestMultipathISCSIFailoverAndExpand(t *testing.T) {
+	startMultipathd(t)
 	tr := guestTransport(t, Options{})
 	lt := newLIOTarget(t, "127.0.0.1:3260", "127.0.0.2:3260")
 	wwid := lt.AddLUN(0, 32<<20)
@@ -575,21 +633,29 @@ func TestMultipathISCSIFailoverAndExpand(t *testing.T) {
 	stop := make(chan struct{})
 	var writes int
 	var werr error
+	var count atomic.Int64
 	done := make(chan struct{})
-	go func() { writes, werr = writeLoop(dm.Path, stop); close(done) }()
+	go func() { writes, werr = writeLoop(dm.Path, stop, &count); close(done) }()
 	time.Sleep(500 * time.Millisecond)
-	lt.SetEnabled(2, false)
+	lt.Vanish(2)
 	// Wait until the path is reported failed while writes go on.
 	waitFor(t, 60*time.Second, "a failed path", func() bool {
 		abnormal, msg := tg.Health(ctx)
 		return abnormal && strings.Contains(msg, "127.0.0.2")
 	})
-	before := writes
+	before := count.Load()
 	time.Sleep(2 * time.Second)
-	lt.SetEnabled(2, true)
+	lt.Restore(2)
+	last := time.Now()
 	waitFor(t, 90*time.Second, "both paths back", func() bool {
-		abnormal, _ := tg.Health(ctx)
-		return !abnormal && mpathActivePaths(t, dm) == 2
+		abnormal, msg := tg.Health(ctx)
+		active := mpathActivePaths(t, dm)
+		if time.Since(last) > 10*time.Second {
+			last = time.Now()
+			paths, _ := (execRunner{}).run(ctx, "multipathd", "show", "paths")
+			t.Logf("waiting: health %v %q, active paths %d, sessions %+v\n%s", abnormal, msg, active, sessionsOf(t, lt.IQN), paths)
+		}
+		return !abnormal && active == 2
 	})
 	close(stop)
 	<-done
@@ -613,13 +679,32 @@ func TestMultipathISCSIFailoverAndExpand(t *testing.T) {
 		}
 	}
 
+	// udev probes the map after its change event; let it finish, as it
+	// would long before a real unstage.
+	(execRunner{}).run(ctx, "udevadm", "settle", "--timeout=30")
 	if err := tg.Detach(ctx); err != nil {
-		t.Fatal(err)
+		t.Fatalf("%v; openers: %s", err, openers(dm))
 	}
 	if _, err := os.Stat("/sys/class/block/" + dm.Name); err == nil {
 		t.Fatalf("map %s still exists", dm.Name)
 	}
 	assertDetached(t, lt.IQN)
+}
+
+// openers lists the processes that hold dev open.
+func openers(dev *devices.Device) string {
+	var out []string
+	procs, _ := os.ReadDir("/proc")
+	for _, p := range procs {
+		fds, _ := os.ReadDir("/proc/" + p.Name() + "/fd")
+		for _, fd := range fds {
+			if l, err := os.Readlink("/proc/" + p.Name() + "/fd/" + fd.Name()); err == nil && l == dev.Path {
+				comm, _ := os.ReadFile("/proc/" + p.Name() + "/comm")
+				out = append(out, p.Name()+":"+strings.TrimSpace(string(comm)))
+			}
+		}
+	}
+	return fmt.Sprint(out)
 }
 
 // mpathActivePaths counts the map's paths the kernel has not failed.
@@ -634,7 +719,20 @@ func mpathActivePaths(t *testing.T, dm *devices.Device) int {
 		t.Logf("dmsetup status: %v", err)
 		return -1
 	}
-	return strings.Count(string(cmd), " A ")
+	// "... 8:0 A 0 0 1 8:16 A 0 0 1": a path's number, then its state.
+	f := strings.Fields(string(cmd))
+	n := 0
+	for i := 0; i+1 < len(f); i++ {
+		if _, ok := parseMajorMinor(f[i]); ok && f[i+1] == "A" {
+			n++
+		}
+	}
+	return n
+}
+
+func parseMajorMinor(s string) (string, bool) {
+	a, b, ok := strings.Cut(s, ":")
+	return s, ok && isDigits(a) && isDigits(b)
 }
 
 func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
