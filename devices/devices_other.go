@@ -1,0 +1,65 @@
+//go:build !linux
+
+package devices
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+var errUnsupported = fmt.Errorf("block devices on %s: %w", runtime.GOOS, errdefs.ErrUnsupported)
+
+type ueventConn struct{}
+
+func (*ueventConn) sendMarker(uint64) error { return errUnsupported }
+
+func isQueueFull(error) bool { return false }
+
+var nodeMatches = func(*Device) bool { return false }
+
+// NewListener is only supported on Linux.
+func NewListener(...ListenerOption) (*Listener, error) { return nil, errUnsupported }
+
+// Close stops the listener.
+func (l *Listener) Close() error {
+	l.closeOnce.Do(func() {
+		l.stop(ErrListenerClosed)
+		close(l.done)
+	})
+	return nil
+}
+
+// Verify is only supported on Linux.
+func (d *Device) Verify() error { return errUnsupported }
+
+// AttachLoop is only supported on Linux.
+func AttachLoop(context.Context, *Listener, string, bool) (*Device, error) {
+	return nil, errUnsupported
+}
+
+// FindLoop is only supported on Linux.
+func FindLoop(string) (*Device, error) { return nil, errUnsupported }
+
+// DetachLoop is only supported on Linux.
+func DetachLoop(*Device) error { return errUnsupported }
+
+// DetachLoopContext is only supported on Linux.
+func DetachLoopContext(context.Context, *Listener, *Device) error { return errUnsupported }
+
+// RefreshLoopCapacity is only supported on Linux.
+func RefreshLoopCapacity(context.Context, *Device) (int64, error) { return 0, errUnsupported }
+
+// MultipathPaths is only supported on Linux.
+func MultipathPaths(*Device) ([]PathState, error) { return nil, errUnsupported }
+
+// FlushDevice is only supported on Linux.
+func FlushDevice(context.Context, *Device) error { return errUnsupported }
+
+// RemoveSCSIDevice is only supported on Linux.
+func RemoveSCSIDevice(context.Context, *Listener, *Device) error { return errUnsupported }
+
+// RemoveMultipathMap is only supported on Linux.
+func RemoveMultipathMap(context.Context, *Listener, *Device) error { return errUnsupported }
