@@ -69,6 +69,11 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"BERTH_LOG_LEVEL"}, Usage: "log level: debug, info, warn, error"},
 			&cli.StringFlag{Name: "metrics-address", EnvVars: []string{"BERTH_METRICS_ADDRESS"}, Usage: "serve Prometheus /metrics on host:port (empty: off)"},
 			&cli.StringFlag{Name: "probe-checks", EnvVars: []string{"BERTH_PROBE_CHECKS"}, Usage: "transports whose node checks (berth doctor) Probe runs: comma-separated iscsi, nvmeof, file (empty: none)"},
+			&cli.StringFlag{Name: "iscsiadm", Value: "iscsiadm", EnvVars: []string{"BERTH_ISCSIADM"}, Usage: "iscsiadm executable, or a wrapper that runs the host's iscsiadm (containers)"},
+			&cli.StringFlag{Name: "multipathd", Value: "multipathd", EnvVars: []string{"BERTH_MULTIPATHD"}, Usage: "multipathd executable, or a wrapper that runs the host's multipathd (containers)"},
+			&cli.IntFlag{Name: "iscsi-replacement-timeout", Value: -1, EnvVars: []string{"BERTH_ISCSI_REPLACEMENT_TIMEOUT"}, Usage: "node.session.timeo.replacement_timeout for new iSCSI sessions, seconds (-1: open-iscsi's default)"},
+			&cli.IntFlag{Name: "iscsi-login-timeout", Value: -1, EnvVars: []string{"BERTH_ISCSI_LOGIN_TIMEOUT"}, Usage: "node.conn[0].timeo.login_timeout for new iSCSI sessions, seconds (-1: open-iscsi's default)"},
+			&cli.IntFlag{Name: "iscsi-login-retry-max", Value: -1, EnvVars: []string{"BERTH_ISCSI_LOGIN_RETRY_MAX"}, Usage: "node.session.initial_login_retry_max for new iSCSI sessions (-1: open-iscsi's default)"},
 			&cli.DurationFlag{Name: "shutdown-timeout", Value: 30 * time.Second, EnvVars: []string{"BERTH_SHUTDOWN_TIMEOUT"}, Usage: "how long calls in flight may take to finish on SIGTERM"},
 		},
 		Action: serve,
@@ -177,7 +182,21 @@ func serve(c *cli.Context) error {
 	}
 	defer l.Close()
 	cfg.Listener = l
-	ts, err := networkTransports(c.String("transports"), l, log, func(ctx context.Context) ([]map[string]string, error) {
+	iscsiOpts := iscsi.Options{
+		Iscsiadm:   c.String("iscsiadm"),
+		Multipathd: c.String("multipathd"),
+		Params:     map[string]int{},
+	}
+	for flag, param := range map[string]string{
+		"iscsi-replacement-timeout": iscsi.ParamReplacementTimeout,
+		"iscsi-login-timeout":       iscsi.ParamLoginTimeout,
+		"iscsi-login-retry-max":     iscsi.ParamLoginRetryMax,
+	} {
+		if v := c.Int(flag); v >= 0 {
+			iscsiOpts.Params[param] = v
+		}
+	}
+	ts, err := networkTransports(c.String("transports"), iscsiOpts, l, log, func(ctx context.Context) ([]map[string]string, error) {
 		if a == nil {
 			return nil, nil
 		}
@@ -225,7 +244,7 @@ func serve(c *cli.Context) error {
 }
 
 // networkTransports builds the transports named in a comma-separated list.
-func networkTransports(list string, l *devices.Listener, log *slog.Logger, staged func(context.Context) ([]map[string]string, error)) ([]agent.Transport, error) {
+func networkTransports(list string, iscsiOpts iscsi.Options, l *devices.Listener, log *slog.Logger, staged func(context.Context) ([]map[string]string, error)) ([]agent.Transport, error) {
 	var out []agent.Transport
 	seen := map[string]bool{}
 	for _, name := range strings.Split(list, ",") {
@@ -242,7 +261,8 @@ func networkTransports(list string, l *devices.Listener, log *slog.Logger, stage
 			}
 			out = append(out, agent.TransportFunc(t.Name(), t.Parse))
 		case "iscsi":
-			t, err := iscsi.New(iscsi.Options{Listener: l, Logger: log})
+			iscsiOpts.Listener, iscsiOpts.Logger = l, log
+			t, err := iscsi.New(iscsiOpts)
 			if err != nil {
 				return nil, fmt.Errorf("iscsi transport: %w", err)
 			}

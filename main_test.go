@@ -1,6 +1,7 @@
 package main
 
 import (
+	"github.com/berth-csi/berth/iscsi"
 	"testing"
 )
 
@@ -35,15 +36,15 @@ func TestNewLogger(t *testing.T) {
 
 func TestNetworkTransports(t *testing.T) {
 	// iscsi needs a uevent listener (root); nvmeof opens nothing yet.
-	ts, err := networkTransports("nvmeof, ,nvmeof", nil, nil, nil)
+	ts, err := networkTransports("nvmeof, ,nvmeof", iscsi.Options{}, nil, nil, nil)
 	if err != nil || len(ts) != 1 || ts[0].Name() != "nvmeof" {
 		t.Fatalf("networkTransports: %v, %v", ts, err)
 	}
-	if ts, err := networkTransports("", nil, nil, nil); err != nil || len(ts) != 0 {
+	if ts, err := networkTransports("", iscsi.Options{}, nil, nil, nil); err != nil || len(ts) != 0 {
 		t.Fatalf("no transports: %v, %v", ts, err)
 	}
 	for _, bad := range []string{"file", "fc"} {
-		if _, err := networkTransports(bad, nil, nil, nil); err == nil {
+		if _, err := networkTransports(bad, iscsi.Options{}, nil, nil, nil); err == nil {
 			t.Errorf("networkTransports(%q) accepted", bad)
 		}
 	}
