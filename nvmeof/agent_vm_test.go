@@ -26,17 +26,6 @@ import (
 	"github.com/berth-csi/berth/test/vm/target"
 )
 
-// agentTransport gives agent.Transport's Parse its interface result.
-type agentTransport struct{ *nvmeof.Transport }
-
-func (a agentTransport) Parse(vc, secrets map[string]string) (agent.Target, error) {
-	t, err := a.Transport.Parse(vc, secrets)
-	if err != nil {
-		return nil, err
-	}
-	return t, nil
-}
-
 type logWriter struct{ t *testing.T }
 
 func (w logWriter) Write(b []byte) (int, error) {
@@ -58,7 +47,7 @@ func startAgent(t testing.TB, logger *slog.Logger) csi.NodeClient {
 	}
 	a, err := agent.New(agent.Config{
 		NodeID: "guest", StateDir: filepath.Join(dir, "state"), Logger: logger,
-		Listener: l, Transports: []agent.Transport{agentTransport{tr}},
+		Listener: l, Transports: []agent.Transport{agent.TransportFunc(tr.Name(), tr.Parse)},
 	})
 	if err != nil {
 		t.Fatal(err)

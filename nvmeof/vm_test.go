@@ -27,7 +27,7 @@ import (
 func TestVMNVMeoF(t *testing.T) {
 	vm.RunGuestTests(t,
 		vm.WithTestRun("^TestGuest"),
-		vm.WithTimeout(8*time.Minute),
+		vm.WithTimeout(12*time.Minute),
 	)
 }
 
