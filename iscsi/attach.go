@@ -684,6 +684,21 @@ func (tg *Target) Expand(ctx context.Context) (int64, error) {
 	return t.resizeMap(ctx, dm, size)
 }
 
+// ExpandTo is Expand for a caller that knows the size the LUN should have:
+// a LUN still smaller after the rescan (the storage has not grown it yet)
+// is an error the caller may retry.
+func (tg *Target) ExpandTo(ctx context.Context, minBytes int64) (int64, error) {
+	size, err := tg.Expand(ctx)
+	if err != nil {
+		return 0, err
+	}
+	if size < minBytes {
+		return size, fmt.Errorf("iSCSI %s LUN %d reports %d bytes after a rescan, fewer than the %d requested: grow the LUN on the storage first: %w",
+			tg.v.IQN, tg.v.LUN, size, minBytes, errdefs.ErrUnavailable)
+	}
+	return size, nil
+}
+
 // Health reports paths whose session is not logged in or whose disk is not
 // running.
 func (tg *Target) Health(ctx context.Context) (bool, string) {

@@ -190,6 +190,30 @@ func (tg *lioTarget) Vanish(tpgt int) {
 	lioWrite(tg.t, filepath.Join(d, "enable"), "0")
 }
 
+// SetDiscoveryCHAP requires CHAP for SendTargets discovery (node-wide in
+// LIO); empty user turns it off.
+func (tg *lioTarget) SetDiscoveryCHAP(user, pass, userIn, passIn string) {
+	d := filepath.Join(lioRoot, "iscsi", "discovery_auth")
+	if user == "" {
+		lioWrite(tg.t, filepath.Join(d, "enforce_discovery_auth"), "0")
+		return
+	}
+	lioWrite(tg.t, filepath.Join(d, "userid"), user)
+	lioWrite(tg.t, filepath.Join(d, "password"), pass)
+	if userIn != "" {
+		lioWrite(tg.t, filepath.Join(d, "userid_mutual"), userIn)
+		lioWrite(tg.t, filepath.Join(d, "password_mutual"), passIn)
+	}
+	lioWrite(tg.t, filepath.Join(d, "enforce_discovery_auth"), "1")
+	tg.t.Cleanup(func() { os.WriteFile(filepath.Join(d, "enforce_discovery_auth"), []byte("0"), 0o644) })
+}
+
+// Portal returns the portal of a TPG.
+func (tg *lioTarget) Portal(tpgt int) string { return tg.tpgs[tpgt] }
+
+// NewLIOTarget is newLIOTarget for the package's external tests.
+func NewLIOTarget(t *testing.T, portals ...string) *lioTarget { return newLIOTarget(t, portals...) }
+
 // Restore brings back a portal taken away by Vanish.
 func (tg *lioTarget) Restore(tpgt int) {
 	d := tg.tpgDir(tpgt)

@@ -163,12 +163,19 @@ func (db *recordDB) nodeDir() (string, error) {
 	return "", unavailable("no open-iscsi node record directory (%s): is open-iscsi installed, and /etc/iscsi and /var/lib/iscsi mounted from the host?", strings.Join(defaultNodeDirs, ", "))
 }
 
+// sendTargetsDir finds the discovery record directory, next to the node
+// records. It exists once iscsiadm created a discovery record.
 func (db *recordDB) sendTargetsDir() (string, error) {
-	d, err := db.nodeDir()
-	if err != nil {
-		return "", err
+	if db.nodes != "" {
+		return filepath.Join(filepath.Dir(db.nodes), "send_targets"), nil
 	}
-	return filepath.Join(filepath.Dir(d), "send_targets"), nil
+	for _, d := range defaultNodeDirs {
+		st := filepath.Join(filepath.Dir(d), "send_targets")
+		if fi, err := os.Stat(st); err == nil && fi.IsDir() {
+			return st, nil
+		}
+	}
+	return "", unavailable("no open-iscsi discovery record directory (send_targets next to %s): is open-iscsi installed, and /etc/iscsi and /var/lib/iscsi mounted from the host?", strings.Join(defaultNodeDirs, ", "))
 }
 
 // nodeRecordFiles returns the record files of target at address:port for

@@ -390,6 +390,68 @@ func TestGuestISCSICHAP(t *testing.T) {
 	}
 }
 
+func TestGuestISCSIDiscoveryCHAP(t *testing.T) {
+	for _, mutual := range []bool{false, true} {
+		t.Run(fmt.Sprintf("mutual=%v", mutual), func(t *testing.T) {
+			tr := guestTransport(t, Options{})
+			lt := newLIOTarget(t, "127.0.0.1:3260")
+			wwid := lt.AddLUN(0, 16<<20)
+			sec := map[string]string{SecretDiscoveryUsername: "discuser", SecretDiscoveryPassword: "Disc-Secr3t-One"}
+			if mutual {
+				sec[SecretDiscoveryUsernameIn] = "disctarget"
+				sec[SecretDiscoveryPasswordIn] = "Disc-Secr3t-Two"
+			}
+			lt.SetDiscoveryCHAP("discuser", sec[SecretDiscoveryPassword], sec[SecretDiscoveryUsernameIn], sec[SecretDiscoveryPasswordIn])
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			sampler := sampleCmdlines(sec[SecretDiscoveryPassword], "Disc-Secr3t-Two")
+			tg := target(t, tr, vctx(lt, 0, "discoveryCHAPAuth", "true", "wwid", wwid), sec)
+			dev, err := tg.Attach(ctx)
+			n, leaks := sampler.Stop()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(leaks) > 0 || n == 0 {
+				t.Fatalf("argv samples %d, leaks %q", n, leaks)
+			}
+			// Discovery stored nothing: one record, for the volume's portal,
+			// and no discovery record holding the credentials.
+			if ents, _ := os.ReadDir("/etc/iscsi/send_targets"); len(ents) != 0 {
+				t.Fatalf("discovery records left: %v", ents)
+			}
+			t.Logf("attached %s after discovery with CHAP", dev.Path)
+			if err := tg.Detach(ctx); err != nil {
+				t.Fatal(err)
+			}
+			assertDetached(t, lt.IQN)
+
+			bad := map[string]string{}
+			for k, v := range sec {
+				bad[k] = v
+			}
+			bad[SecretDiscoveryPassword] = "Wrong-Disc-Pass"
+			_, err = target(t, tr, vctx(lt, 0, "discoveryCHAPAuth", "true"), bad).Attach(ctx)
+			if !errors.Is(err, errdefs.ErrPermissionDenied) || !strings.Contains(err.Error(), "authentication") {
+				t.Fatalf("wrong discovery password: %v", err)
+			}
+			t.Logf("wrong discovery password: %v", err)
+			assertDetached(t, lt.IQN)
+		})
+	}
+}
+
+func TestGuestISCSIDiscoveryWrongTarget(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	lt.AddLUN(0, 16<<20)
+	vc := vctx(lt, 0, "discovery", "true")
+	vc["iqn"] = lt.IQN + "-other"
+	_, err := target(t, tr, vc, nil).Attach(context.Background())
+	if !errors.Is(err, errdefs.ErrNotFound) || !strings.Contains(err.Error(), "does not offer") {
+		t.Fatalf("target not offered: %v", err)
+	}
+}
+
 // writeLoop writes and syncs to dev until stopped; it returns the number
 // of writes and the first error.
 func writeLoop(path string, stop <-chan struct{}, count *atomic.Int64) (int, error) {
