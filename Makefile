@@ -51,5 +51,17 @@ install: build
 	install -D -m 0644 systemd/berth.service $(DESTDIR)/etc/systemd/system/berth.service
 	install -D -m 0644 systemd/berth.socket $(DESTDIR)/etc/systemd/system/berth.socket
 
+# Each fuzz target for FUZZTIME (go test -fuzz runs one target at a time).
+FUZZTIME ?= 30s
+FUZZ_TARGETS := agent:FuzzValidatePath agent:FuzzVolumeContext agent:FuzzStateFileName \
+	agent:FuzzNodeRequests fs:FuzzParseMountOptions nvmeof:FuzzEncode iscsi:FuzzParseVolume \
+	devices:FuzzParseUevent devices:FuzzParseVPD83 devices:FuzzParseMultipathStatus
+fuzz:
+	@set -e; for t in $(FUZZ_TARGETS); do \
+		pkg=$${t%%:*}; fn=$${t#*:}; \
+		echo "== $$pkg $$fn ($(FUZZTIME))"; \
+		$(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) ./$$pkg/; \
+	done
+
 clean:
 	rm -rf bin
