@@ -12,6 +12,12 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 
 echo "berth bench: $(git describe --always --dirty 2>/dev/null || echo dev), $(date -u +%FT%TZ), $(nproc) cores" | tee "$out"
+
+# Host benchmarks on loop devices: the agent's RPC paths and the fs hot path.
+echo "== host: agent and fs (loop devices)" | tee -a "$out"
+go test -count=1 -run '^$' -bench . -benchmem ./agent/ ./fs/ 2>&1 | grep -E '^(Benchmark|ok|FAIL|---)' | tee -a "$out"
+
+echo "== guests: NVMe/TCP, iSCSI and device discovery" | tee -a "$out"
 BERTH_BENCH=1 go test -count=1 -timeout 30m -run '^TestVMBench' -v ./... 2>&1 | tee "$log" | grep -E '^(---|ok|FAIL|PASS)' || true
 
 # Lines the benchmarks mark with "BENCH " are the report.
