@@ -3,6 +3,7 @@ package devices
 import (
 	"fmt"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -220,22 +221,46 @@ func canonicalFile(file string) string {
 
 // MatchMultipath matches the device-mapper multipath map of the LUN with the
 // given WWID (any form NormalizeWWID accepts). The map must have a table
-// loaded and be resumed.
-func MatchMultipath(wwid string) Matcher {
-	return dmMatcher{wwid: NormalizeWWID(wwid)}
+// loaded and be resumed, and every device named in paths ("sdb", …) must be
+// one of its paths: multipathd may first build a map over the paths it has
+// and add the others by a reload, which sends another event.
+func MatchMultipath(wwid string, paths ...string) Matcher {
+	return dmMatcher{wwid: NormalizeWWID(wwid), paths: paths}
 }
 
-type dmMatcher struct{ wwid string }
+type dmMatcher struct {
+	wwid  string
+	paths []string
+}
 
 func (m dmMatcher) kind() string { return KindDM }
 
 func (m dmMatcher) Match(d *Device) bool {
-	return d != nil && d.ID.Kind == KindDM && m.wwid != "" &&
-		strings.HasPrefix(d.ID.WWID, multipathUUIDPrefix) &&
-		NormalizeWWID(d.ID.WWID) == m.wwid && d.Size > 0 && !d.dmSuspended
+	if d == nil || d.ID.Kind != KindDM || m.wwid == "" || !strings.HasPrefix(d.ID.WWID, multipathUUIDPrefix) ||
+		NormalizeWWID(d.ID.WWID) != m.wwid || d.Size <= 0 || d.dmSuspended {
+		return false
+	}
+	if len(m.paths) == 0 {
+		return true
+	}
+	slaves, err := Slaves(d.Name)
+	if err != nil {
+		return false
+	}
+	for _, p := range m.paths {
+		if !slices.Contains(slaves, p) {
+			return false
+		}
+	}
+	return true
 }
 
-func (m dmMatcher) String() string { return "multipath map of WWID " + m.wwid }
+func (m dmMatcher) String() string {
+	if len(m.paths) > 0 {
+		return fmt.Sprintf("multipath map of WWID %s over %s", m.wwid, strings.Join(m.paths, ", "))
+	}
+	return "multipath map of WWID " + m.wwid
+}
 
 const multipathUUIDPrefix = "mpath-"
 

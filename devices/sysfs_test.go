@@ -137,6 +137,8 @@ func TestMatchers(t *testing.T) {
 		{MatchLoop(""), nil},
 		{MatchMultipath("36001405a1b2c3d4e5f60718293a4b5c6"), []string{"dm-0"}},
 		{MatchMultipath(testWWID), []string{"dm-0"}},
+		{MatchMultipath(testWWID, "sdb", "sdc"), []string{"dm-0"}},
+		{MatchMultipath(testWWID, "sdb", "sdd"), nil},
 		// Created but not resumed: not usable yet.
 		{MatchMultipath("3600140500000000000000000000000b"), nil},
 	} {

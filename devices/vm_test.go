@@ -3,6 +3,7 @@
 package devices
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -545,21 +546,38 @@ func TestGuestMultipathd(t *testing.T) {
 	if !l.Udev() {
 		t.Fatal("multipathd guests run udevd")
 	}
-	if _, err := os.Stat("/run/multipathd.pid"); err != nil {
-		run(t, "multipathd")
-		t.Cleanup(func() { exec.Command("multipathd", "shutdown").Run() })
+	var daemonLog bytes.Buffer
+	if exec.Command("multipathd", "show", "daemon").Run() != nil {
+		// In the foreground, so its log lands in the test's.
+		cmd := exec.Command("multipathd", "-d", "-s", "-v2")
+		cmd.Stdout, cmd.Stderr = &daemonLog, &daemonLog
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			exec.Command("multipathd", "shutdown").Run()
+			cmd.Process.Kill()
+			cmd.Wait()
+		})
 	}
 	tg := newLIO(t, "devmpath", backingLoop(t, l, 64<<20), "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", "127.0.0.1:3260", "127.0.0.2:3260")
-	mp := l.Subscribe(MatchMultipath(tg.wwid()))
-	defer mp.Close()
 	paths := loginPaths(t, ctx, l, tg)
+	var names []string
+	for n := range paths {
+		names = append(names, n)
+	}
+	// multipathd builds the map over the first path and adds the second by
+	// a reload: wait for the map over both.
+	mp := l.Subscribe(MatchMultipath(tg.wwid(), names...))
+	defer mp.Close()
 	start := time.Now()
 	dm, err := mp.Wait(ctx)
 	if err != nil {
-		for _, c := range [][]string{{"multipathd", "show", "paths"}, {"multipathd", "show", "maps"}, {"multipath", "-v3", "-d"}, {"dmsetup", "table"}} {
+		for _, c := range [][]string{{"multipathd", "show", "paths"}, {"multipathd", "show", "maps"}, {"dmsetup", "table"}} {
 			out, cerr := exec.Command(c[0], c[1:]...).CombinedOutput()
 			t.Logf("%s: %v\n%s", strings.Join(c, " "), cerr, out)
 		}
+		t.Logf("multipathd log:\n%s", daemonLog.String())
 		t.Fatal(err)
 	}
 	t.Logf("map %s (%s, %s) found %v after the second path", dm, dm.ID.DMName, dm.ID.WWID, time.Since(start))
