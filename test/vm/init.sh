@@ -48,7 +48,8 @@ prepare() {
 run_tests() {
 	stty -F /dev/ttyS1 raw -echo 2>/dev/null
 	cd /berth-vm/pkg || fail "no /berth-vm/pkg"
-	echo "BERTH-VM-START" >/dev/console
+	read -r up _ </proc/uptime
+	echo "BERTH-VM-START guest uptime ${up}s" >/dev/console
 	/berth-vm/guest.test "$@" </dev/ttyS1 >/dev/ttyS1 2>&1
 	status=$?
 	cd /
@@ -137,8 +138,9 @@ if [ "$BERTH_VM_ISCSID" = 1 ]; then
 	iscsid || fail "iscsid did not start"
 fi
 if [ "$BERTH_VM_MULTIPATHD" = 1 ]; then
-	modprobe -a dm_multipath dm_round_robin dm_service_time scsi_dh_alua || fail "cannot load dm_multipath"
-	multipathd || fail "multipathd did not start"
+	modprobe -a dm_multipath dm_round_robin dm_service_time dm_queue_length || fail "cannot load dm_multipath"
+	# In the foreground of a background job, so its messages reach the console.
+	multipathd -d -s -v2 </dev/null >/dev/console 2>&1 &
 fi
 
 run_tests "$@"

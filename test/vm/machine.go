@@ -394,7 +394,7 @@ func (m *Machine) readConsole(r io.Reader) {
 				m.exitCode = n
 			}
 		}
-		if line == startMarker && m.booted == 0 {
+		if strings.HasPrefix(line, startMarker) && m.booted == 0 {
 			m.booted = time.Since(m.started)
 		}
 		if strings.Contains(line, "Kernel panic") {
@@ -567,6 +567,8 @@ func (m *Machine) ReportTests(t *testing.T) {
 	case exitCode < 0 && !killed:
 		t.Errorf("vm %s: guest stopped without reporting its exit status\n%s", m.name, diag)
 	case exitCode < 0:
+	case len(results) == 0 && booted == 0:
+		t.Errorf("vm %s: guest init failed (status %d) before running the tests\n%s", m.name, exitCode, diag)
 	case len(results) == 0:
 		t.Errorf("vm %s: no in-guest test ran (check WithTestRun and that the tests exist)\n%s", m.name, diag)
 	case exitCode != 0 && !anyFailed:

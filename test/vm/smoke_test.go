@@ -341,16 +341,9 @@ func TestTwoVMsInitiator(t *testing.T) {
 	dev := waitFor(t, "a namespace of "+ctrl, func() string {
 		return findBlock(`^nvme[0-9]+n[0-9]+$`, "device/subsysnqn", twoVMsNQN)
 	})
-	f, err := os.OpenFile("/dev/"+dev, os.O_RDWR|unix.O_DIRECT, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	buf := make([]byte, 4096) // page-aligned enough for O_DIRECT from the Go heap at this size
-	copy(buf, "across the link")
-	if _, err := f.WriteAt(buf, 0); err != nil {
+	if err := writeSync("/dev/"+dev, []byte("across the link")); err != nil {
 		t.Fatalf("write %s: %v", dev, err)
 	}
-	f.Close()
 	state := func() string {
 		b, _ := os.ReadFile("/sys/class/nvme/" + ctrl + "/state")
 		return strings.TrimSpace(string(b))
@@ -390,4 +383,84 @@ func TestSystemdGuest(t *testing.T) {
 	if _, err := os.Stat("/run/udev/control"); err != nil {
 		t.Errorf("systemd-udevd is not running: %v", err)
 	}
+}
+
+// TestVMMultipath checks the udev and multipathd guest options: two iSCSI
+// paths to one LUN become one dm-multipath map that survives losing a path.
+func TestVMMultipath(t *testing.T) {
+	t.Parallel()
+	vm.RunGuestTests(t, vm.WithTestRun("^TestMultipathGuest"), vm.WithIscsid(), vm.WithMultipathd())
+}
+
+func TestMultipathGuest(t *testing.T) {
+	vm.RequireGuest(t)
+	if _, err := os.Stat("/dev/disk/by-id"); err != nil {
+		// udev made no links yet for virtual disks: only check that it runs.
+		if _, err := os.Stat("/run/udev/control"); err != nil {
+			t.Fatalf("systemd-udevd is not running: %v", err)
+		}
+	}
+	tgt := target.NewISCSITarget(t, target.ISCSIConfig{Portals: []string{"127.0.0.1:3260", "127.0.0.2:3260"}})
+	lun := tgt.LUN(0)
+	for _, p := range tgt.Portals() {
+		iscsiLogin(t, tgt.IQN(), p, nil)
+	}
+	var paths []string
+	waitFor(t, "two SCSI paths with serial "+lun.Serial, func() string {
+		paths = nil
+		ents, _ := os.ReadDir("/sys/block")
+		for _, e := range ents {
+			if b, err := os.ReadFile("/sys/block/" + e.Name() + "/device/vpd_pg80"); err == nil &&
+				strings.HasPrefix(e.Name(), "sd") && bytes.Contains(b, []byte(lun.Serial)) {
+				paths = append(paths, e.Name())
+			}
+		}
+		if len(paths) == 2 {
+			return "ok"
+		}
+		return ""
+	})
+	t.Cleanup(func() {
+		if t.Failed() {
+			for _, c := range [][]string{{"multipathd", "show", "paths"}, {"multipath", "-v3", "-d"}, {"udevadm", "info", "/dev/" + paths[0]}} {
+				out, err := exec.Command(c[0], c[1:]...).CombinedOutput()
+				t.Logf("%s: %v\n%s", strings.Join(c, " "), err, out)
+			}
+		}
+	})
+	dm := waitFor(t, "a multipath map over both of "+strings.Join(paths, ","), func() string {
+		holders, _ := os.ReadDir("/sys/block/" + paths[0] + "/holders")
+		for _, h := range holders {
+			uuid, _ := os.ReadFile("/sys/block/" + h.Name() + "/dm/uuid")
+			slaves, _ := os.ReadDir("/sys/block/" + h.Name() + "/slaves")
+			if strings.HasPrefix(string(uuid), "mpath-") && len(slaves) == 2 {
+				return h.Name()
+			}
+		}
+		return ""
+	})
+	t.Cleanup(func() {
+		exec.Command("multipath", "-f", "/dev/"+dm).Run()
+	})
+	t.Logf("paths %v -> %s", paths, dm)
+
+	tgt.RemovePortal("127.0.0.2:3260")
+	if err := writeSync("/dev/"+dm, []byte("one path left")); err != nil {
+		t.Fatalf("write through %s with one path left: %v", dm, err)
+	}
+	t.Log(run(t, "multipath", "-ll"))
+}
+
+// writeSync writes data at the start of a block device and flushes it to the
+// device.
+func writeSync(dev string, data []byte) error {
+	f, err := os.OpenFile(dev, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if _, err := f.WriteAt(data, 0); err != nil {
+		return err
+	}
+	return f.Sync()
 }

@@ -84,7 +84,7 @@ tools=(
 # Kernel modules available in every guest (loaded on demand with modprobe).
 modules=(
 	loop brd null_blk configfs dm_mod dm_multipath dm_round_robin dm_service_time
-	dm_queue_length scsi_dh_alua scsi_dh_emc scsi_dh_rdac sd_mod sg
+	dm_queue_length sd_mod sg
 	nvme_tcp nvme_fabrics nvmet nvmet_tcp
 	iscsi_tcp libiscsi libiscsi_tcp scsi_transport_iscsi
 	target_core_mod target_core_iblock target_core_file target_core_pscsi iscsi_target_mod
@@ -215,9 +215,11 @@ build_image() { # $1: output dir
 	ln -s /run "$ir/var/run"
 	log "copying ${#tools[@]} tools and their libraries"
 	for t in "${tools[@]}"; do copy_with_libs "$root_tree" "$ir" "$t"; done
-	# Libraries loaded at run time (NSS for iscsid's peer check, multipath checkers).
+	# Libraries loaded at run time (NSS for iscsid's peer check, libgcc_s for
+	# pthread_cancel in multipathd, multipath checkers and prioritizers).
 	for m in "$root_tree"/usr/lib/x86_64-linux-gnu/libnss_files.so* \
-		"$root_tree"/usr/lib/x86_64-linux-gnu/multipath/*.so; do
+		"$root_tree"/usr/lib/x86_64-linux-gnu/libgcc_s.so* \
+		"$root_tree"/usr/lib/multipath/*.so; do
 		[ -e "$m" ] && copy_with_libs "$root_tree" "$ir" "${m#"$root_tree"}"
 	done
 	# udev rules and helpers, iscsi and multipath configuration.

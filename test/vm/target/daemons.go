@@ -72,7 +72,7 @@ func StartUdevd(t testing.TB) {
 // runs already (see vm.WithMultipathd).
 func StartMultipathd(t testing.TB) {
 	t.Helper()
-	LoadModules(t, "dm_multipath", "dm_round_robin", "dm_service_time", "scsi_dh_alua")
+	LoadModules(t, "dm_multipath", "dm_round_robin", "dm_service_time", "dm_queue_length")
 	StartUdevd(t)
 	os.MkdirAll("/run/multipath", 0o755)
 	startDaemon(t, "multipathd", "multipathd")
