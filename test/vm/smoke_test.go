@@ -444,7 +444,21 @@ func TestMultipathGuest(t *testing.T) {
 	})
 	t.Logf("paths %v -> %s", paths, dm)
 
+	lost, err := filepath.EvalSymlinks("/dev/disk/by-path/ip-127.0.0.2:3260-iscsi-" + tgt.IQN() + "-lun-0")
+	if err != nil {
+		t.Fatalf("udev by-path link: %v", err)
+	}
+	lost = filepath.Base(lost)
 	tgt.RemovePortal("127.0.0.2:3260")
+	waitFor(t, "multipathd to fail path "+lost, func() string {
+		out, _ := exec.Command("multipathd", "show", "paths", "format", "%d %t %T").Output()
+		for _, l := range strings.Split(string(out), "\n") {
+			if f := strings.Fields(l); len(f) == 3 && f[0] == lost && (f[1] == "failed" || f[2] == "faulty") {
+				return l
+			}
+		}
+		return ""
+	})
 	if err := writeSync("/dev/"+dm, []byte("one path left")); err != nil {
 		t.Fatalf("write through %s with one path left: %v", dm, err)
 	}

@@ -46,20 +46,24 @@ type ISCSIConfig struct {
 }
 
 // ISCSITarget is a LIO iSCSI target with iblock LUNs over loop devices.
+// Each portal has a target portal group (TPG) of its own exporting the same
+// LUNs, so one path can fail (SetPortalEnabled, RemovePortal) while the
+// others keep their sessions, as with a multi-controller array.
 type ISCSITarget struct {
-	t       testing.TB
-	cfg     ISCSIConfig
-	tpg     string
-	mu      sync.Mutex
-	luns    []*iscsiLUN
-	portals map[string]bool
+	t    testing.TB
+	cfg  ISCSIConfig
+	dir  string // iscsi/<iqn>
+	mu   sync.Mutex
+	luns []*iscsiLUN
+	tpgs map[string]string // portal -> TPG directory
+	tag  int               // last TPG tag used
 }
 
 type iscsiLUN struct {
 	ISCSILUN
 	b       *backing
 	hbaDir  string // core/iblock_N
-	devDir  string // core/iblock_N/lunname
+	devDir  string // core/iblock_N/lunI
 	lunName string // lun_I
 }
 
@@ -80,42 +84,20 @@ func NewISCSITarget(t testing.TB, cfg ISCSIConfig) *ISCSITarget {
 	}
 	x := &ISCSITarget{
 		t: t, cfg: cfg,
-		tpg:     filepath.Join(lioRoot, "iscsi", cfg.IQN, "tpgt_1"),
-		portals: map[string]bool{},
+		dir:  filepath.Join(lioRoot, "iscsi", cfg.IQN),
+		tpgs: map[string]string{},
 	}
 	if _, err := os.Stat(filepath.Join(lioRoot, "iscsi")); os.IsNotExist(err) {
 		mustMkdir(t, filepath.Join(lioRoot, "iscsi"))
 	}
-	mustMkdir(t, filepath.Dir(x.tpg))
+	mustMkdir(t, x.dir)
 	t.Cleanup(x.remove)
-	mustMkdir(t, x.tpg)
-
 	for i, l := range cfg.LUNs {
 		x.addLUN(i, l)
-	}
-	attrib := filepath.Join(x.tpg, "attrib")
-	if len(cfg.Initiators) == 0 {
-		mustWrite(t, filepath.Join(attrib, "authentication"), "0")
-		mustWrite(t, filepath.Join(attrib, "generate_node_acls"), "1")
-		mustWrite(t, filepath.Join(attrib, "cache_dynamic_acls"), "1")
-		mustWrite(t, filepath.Join(attrib, "demo_mode_write_protect"), "0")
-	} else {
-		mustWrite(t, filepath.Join(attrib, "generate_node_acls"), "0")
-		auth := false
-		for _, ini := range cfg.Initiators {
-			x.addACL(ini)
-			auth = auth || ini.CHAP != nil
-		}
-		if auth {
-			mustWrite(t, filepath.Join(attrib, "authentication"), "1")
-		} else {
-			mustWrite(t, filepath.Join(attrib, "authentication"), "0")
-		}
 	}
 	for _, p := range cfg.Portals {
 		x.AddPortal(p)
 	}
-	mustWrite(t, filepath.Join(x.tpg, "enable"), "1")
 	return x
 }
 
@@ -143,20 +125,54 @@ func (x *ISCSITarget) addLUN(i int, l ISCSILUN) {
 	// The unit serial must be set before the LUN is exported, or the
 	// device has no stable WWID.
 	mustWrite(t, filepath.Join(lun.devDir, "wwn", "vpd_unit_serial"), l.Serial)
-	ld := filepath.Join(x.tpg, "lun", lun.lunName)
-	mustMkdir(t, ld)
-	mustSymlink(t, lun.devDir, filepath.Join(ld, "storage"))
 }
 
-func (x *ISCSITarget) addACL(ini ISCSIInitiator) {
+// addTPG creates and enables a TPG exporting every LUN on portal addr.
+func (x *ISCSITarget) addTPG(addr string) {
 	t := x.t
 	t.Helper()
-	acl := filepath.Join(x.tpg, "acls", ini.IQN)
+	x.mu.Lock()
+	x.tag++
+	tpg := filepath.Join(x.dir, fmt.Sprintf("tpgt_%d", x.tag))
+	x.tpgs[addr] = tpg
+	luns := x.luns
+	x.mu.Unlock()
+	mustMkdir(t, tpg)
+	for _, l := range luns {
+		ld := filepath.Join(tpg, "lun", l.lunName)
+		mustMkdir(t, ld)
+		mustSymlink(t, l.devDir, filepath.Join(ld, "storage"))
+	}
+	attrib := filepath.Join(tpg, "attrib")
+	if len(x.cfg.Initiators) == 0 {
+		mustWrite(t, filepath.Join(attrib, "authentication"), "0")
+		mustWrite(t, filepath.Join(attrib, "generate_node_acls"), "1")
+		mustWrite(t, filepath.Join(attrib, "cache_dynamic_acls"), "1")
+		mustWrite(t, filepath.Join(attrib, "demo_mode_write_protect"), "0")
+	} else {
+		mustWrite(t, filepath.Join(attrib, "generate_node_acls"), "0")
+		auth := "0"
+		for _, ini := range x.cfg.Initiators {
+			x.addACL(tpg, ini)
+			if ini.CHAP != nil {
+				auth = "1"
+			}
+		}
+		mustWrite(t, filepath.Join(attrib, "authentication"), auth)
+	}
+	mustMkdir(t, filepath.Join(tpg, "np", addr))
+	mustWrite(t, filepath.Join(tpg, "enable"), "1")
+}
+
+func (x *ISCSITarget) addACL(tpg string, ini ISCSIInitiator) {
+	t := x.t
+	t.Helper()
+	acl := filepath.Join(tpg, "acls", ini.IQN)
 	mustMkdir(t, acl)
 	for _, l := range x.luns {
 		d := filepath.Join(acl, l.lunName)
 		mustMkdir(t, d)
-		mustSymlink(t, filepath.Join(x.tpg, "lun", l.lunName), filepath.Join(d, "map"))
+		mustSymlink(t, filepath.Join(tpg, "lun", l.lunName), filepath.Join(d, "map"))
 	}
 	if c := ini.CHAP; c != nil {
 		auth := filepath.Join(acl, "auth")
@@ -191,14 +207,25 @@ func (x *ISCSITarget) Portals() []string {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	var ps []string
-	for p := range x.portals {
+	for p := range x.tpgs {
 		ps = append(ps, p)
 	}
 	sort.Strings(ps)
 	return ps
 }
 
-// AddPortal makes the target listen on addr ("ip:port").
+func (x *ISCSITarget) tpgOf(addr string) string {
+	x.t.Helper()
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	tpg, ok := x.tpgs[addr]
+	if !ok {
+		x.t.Fatalf("iscsi target %s: no portal %s", x.cfg.IQN, addr)
+	}
+	return tpg
+}
+
+// AddPortal exports the target on addr ("ip:port") through a new TPG.
 func (x *ISCSITarget) AddPortal(addr string) {
 	t := x.t
 	t.Helper()
@@ -206,34 +233,47 @@ func (x *ISCSITarget) AddPortal(addr string) {
 	if err != nil {
 		t.Fatalf("iscsi target: portal %q: %v", addr, err)
 	}
-	ensureLoopbackAlias(t, host)
-	mustMkdir(t, filepath.Join(x.tpg, "np", addr))
 	x.mu.Lock()
-	x.portals[addr] = true
+	_, dup := x.tpgs[addr]
 	x.mu.Unlock()
+	if dup {
+		t.Fatalf("iscsi target %s: portal %s exists", x.cfg.IQN, addr)
+	}
+	ensureLoopbackAlias(t, host)
+	x.addTPG(addr)
 }
 
-// RemovePortal stops listening on addr and drops the sessions through it
-// (a path failure for the initiator).
+// RemovePortal removes the portal addr and its TPG: the sessions through it
+// end (a path failure for the initiator).
 func (x *ISCSITarget) RemovePortal(addr string) {
 	x.t.Helper()
-	if err := os.Remove(filepath.Join(x.tpg, "np", addr)); err != nil {
-		x.t.Fatalf("iscsi target %s: remove portal %s: %v", x.cfg.IQN, addr, err)
-	}
+	tpg := x.tpgOf(addr)
+	x.removeTPG(tpg)
 	x.mu.Lock()
-	delete(x.portals, addr)
+	delete(x.tpgs, addr)
 	x.mu.Unlock()
 }
 
-// SetEnabled enables or disables the target portal group; disabling it
-// drops every session (all paths fail), enabling it lets initiators back in.
+// SetPortalEnabled disables (drops the sessions through addr and refuses new
+// logins there) or re-enables one portal.
+func (x *ISCSITarget) SetPortalEnabled(addr string, on bool) {
+	x.t.Helper()
+	mustWrite(x.t, filepath.Join(x.tpgOf(addr), "enable"), enableValue(on))
+}
+
+// SetEnabled disables or re-enables every portal: all paths fail or return.
 func (x *ISCSITarget) SetEnabled(on bool) {
 	x.t.Helper()
-	v := "0"
-	if on {
-		v = "1"
+	for _, p := range x.Portals() {
+		x.SetPortalEnabled(p, on)
 	}
-	mustWrite(x.t, filepath.Join(x.tpg, "enable"), v)
+}
+
+func enableValue(on bool) string {
+	if on {
+		return "1"
+	}
+	return "0"
 }
 
 // Grow enlarges LUN i to size bytes. The initiator sees the new size after a
@@ -251,37 +291,49 @@ func (x *ISCSITarget) Grow(i int, size int64) {
 	x.mu.Unlock()
 }
 
+func (x *ISCSITarget) removeTPG(tpg string) {
+	t := x.t
+	if _, err := os.Stat(tpg); err != nil {
+		return
+	}
+	writeAttr(filepath.Join(tpg, "enable"), "0")
+	acls, _ := os.ReadDir(filepath.Join(tpg, "acls"))
+	for _, a := range acls {
+		ad := filepath.Join(tpg, "acls", a.Name())
+		luns, _ := os.ReadDir(ad)
+		for _, l := range luns {
+			if strings.HasPrefix(l.Name(), "lun_") {
+				unlinkAll(t, filepath.Join(ad, l.Name()))
+				rmdir(t, filepath.Join(ad, l.Name()))
+			}
+		}
+		rmdir(t, ad)
+	}
+	nps, _ := os.ReadDir(filepath.Join(tpg, "np"))
+	for _, np := range nps {
+		rmdir(t, filepath.Join(tpg, "np", np.Name()))
+	}
+	luns, _ := os.ReadDir(filepath.Join(tpg, "lun"))
+	for _, l := range luns {
+		unlinkAll(t, filepath.Join(tpg, "lun", l.Name()))
+		rmdir(t, filepath.Join(tpg, "lun", l.Name()))
+	}
+	rmdir(t, tpg)
+}
+
 func (x *ISCSITarget) remove() {
 	t := x.t
-	if _, err := os.Stat(x.tpg); err == nil {
-		writeAttr(filepath.Join(x.tpg, "enable"), "0")
-		acls, _ := os.ReadDir(filepath.Join(x.tpg, "acls"))
-		for _, a := range acls {
-			ad := filepath.Join(x.tpg, "acls", a.Name())
-			luns, _ := os.ReadDir(ad)
-			for _, l := range luns {
-				if strings.HasPrefix(l.Name(), "lun_") {
-					unlinkAll(t, filepath.Join(ad, l.Name()))
-					rmdir(t, filepath.Join(ad, l.Name()))
-				}
-			}
-			rmdir(t, ad)
-		}
-		nps, _ := os.ReadDir(filepath.Join(x.tpg, "np"))
-		for _, np := range nps {
-			rmdir(t, filepath.Join(x.tpg, "np", np.Name()))
-		}
-		luns, _ := os.ReadDir(filepath.Join(x.tpg, "lun"))
-		for _, l := range luns {
-			unlinkAll(t, filepath.Join(x.tpg, "lun", l.Name()))
-			rmdir(t, filepath.Join(x.tpg, "lun", l.Name()))
-		}
-		rmdir(t, x.tpg)
-	}
-	rmdir(t, filepath.Dir(x.tpg))
 	x.mu.Lock()
+	tpgs := make([]string, 0, len(x.tpgs))
+	for _, tpg := range x.tpgs {
+		tpgs = append(tpgs, tpg)
+	}
 	luns := x.luns
 	x.mu.Unlock()
+	for _, tpg := range tpgs {
+		x.removeTPG(tpg)
+	}
+	rmdir(t, x.dir)
 	for _, l := range luns {
 		rmdir(t, l.devDir)
 		rmdir(t, l.hbaDir)
