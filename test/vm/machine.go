@@ -77,7 +77,7 @@ func Boot(t testing.TB, opts ...Option) *Machine {
 		cfg.name = t.Name()
 	}
 	if InGuest() {
-		t.Fatalf("vm: Boot called inside a guest (name the host entry test TestVM* and the in-guest tests otherwise)")
+		t.Skip("vm: host entry point; inside a guest it has nothing to do")
 	}
 	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
 		unavailable(t, "qemu-system-x86_64 not found (run make deps): %v", err)

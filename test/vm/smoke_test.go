@@ -365,7 +365,7 @@ func TestTwoVMsInitiator(t *testing.T) {
 // TestVMSystemd boots the Debian root with systemd as PID 1.
 func TestVMSystemd(t *testing.T) {
 	t.Parallel()
-	vm.RunGuestTests(t, vm.WithTestRun("^TestSystemdGuest"), vm.WithSystemd())
+	vm.RunGuestTests(t, vm.WithTestRun("^TestSystemdGuest"), vm.WithSystemd(), vm.WithTimeout(8*time.Minute))
 }
 
 func TestSystemdGuest(t *testing.T) {
