@@ -23,6 +23,9 @@ import (
 // existing session and LUN are reused.
 func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 	t, v := tg.t, tg.v
+	if err := v.CheckSecrets(); err != nil {
+		return nil, err
+	}
 	if err := t.preflight(v); err != nil {
 		return nil, err
 	}

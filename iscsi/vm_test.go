@@ -68,6 +68,23 @@ func TestVMISCSIMultipath(t *testing.T) {
 		vm.WithTimeout(6*time.Minute))
 }
 
+// TestVMBenchISCSI measures NodeStageVolume against iscsiadm login + mkfs +
+// mount by hand in one guest (TestBenchGuestISCSI). It runs for `make
+// bench` only:
+//
+//	BERTH_BENCH=1 go test -count=1 -run '^TestVMBenchISCSI$' -v ./iscsi/ | grep 'BENCH iscsi-stage'
+func TestVMBenchISCSI(t *testing.T) {
+	if os.Getenv("BERTH_BENCH") != "1" {
+		t.Skip("benchmark: runs with BERTH_BENCH=1 (make bench)")
+	}
+	vm.RunGuestTests(t,
+		vm.WithTestRun("^TestBenchGuestISCSI$"),
+		vm.WithModules(lioModules...),
+		vm.WithIscsid(),
+		vm.WithEnv(map[string]string{"BERTH_BENCH": "1"}),
+		vm.WithTimeout(15*time.Minute))
+}
+
 // guestRun narrows the in-guest tests to BERTH_ISCSI_RUN when it is set
 // (a regexp of in-guest test names), to iterate on one of them.
 func guestRun(all string) string {

@@ -118,6 +118,9 @@ type Volume struct {
 
 	SessionCHAP   *CHAP
 	DiscoveryCHAP *CHAP
+
+	// missingSecrets: CHAP is enabled but no secret was given.
+	missingSecrets []string
 }
 
 // Key is the canonical identity of the volume's LUN on the node.
@@ -233,17 +236,43 @@ func ParseVolume(volumeContext, secrets map[string]string) (*Volume, error) {
 	if discoveryAuth {
 		v.Discovery = true
 	}
+	// Without any secret (an unstage after a restart re-parses the stored
+	// context with none), the volume parses: Detach needs no credentials,
+	// and Attach refuses before doing anything.
 	if sessionAuth {
-		if v.SessionCHAP, err = parseCHAP(secrets, SecretSessionUsername, SecretSessionPassword, SecretSessionUsernameIn, SecretSessionPasswordIn); err != nil {
+		if !anySecret(secrets, SecretSessionUsername, SecretSessionPassword, SecretSessionUsernameIn, SecretSessionPasswordIn) {
+			v.missingSecrets = append(v.missingSecrets, SecretSessionUsername, SecretSessionPassword)
+		} else if v.SessionCHAP, err = parseCHAP(secrets, SecretSessionUsername, SecretSessionPassword, SecretSessionUsernameIn, SecretSessionPasswordIn); err != nil {
 			return nil, err
 		}
 	}
 	if discoveryAuth {
-		if v.DiscoveryCHAP, err = parseCHAP(secrets, SecretDiscoveryUsername, SecretDiscoveryPassword, SecretDiscoveryUsernameIn, SecretDiscoveryPasswordIn); err != nil {
+		if !anySecret(secrets, SecretDiscoveryUsername, SecretDiscoveryPassword, SecretDiscoveryUsernameIn, SecretDiscoveryPasswordIn) {
+			v.missingSecrets = append(v.missingSecrets, SecretDiscoveryUsername, SecretDiscoveryPassword)
+		} else if v.DiscoveryCHAP, err = parseCHAP(secrets, SecretDiscoveryUsername, SecretDiscoveryPassword, SecretDiscoveryUsernameIn, SecretDiscoveryPasswordIn); err != nil {
 			return nil, err
 		}
 	}
 	return v, nil
+}
+
+func anySecret(secrets map[string]string, keys ...string) bool {
+	for _, k := range keys {
+		if secrets[k] != "" {
+			return true
+		}
+	}
+	return false
+}
+
+// CheckSecrets reports the credentials the volume enables CHAP for but was
+// parsed without: Attach needs them, Detach does not.
+func (v *Volume) CheckSecrets() error {
+	if len(v.missingSecrets) == 0 {
+		return nil
+	}
+	return fmt.Errorf("CHAP is enabled (%s/%s) but the request has no secrets %q: give them in the node-stage secret: %w",
+		KeySessionCHAPAuth, KeyDiscoveryCHAPAuth, v.missingSecrets, errdefs.ErrInvalidArgument)
 }
 
 func parseIntField(field, s string, lo, hi int) (int, error) {

@@ -145,7 +145,12 @@ func TestParseVolume(t *testing.T) {
 		{name: "param out of range", ctx: ctxWith(ParamLoginTimeout, "0"), field: ParamLoginTimeout},
 		{name: "param not a number", ctx: ctxWith(ParamReplacementTimeout, "5s"), field: ParamReplacementTimeout},
 		{name: "wwid control char", ctx: ctxWith("wwid", "naa.1\x07"), field: "wwid"},
-		{name: "chap without secrets", ctx: ctxWith("sessionCHAPAuth", "true"), field: SecretSessionUsername},
+		{name: "chap without secrets parses for detach", ctx: ctxWith("sessionCHAPAuth", "true"), check: func(t *testing.T, v *Volume) {
+			if v.SessionCHAP != nil || v.CheckSecrets() == nil || !strings.Contains(v.CheckSecrets().Error(), SecretSessionPassword) {
+				t.Fatal("missing secrets not reported")
+			}
+		}},
+		{name: "chap with only a user name", ctx: ctxWith("sessionCHAPAuth", "true"), secrets: map[string]string{SecretSessionUsername: "u"}, field: SecretSessionUsername},
 		{name: "chap half mutual", ctx: ctxWith("sessionCHAPAuth", "true"), secrets: map[string]string{
 			SecretSessionUsername: "u", SecretSessionPassword: "p", SecretSessionUsernameIn: "t"}, field: SecretSessionUsernameIn},
 		{name: "chap password newline", ctx: ctxWith("sessionCHAPAuth", "true"), secrets: map[string]string{

@@ -1,0 +1,311 @@
+package iscsi_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/berth-csi/berth/agent"
+	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/iscsi"
+	"github.com/berth-csi/berth/test/vm"
+)
+
+type logWriter struct{ t testing.TB }
+
+func (w logWriter) Write(b []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(b), "\n"))
+	return len(b), nil
+}
+
+// startAgent serves berth's CSI node service with the iscsi transport on a
+// unix socket, as `berth serve` wires it, and returns a client of it.
+func startAgent(t testing.TB, logger *slog.Logger) csi.NodeClient {
+	dir := t.TempDir()
+	l, err := devices.NewListener()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr, err := iscsi.New(iscsi.Options{Listener: l, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := agent.New(agent.Config{
+		NodeID: "guest", StateDir: filepath.Join(dir, "state"), Logger: logger,
+		Listener: l, Transports: []agent.Transport{agent.TransportFunc(tr.Name(), tr.Parse)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	endpoint := "unix://" + filepath.Join(dir, "csi.sock")
+	lis, err := agent.Listen(endpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Serve(ctx, lis) }()
+	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		conn.Close()
+		cancel()
+		<-done
+		l.Close()
+	})
+	return csi.NewNodeClient(conn)
+}
+
+func mountCap(fsType string) *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: fsType}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+}
+
+func iscsiSessions(t testing.TB, iqn string) int {
+	t.Helper()
+	ents, _ := os.ReadDir("/sys/class/iscsi_session")
+	n := 0
+	for _, e := range ents {
+		b, _ := os.ReadFile(filepath.Join("/sys/class/iscsi_session", e.Name(), "targetname"))
+		if strings.TrimSpace(string(b)) == iqn {
+			n++
+		}
+	}
+	return n
+}
+
+// TestGuestISCSIAgentLifecycle drives a CHAP-protected iSCSI volume through
+// the agent's gRPC API: stage, publish, write, unpublish, unstage (logout),
+// stage again and read the data back, online expand, and the errors the CO
+// sees for wrong credentials and a bad volume_context.
+func TestGuestISCSIAgentLifecycle(t *testing.T) {
+	vm.RequireGuest(t)
+	logger := slog.New(slog.NewTextHandler(logWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	node := startAgent(t, logger)
+	lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
+	wwid := lt.AddLUN(0, 64<<20)
+	secrets := map[string]string{iscsi.SecretSessionUsername: "csiuser", iscsi.SecretSessionPassword: "Csi-Secr3t-Pass"}
+	lt.SetCHAP("csiuser", secrets[iscsi.SecretSessionPassword], "", "")
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+
+	dir := t.TempDir()
+	staging := filepath.Join(dir, "staging")
+	targetPath := filepath.Join(dir, "pod", "vol")
+	os.MkdirAll(staging, 0o750)
+	os.MkdirAll(filepath.Dir(targetPath), 0o750)
+	id := "vol-iscsi"
+	vctx := map[string]string{"targetPortal": lt.Portal(1), "iqn": lt.IQN, "lun": "0", "wwid": wwid, "sessionCHAPAuth": "true"}
+	capability := mountCap("ext4")
+
+	stage := func() {
+		t.Helper()
+		start := time.Now()
+		if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+			VolumeCapability: capability, VolumeContext: vctx, Secrets: secrets}); err != nil {
+			t.Fatalf("NodeStageVolume: %v", err)
+		}
+		t.Logf("NodeStageVolume in %v", time.Since(start).Round(time.Millisecond))
+		if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+			VolumeCapability: capability, VolumeContext: vctx, Secrets: secrets}); err != nil {
+			t.Fatalf("repeated NodeStageVolume: %v", err)
+		}
+	}
+	publish := func() {
+		t.Helper()
+		if _, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+			TargetPath: targetPath, VolumeCapability: capability, VolumeContext: vctx}); err != nil {
+			t.Fatalf("NodePublishVolume: %v", err)
+		}
+	}
+	unpublishUnstage := func() {
+		t.Helper()
+		for range 2 {
+			if _, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: targetPath}); err != nil {
+				t.Fatalf("NodeUnpublishVolume: %v", err)
+			}
+		}
+		for range 2 {
+			if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+				t.Fatalf("NodeUnstageVolume: %v", err)
+			}
+		}
+		if n := iscsiSessions(t, lt.IQN); n != 0 {
+			t.Fatalf("%d sessions left after unstage", n)
+		}
+	}
+
+	stage()
+	if n := iscsiSessions(t, lt.IQN); n != 1 {
+		t.Fatalf("%d sessions after stage", n)
+	}
+	publish()
+	payload := make([]byte, 1<<20)
+	rand.Read(payload)
+	if err := os.WriteFile(filepath.Join(targetPath, "data"), payload, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	unix.Sync()
+	unpublishUnstage()
+
+	stage()
+	publish()
+	got, err := os.ReadFile(filepath.Join(targetPath, "data"))
+	if err != nil || !bytes.Equal(got, payload) {
+		t.Fatalf("data after re-stage: %v (equal %v)", err, bytes.Equal(got, payload))
+	}
+
+	// Online expand: the LUN grows on the target, the CO asks the node.
+	lt.Grow(0, 128<<20)
+	resp, err := node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: id, VolumePath: targetPath,
+		StagingTargetPath: staging, VolumeCapability: capability, CapacityRange: &csi.CapacityRange{RequiredBytes: 128 << 20}})
+	if err != nil {
+		t.Fatalf("NodeExpandVolume: %v", err)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(targetPath, &st); err != nil {
+		t.Fatal(err)
+	}
+	if total := int64(st.Blocks) * st.Bsize; total < 100<<20 {
+		t.Fatalf("filesystem is %d bytes after expand (reported %d)", total, resp.CapacityBytes)
+	}
+	t.Logf("expanded to %d bytes", resp.CapacityBytes)
+	unpublishUnstage()
+
+	// Wrong credentials: PermissionDenied, and the message names the
+	// cause but not the secret.
+	bad := map[string]string{iscsi.SecretSessionUsername: "csiuser", iscsi.SecretSessionPassword: "Not-The-Password"}
+	_, err = node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id + "-bad", StagingTargetPath: staging,
+		VolumeCapability: capability, VolumeContext: vctx, Secrets: bad})
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), "authentication") || strings.Contains(err.Error(), "Not-The-Password") {
+		t.Fatalf("wrong CHAP secret: %v", err)
+	}
+	// A bad volume_context: InvalidArgument naming the field, nothing done.
+	badCtx := map[string]string{"targetPortal": lt.Portal(1), "iqn": lt.IQN, "lun": "70000"}
+	_, err = node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id + "-badctx", StagingTargetPath: staging,
+		VolumeCapability: capability, VolumeContext: badCtx})
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "lun") {
+		t.Fatalf("bad lun: %v", err)
+	}
+	if n := iscsiSessions(t, lt.IQN); n != 0 {
+		t.Fatalf("%d sessions left after failed stages", n)
+	}
+}
+
+// TestBenchGuestISCSI compares NodeStageVolume through the agent's gRPC
+// API with the same work done by hand (iscsiadm login with the default
+// automatic scan, mkfs.ext4, mount) on identical fresh LUNs in the same
+// guest. It prints one "BENCH" line per method with every sample and the
+// median. Run by TestVMBenchISCSI (BERTH_BENCH=1).
+func TestBenchGuestISCSI(t *testing.T) {
+	vm.RequireGuest(t)
+	if os.Getenv("BERTH_BENCH") != "1" {
+		t.Skip("set BERTH_BENCH=1 to run the iSCSI stage benchmark")
+	}
+	const rounds = 5
+	logger := slog.New(slog.NewTextHandler(logWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	node := startAgent(t, logger)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var berth, raw []time.Duration
+	for i := range rounds {
+		// berth: NodeStageVolume (login, targeted scan, WWID check,
+		// mkfs, mount), then unstage outside the measurement.
+		lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
+		wwid := lt.AddLUN(0, 64<<20)
+		staging := filepath.Join(t.TempDir(), "staging")
+		os.MkdirAll(staging, 0o750)
+		vctx := map[string]string{"targetPortal": lt.Portal(1), "iqn": lt.IQN, "lun": "0", "wwid": wwid}
+		start := time.Now()
+		if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: fmt.Sprintf("bench-%d", i),
+			StagingTargetPath: staging, VolumeCapability: mountCap("ext4"), VolumeContext: vctx}); err != nil {
+			t.Fatal(err)
+		}
+		berth = append(berth, time.Since(start))
+		if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: fmt.Sprintf("bench-%d", i), StagingTargetPath: staging}); err != nil {
+			t.Fatal(err)
+		}
+
+		// by hand, on an identical LUN of another target.
+		lr := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
+		lr.AddLUN(0, 64<<20)
+		mnt := filepath.Join(t.TempDir(), "mnt")
+		os.MkdirAll(mnt, 0o750)
+		start = time.Now()
+		run(t, "iscsiadm", "-m", "node", "-o", "new", "-T", lr.IQN, "-p", lr.Portal(1))
+		run(t, "iscsiadm", "-m", "node", "-T", lr.IQN, "-p", lr.Portal(1), "--login")
+		dev := waitSessionDisk(t, lr.IQN)
+		run(t, "/usr/sbin/mkfs.ext4", "-q", "-F", dev)
+		if err := unix.Mount(dev, mnt, "ext4", 0, ""); err != nil {
+			t.Fatal(err)
+		}
+		raw = append(raw, time.Since(start))
+		unix.Unmount(mnt, 0)
+		run(t, "iscsiadm", "-m", "node", "-T", lr.IQN, "-p", lr.Portal(1), "--logout")
+		run(t, "iscsiadm", "-m", "node", "-o", "delete", "-T", lr.IQN, "-p", lr.Portal(1))
+	}
+	report := func(name string, d []time.Duration) {
+		s := slices.Clone(d)
+		slices.Sort(s)
+		ms := make([]string, len(d))
+		for i, x := range d {
+			ms[i] = fmt.Sprintf("%.0f", float64(x.Microseconds())/1000)
+		}
+		t.Logf("BENCH iscsi-stage %s median_ms=%.0f samples_ms=%s", name, float64(s[len(s)/2].Microseconds())/1000, strings.Join(ms, ","))
+	}
+	report("berth-NodeStageVolume", berth)
+	report("raw-iscsiadm-mkfs-mount", raw)
+}
+
+func run(t *testing.T, name string, args ...string) {
+	t.Helper()
+	if out, err := exec.Command(name, args...).CombinedOutput(); err != nil {
+		t.Fatalf("%s %s: %v: %s", name, strings.Join(args, " "), err, out)
+	}
+}
+
+// waitSessionDisk waits (polling, as a script would) for the first disk of
+// the target's session.
+func waitSessionDisk(t *testing.T, iqn string) string {
+	t.Helper()
+	end := time.Now().Add(60 * time.Second)
+	for time.Now().Before(end) {
+		ents, _ := os.ReadDir("/sys/class/iscsi_session")
+		for _, e := range ents {
+			b, _ := os.ReadFile(filepath.Join("/sys/class/iscsi_session", e.Name(), "targetname"))
+			if strings.TrimSpace(string(b)) != iqn {
+				continue
+			}
+			disks, _ := filepath.Glob(filepath.Join("/sys/class/iscsi_session", e.Name(), "device", "target*", "*", "block", "*"))
+			if len(disks) > 0 {
+				dev := "/dev/" + filepath.Base(disks[0])
+				if _, err := os.Stat(dev); err == nil {
+					return dev
+				}
+			}
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	t.Fatalf("no disk for %s", iqn)
+	return ""
+}
