@@ -60,6 +60,7 @@ func main() {
 		v.GrowStep, v.GrowTo = "grow the image file", *grow
 		v.Grow = func(context.Context, int64) error { return os.Truncate(*imagePath, *grow) }
 		v.Detached = func() (string, error) { return noLoopDevice(*imagePath) }
+		v.Identify = func(dev string) (string, error) { return loopBacking(dev, *imagePath) }
 	}
 	r := steps.New(conn, func(line string) { fmt.Println(line) })
 	if err := r.Lifecycle(v); err != nil {
@@ -90,4 +91,20 @@ func noLoopDevice(image string) (string, error) {
 		}
 	}
 	return "no loop device left", nil
+}
+
+// loopBacking checks that the loop device dev is backed by the image.
+func loopBacking(dev, image string) (string, error) {
+	want, err := filepath.EvalSymlinks(image)
+	if err != nil {
+		return "", err
+	}
+	b, err := os.ReadFile(filepath.Join("/sys/class/block", filepath.Base(dev), "loop", "backing_file"))
+	if err != nil {
+		return "", err
+	}
+	if got := strings.TrimSpace(string(b)); got != want {
+		return "", fmt.Errorf("%s is backed by %s, want %s", dev, got, want)
+	}
+	return "backed by " + filepath.Base(want), nil
 }

@@ -12,9 +12,11 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -46,11 +48,18 @@ type Volume struct {
 	// device) and describes what it checked. Optional.
 	Detached func() (string, error)
 
-	// Refused, when set, is a stage request that must fail with code
-	// RefusedCode (e.g. wrong CHAP secrets); RefusedStep names the step.
-	Refused     *csi.NodeStageVolumeRequest
-	RefusedCode codes.Code
-	RefusedStep string
+	// Identify checks that the staged device is the volume's (read from
+	// sysfs, independently of berth) and describes it briefly. Optional.
+	Identify func(device string) (string, error)
+
+	// RefusedSecrets, when set, are stage secrets berth must refuse with
+	// RefusedCode and a message containing RefusedWhy (e.g. a wrong CHAP
+	// password) before the volume is staged with Secrets; RefusedStep
+	// names that step.
+	RefusedSecrets map[string]string
+	RefusedCode    codes.Code
+	RefusedWhy     string
+	RefusedStep    string
 
 	// Restage stages and publishes the volume once more after unstaging
 	// it and reads the data back from the storage.
@@ -166,7 +175,14 @@ func (r *Runner) Lifecycle(v Volume) error {
 		if err != nil {
 			return "", err
 		}
-		return fmt.Sprintf("%s (%d MiB) %s, mounted at %s", device, size>>20, m.FSType, staging), nil
+		id := ""
+		if v.Identify != nil {
+			if id, err = v.Identify(device); err != nil {
+				return "", err
+			}
+			id = ", " + id
+		}
+		return fmt.Sprintf("%s (%d MiB%s) %s at %s", device, size>>20, id, m.FSType, staging), nil
 	}
 	publish := func(ctx context.Context) (string, error) {
 		_, err := r.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: v.ID, StagingTargetPath: staging,
@@ -245,19 +261,28 @@ func (r *Runner) Lifecycle(v Volume) error {
 
 	r.Print(fmt.Sprintf("volume %s (%s), volume_context %v", v.ID, v.FsType, v.Context))
 	r.Probe()
-	if v.Refused != nil {
+	if v.RefusedSecrets != nil {
 		r.Step(v.RefusedStep, func(ctx context.Context) (string, error) {
-			_, err := r.node.NodeStageVolume(ctx, v.Refused)
+			_, err := r.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: v.ID, StagingTargetPath: staging,
+				VolumeCapability: vcap, VolumeContext: v.Context, Secrets: v.RefusedSecrets})
 			if c := status.Code(err); c != v.RefusedCode {
 				if err == nil {
 					return "", fmt.Errorf("staged, want %v", v.RefusedCode)
 				}
 				return "", fmt.Errorf("want %v, got %w", v.RefusedCode, err)
 			}
+			if !strings.Contains(err.Error(), v.RefusedWhy) {
+				return "", fmt.Errorf("want a message saying %q, got %w", v.RefusedWhy, err)
+			}
+			for _, secret := range v.RefusedSecrets {
+				if strings.Contains(err.Error(), secret) {
+					return "", errors.New("the error holds a secret")
+				}
+			}
 			if err := notMounted(staging); err != nil {
 				return "", err
 			}
-			return "refused as expected: " + describe(err), nil
+			return fmt.Sprintf("refused: %v (%s)", status.Code(err), v.RefusedWhy), nil
 		})
 	}
 	r.Step("NodeStageVolume", stage)
@@ -267,7 +292,7 @@ func (r *Runner) Lifecycle(v Volume) error {
 		if err := writeSync(dataFile, payload); err != nil {
 			return "", err
 		}
-		return fmt.Sprintf("%s, sha256 %x…", dataFile, digest[:6]), nil
+		return fmt.Sprintf("%s in the target path, sha256 %x…", filepath.Base(dataFile), digest[:6]), nil
 	})
 	r.Step("NodeGetVolumeStats", stats)
 	if v.Grow != nil {
