@@ -41,7 +41,9 @@ var loopConfigureMissing atomic.Bool
 // differs gives an error wrapping errdefs.ErrAlreadyExists.
 //
 // The device is attached without autoclear: it stays when the agent exits,
-// and DetachLoop removes it.
+// and DetachLoop removes it. Partition scanning stays off (a volume's
+// contents are not the node's business) and so does direct I/O, which
+// backing files on filesystems without O_DIRECT (tmpfs) would refuse.
 func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (_ *Device, retErr error) {
 	if l == nil {
 		return nil, fmt.Errorf("attach loop device for %q: no uevent listener: %w", file, errdefs.ErrInvalidArgument)

@@ -460,3 +460,37 @@ func TestOverflowRescan(t *testing.T) {
 		t.Error("no overflow was seen; the test did not exercise the rescan")
 	}
 }
+
+// TestLoopLegacyIoctls attaches through LOOP_SET_FD and LOOP_SET_STATUS64,
+// the path taken on kernels without LOOP_CONFIGURE (before 5.8).
+func TestLoopLegacyIoctls(t *testing.T) {
+	requireRoot(t)
+	loopConfigureMissing.Store(true)
+	defer loopConfigureMissing.Store(false)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	for _, ro := range []bool{false, true} {
+		file := testFile(t, dir, fmt.Sprintf("legacy-%v.img", ro), 2<<20)
+		d, err := AttachLoop(ctx, l, file, ro)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { detachForTest(t, d) })
+		if d.ID.BackingFile != file || d.Size != 2<<20 {
+			t.Errorf("legacy attach: %+v", d)
+		}
+		if got, _ := readAttr(d.sysPath, "ro"); (got == "1") != ro {
+			t.Errorf("read-only %q, want %v", got, ro)
+		}
+		lf, err := os.Open(d.Path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		info, err := unix.IoctlLoopGetStatus64(int(lf.Fd()))
+		lf.Close()
+		if err != nil || !strings.HasPrefix(file, unix.ByteSliceToString(info.File_name[:])) {
+			t.Errorf("status %q %v", unix.ByteSliceToString(info.File_name[:]), err)
+		}
+	}
+}
