@@ -126,7 +126,7 @@ func (f *fileTarget) Attach(ctx context.Context) (*devices.Device, error) {
 // Detach detaches the loop device of the image, if any. An image deleted
 // while attached is found under the name the kernel gives it then
 // ("<path> (deleted)"), so its loop device does not leak.
-func (f *fileTarget) Detach(context.Context) error {
+func (f *fileTarget) Detach(ctx context.Context) error {
 	d, err := devices.FindLoop(f.path)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		d, err = findDeletedLoop(f.path)
@@ -137,7 +137,12 @@ func (f *fileTarget) Detach(context.Context) error {
 	if err != nil {
 		return err
 	}
-	return devices.DetachLoop(d)
+	if f.t.listener == nil {
+		return devices.DetachLoop(d)
+	}
+	// udev's probe after the unmount may hold the device for a moment;
+	// wait for its last close by event instead of answering busy.
+	return devices.DetachLoopContext(ctx, f.t.listener, d)
 }
 
 // deletedSuffix is what the kernel appends to a loop device's
