@@ -290,11 +290,12 @@ func TestPathStatusHealthy(t *testing.T) {
 		s    PathStatus
 		want bool
 	}{
-		{PathStatus{State: "live", ANAState: "optimized"}, true},
-		{PathStatus{State: "live", ANAState: "non-optimized"}, true},
-		{PathStatus{State: "live"}, true},
-		{PathStatus{State: "live", ANAState: "inaccessible"}, false},
-		{PathStatus{State: "connecting", ANAState: "optimized"}, false},
+		{PathStatus{State: "live", Device: "nvme0c0n1", ANAState: "optimized"}, true},
+		{PathStatus{State: "live", Device: "nvme0c0n1", ANAState: "non-optimized"}, true},
+		{PathStatus{State: "live", Device: "nvme0n1"}, true},
+		{PathStatus{State: "live", ANAState: "optimized"}, false}, // namespace not visible
+		{PathStatus{State: "live", Device: "nvme0c0n1", ANAState: "inaccessible"}, false},
+		{PathStatus{State: "connecting", Device: "nvme0c0n1", ANAState: "optimized"}, false},
 		{PathStatus{}, false},
 	} {
 		if got := tc.s.Healthy(); got != tc.want {

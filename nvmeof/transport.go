@@ -660,12 +660,17 @@ type PathStatus struct {
 	Path       string // "tcp:10.0.0.5:4420"; "" for a path the volume did not ask for
 	Controller string // "nvme3", "" when no controller exists
 	State      string // controller state: live, connecting, resetting, ...
-	ANAState   string // optimized, non-optimized, inaccessible, ...; "" without ANA
+	// Device is the path's namespace device (nvme0c3n1, or the
+	// namespace itself without multipath); "" when the namespace is not
+	// visible through this controller.
+	Device   string
+	ANAState string // optimized, non-optimized, inaccessible, ...; "" without ANA
 }
 
 // Healthy reports whether I/O can use this path.
 func (s PathStatus) Healthy() bool {
-	return s.State == StateLive && (s.ANAState == "" || s.ANAState == "optimized" || s.ANAState == "non-optimized")
+	return s.State == StateLive && s.Device != "" &&
+		(s.ANAState == "" || s.ANAState == "optimized" || s.ANAState == "non-optimized")
 }
 
 func (s PathStatus) String() string {
@@ -677,6 +682,9 @@ func (s PathStatus) String() string {
 		return p + ": no controller"
 	}
 	st := p + " (" + s.Controller + "): " + s.State
+	if s.Device == "" {
+		st += ", namespace not visible"
+	}
 	if s.ANAState != "" {
 		st += ", " + s.ANAState
 	}
@@ -695,7 +703,7 @@ func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, e
 	if err != nil {
 		return "", nil, err
 	}
-	ana := make(map[string]string) // controller -> ANA state of our namespace
+	nsPath := make(map[string]NamespacePath) // by controller
 	var nsPaths []NamespacePath
 	if ok {
 		head = h.Name
@@ -703,7 +711,7 @@ func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, e
 			return "", nil, err
 		}
 		for _, p := range nsPaths {
-			ana[p.Controller] = p.ANAState
+			nsPath[p.Controller] = p
 		}
 	}
 	var hostNQN string
@@ -716,7 +724,8 @@ func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, e
 		if rp, err := g.resolve(ctx, p); err == nil {
 			for i := range ctrls {
 				if c := &ctrls[i]; c.matches(g.vol.NQN, hostNQN, rp) {
-					st.Controller, st.State, st.ANAState = c.Name, c.State, ana[c.Name]
+					np := nsPath[c.Name]
+					st.Controller, st.State, st.Device, st.ANAState = c.Name, c.State, np.Name, np.ANAState
 					seen[c.Name] = true
 					break
 				}
@@ -728,13 +737,41 @@ func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, e
 		if seen[p.Controller] {
 			continue
 		}
-		st := PathStatus{Controller: p.Controller, ANAState: p.ANAState}
+		st := PathStatus{Controller: p.Controller, Device: p.Name, ANAState: p.ANAState}
 		if i := slices.IndexFunc(ctrls, func(c Controller) bool { return c.Name == p.Controller }); i >= 0 {
 			st.State = ctrls[i].State
 		}
 		paths = append(paths, st)
 	}
 	return head, paths, nil
+}
+
+// PathStates counts the paths the volume asked for by state, for
+// metrics: the controller state ("live", "connecting", "resetting", ...),
+// "missing" for a path without a controller, "no-namespace" for a live
+// controller that does not show the namespace, and for a live path whose
+// ANA group is not usable its ANA state ("inaccessible", ...).
+func (g *Target) PathStates(ctx context.Context) (map[string]int, error) {
+	_, paths, err := g.Status(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]int)
+	for _, p := range paths {
+		switch {
+		case p.Path == "":
+			continue
+		case p.Controller == "":
+			out["missing"]++
+		case p.State == StateLive && p.Device == "":
+			out["no-namespace"]++
+		case p.State == StateLive && !p.Healthy():
+			out[p.ANAState]++
+		default:
+			out[p.State]++
+		}
+	}
+	return out, nil
 }
 
 // Health reports the volume abnormal when its namespace is gone or any

@@ -27,8 +27,8 @@ func TestStatusAndHealthFromSysfs(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []PathStatus{
-		{Path: "tcp:127.0.0.1:4420", Controller: "nvme1", State: "live", ANAState: "optimized"},
-		{Path: "tcp:[::1]:4421", Controller: "nvme2", State: "connecting", ANAState: "inaccessible"},
+		{Path: "tcp:127.0.0.1:4420", Controller: "nvme1", State: "live", Device: "nvme1c1n1", ANAState: "optimized"},
+		{Path: "tcp:[::1]:4421", Controller: "nvme2", State: "connecting", Device: "nvme1c2n1", ANAState: "inaccessible"},
 		{Path: "tcp:127.0.0.1:4429"},
 	}
 	if head != "nvme1n1" || len(paths) != len(want) {
@@ -38,6 +38,10 @@ func TestStatusAndHealthFromSysfs(t *testing.T) {
 		if paths[i] != want[i] {
 			t.Errorf("path %d: %+v, want %+v", i, paths[i], want[i])
 		}
+	}
+	states, err := tg.PathStates(ctx)
+	if err != nil || len(states) != 3 || states["live"] != 1 || states["connecting"] != 1 || states["missing"] != 1 {
+		t.Errorf("PathStates = %v, %v", states, err)
 	}
 	abnormal, msg := tg.Health(ctx)
 	if !abnormal || !strings.Contains(msg, "nvme1n1: 1 of 3 paths up") || !strings.Contains(msg, "tcp:127.0.0.1:4429: no controller") {

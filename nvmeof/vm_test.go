@@ -400,6 +400,12 @@ func TestGuestMultipath(t *testing.T) {
 	}
 	dev := mustAttach(t, ctx, tg)
 	wantControllers(t, nqn, 2)
+	// Attach returns with the head; the second path's namespace scan
+	// may still be running.
+	waitFor(t, 10*time.Second, "both paths showing the namespace", func() bool {
+		abnormal, _ := tg.Health(ctx)
+		return !abnormal
+	})
 	head, paths, err := tg.Status(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -495,6 +501,9 @@ func TestGuestMultipath(t *testing.T) {
 		t.Logf("ANA %s: %s", tc.state, msg)
 		if abnormal != tc.abnormal {
 			t.Errorf("ANA %s: Health abnormal=%v, want %v", tc.state, abnormal, tc.abnormal)
+		}
+		if states, err := tg.PathStates(ctx); err != nil || (tc.abnormal && states[tc.state] != 1) || states["live"] != 2-states[tc.state] {
+			t.Errorf("ANA %s: PathStates %v, %v", tc.state, states, err)
 		}
 		before = writes.Load()
 		waitFor(t, 10*time.Second, "writes with ANA "+tc.state, func() bool { return writes.Load() > before+10 })
