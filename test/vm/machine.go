@@ -44,19 +44,19 @@ type Machine struct {
 	started time.Time
 	booted  time.Duration // until the test binary started
 
-	mu        sync.Mutex
-	cond      *sync.Cond
-	console   []string // last consoleKeep lines
-	exitCode  int      // from the exit marker; -1 when the guest never reported
-	panicked  bool
-	timedOut  bool
-	killed    bool
-	waitErr   error
-	signals   map[string]bool
-	guestOut  bytes.Buffer // raw in-guest test output (CR stripped)
-	events    []testEvent
-	conn      net.Conn
-	qemuStats string
+	mu       sync.Mutex
+	cond     *sync.Cond
+	console  []string // last consoleKeep lines
+	exitCode int      // from the exit marker; -1 when the guest never reported
+	panicked bool
+	timedOut bool
+	killed   bool
+	exited   bool // QEMU exited and its output was read
+	waitErr  error
+	signals  map[string]bool
+	guestOut bytes.Buffer // raw in-guest test output (CR stripped)
+	events   []testEvent
+	conn     net.Conn
 }
 
 var machineSeq atomic.Uint32
@@ -372,6 +372,7 @@ func (m *Machine) start() error {
 		if jerr != nil && m.waitErr == nil {
 			m.waitErr = jerr
 		}
+		m.exited = true
 		m.cond.Broadcast()
 		m.mu.Unlock()
 		close(m.done)
@@ -488,10 +489,8 @@ func (m *Machine) WaitSignal(name string, timeout time.Duration) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for !m.signals[name] {
-		select {
-		case <-m.done:
+		if m.exited {
 			m.t.Fatalf("vm %s: stopped before signalling %q\n%s", m.name, name, m.diagnosticsLocked())
-		default:
 		}
 		if time.Now().After(end) {
 			m.t.Fatalf("vm %s: no signal %q within %v\n%s", m.name, name, timeout, m.diagnosticsLocked())
