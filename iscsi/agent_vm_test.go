@@ -227,8 +227,44 @@ func TestBenchGuestISCSI(t *testing.T) {
 	node := startAgent(t, logger)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	var berth, raw []time.Duration
+	l, err := devices.NewListener()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	tr, err := iscsi.New(iscsi.Options{Listener: l, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var berth, raw, attach, login []time.Duration
 	for i := range rounds {
+		// The transport alone (login, targeted scan, disk by uevent,
+		// WWID check) against iscsiadm login with automatic scan and a
+		// script's wait for the disk.
+		la := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
+		aw := la.AddLUN(0, 64<<20)
+		tg, err := tr.Parse(map[string]string{"targetPortal": la.Portal(1), "iqn": la.IQN, "lun": "0", "wwid": aw}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		if _, err := tg.Attach(ctx); err != nil {
+			t.Fatal(err)
+		}
+		attach = append(attach, time.Since(start))
+		if err := tg.Detach(ctx); err != nil {
+			t.Fatal(err)
+		}
+		ll := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
+		ll.AddLUN(0, 64<<20)
+		start = time.Now()
+		run(t, "iscsiadm", "-m", "node", "-o", "new", "-T", ll.IQN, "-p", ll.Portal(1))
+		run(t, "iscsiadm", "-m", "node", "-T", ll.IQN, "-p", ll.Portal(1), "--login")
+		waitSessionDisk(t, ll.IQN)
+		login = append(login, time.Since(start))
+		run(t, "iscsiadm", "-m", "node", "-T", ll.IQN, "-p", ll.Portal(1), "--logout")
+		run(t, "iscsiadm", "-m", "node", "-o", "delete", "-T", ll.IQN, "-p", ll.Portal(1))
+
 		// berth: NodeStageVolume (login, targeted scan, WWID check,
 		// mkfs, mount), then unstage outside the measurement.
 		lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
@@ -236,7 +272,7 @@ func TestBenchGuestISCSI(t *testing.T) {
 		staging := filepath.Join(t.TempDir(), "staging")
 		os.MkdirAll(staging, 0o750)
 		vctx := map[string]string{"targetPortal": lt.Portal(1), "iqn": lt.IQN, "lun": "0", "wwid": wwid}
-		start := time.Now()
+		start = time.Now()
 		if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: fmt.Sprintf("bench-%d", i),
 			StagingTargetPath: staging, VolumeCapability: mountCap("ext4"), VolumeContext: vctx}); err != nil {
 			t.Fatal(err)
@@ -275,6 +311,8 @@ func TestBenchGuestISCSI(t *testing.T) {
 	}
 	report("berth-NodeStageVolume", berth)
 	report("raw-iscsiadm-mkfs-mount", raw)
+	report("berth-transport-Attach", attach)
+	report("raw-iscsiadm-login-disk", login)
 }
 
 func run(t *testing.T, name string, args ...string) {

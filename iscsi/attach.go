@@ -179,6 +179,7 @@ func (t *Transport) findSession(target string, p path, iface string) (*Session, 
 // attachPath logs in through one portal (or reuses the session), scans the
 // LUN and waits for its disk.
 func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathDevice, retErr error) {
+	start := time.Now()
 	unlock, err := t.locks.lock(ctx, p.key(v.IQN, v.Iface))
 	if err != nil {
 		return nil, err
@@ -247,10 +248,13 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 				v.IQN, v.LUN, p, sess.ID, errdefs.ErrNotFound)
 		}
 	}
+	scannedAt := time.Now()
 	dev, err := w.Wait(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("wait for the disk of %s LUN %d (%s; sysfs shows %s): %w", v.IQN, v.LUN, hctl, t.describeLUN(hctl), err)
 	}
+	t.log.Debug("iSCSI path attached", "portal", p.String(), "session", sess.ID, "hctl", hctl.String(), "device", dev.Path,
+		"logged_in", loggedIn, "scanned", scanned, "login_scan", scannedAt.Sub(start).String(), "device_wait", time.Since(scannedAt).String())
 	if dev.ID.WWID == "" {
 		if w, err := readAttr(t.sys.path("class", "scsi_device", hctl.String(), "device", "wwid")); err == nil {
 			dev.ID.WWID = w
@@ -349,9 +353,13 @@ func (t *Transport) recordSettings(v *Volume) []setting {
 // login creates the node record for exactly this target and portal, writes
 // its settings and credentials, and logs in.
 func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error) {
+	start := time.Now()
 	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeNew(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...); err != nil {
 		return t.iscsiadmError("create node record", err)
 	}
+	defer func() {
+		t.log.Debug("iSCSI login", "portal", p.String(), "duration", time.Since(start).String(), "error", retErr)
+	}()
 	defer func() {
 		if retErr != nil {
 			// Leave no record (and no credentials) behind for a login
