@@ -104,3 +104,52 @@ func clampMul(a, b uint64) int64 {
 	}
 	return int64(a * b)
 }
+
+// SetDeviceReadOnly sets or clears the read-only flag of a block device
+// at the block layer (BLKROSET). While it is set the kernel refuses every
+// write to the device, whatever mount or open file it comes through, which
+// a read-only mount cannot do for a device node. The flag belongs to this
+// block device only; it does not clear a read-only state the driver set
+// for the whole disk (a write-protected medium, a read-only loop
+// attachment). Setting it needs CAP_SYS_ADMIN.
+func SetDeviceReadOnly(devPath string, ro bool) error {
+	if _, err := statBlockDevice(devPath); err != nil {
+		return err
+	}
+	f, err := openDevice(devPath, unix.O_RDONLY)
+	if err != nil {
+		return fmt.Errorf("set read-only=%t on %s: %w", ro, devPath, err)
+	}
+	defer f.Close()
+	v := 0
+	if ro {
+		v = 1
+	}
+	if err := unix.IoctlSetPointerInt(int(f.Fd()), unix.BLKROSET, v); err != nil {
+		err = fmt.Errorf("set read-only=%t on %s: ioctl BLKROSET: %w", ro, devPath, err)
+		if k := errnoKind(err); k != nil {
+			err = fmt.Errorf("%w: %w", err, k)
+		}
+		return err
+	}
+	return nil
+}
+
+// DeviceReadOnly reports whether the kernel refuses writes to a block
+// device (BLKROGET): the flag SetDeviceReadOnly sets, or a read-only state
+// of the whole disk.
+func DeviceReadOnly(devPath string) (bool, error) {
+	if _, err := statBlockDevice(devPath); err != nil {
+		return false, err
+	}
+	f, err := openDevice(devPath, unix.O_RDONLY)
+	if err != nil {
+		return false, fmt.Errorf("read-only state of %s: %w", devPath, err)
+	}
+	defer f.Close()
+	v, err := unix.IoctlGetInt(int(f.Fd()), unix.BLKROGET)
+	if err != nil {
+		return false, fmt.Errorf("read-only state of %s: ioctl BLKROGET: %w", devPath, err)
+	}
+	return v != 0, nil
+}

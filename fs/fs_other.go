@@ -71,3 +71,13 @@ func BlockDeviceSize(devPath string) (int64, error) {
 
 // FlushBuffers is only supported on Linux.
 func FlushBuffers(devPath string) error { return unsupported("flush " + devPath) }
+
+// SetDeviceReadOnly is only supported on Linux.
+func SetDeviceReadOnly(devPath string, ro bool) error {
+	return unsupported("set read-only on " + devPath)
+}
+
+// DeviceReadOnly is only supported on Linux.
+func DeviceReadOnly(devPath string) (bool, error) {
+	return false, unsupported("read-only state of " + devPath)
+}

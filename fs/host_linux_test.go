@@ -824,3 +824,88 @@ func TestHostBindBlockDevice(t *testing.T) {
 		t.Fatalf("IsMountPoint(bound device node) = %v, %v", ok, err)
 	}
 }
+
+// The read-only flag of the block layer stops writes that a read-only
+// bind mount of the device node lets through.
+func TestHostDeviceReadOnly(t *testing.T) {
+	needRoot(t)
+	dev, file := newLoop(t, 16*mib)
+	t.Cleanup(func() { _ = SetDeviceReadOnly(dev, false) })
+	if ro, err := DeviceReadOnly(dev); err != nil || ro {
+		t.Fatalf("DeviceReadOnly(fresh loop) = %v, %v; want false", ro, err)
+	}
+	target := filepath.Join(t.TempDir(), "block")
+	if err := os.WriteFile(target, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := BindMount(dev, target, true, 0); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := Unmount(target); err != nil {
+			t.Error(err)
+		}
+	})
+	// An fd opened for writing before the flag is set must be stopped too.
+	early, err := os.OpenFile(dev, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer early.Close()
+
+	if err := SetDeviceReadOnly(dev, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := SetDeviceReadOnly(dev, true); err != nil {
+		t.Fatalf("setting read-only twice: %v", err)
+	}
+	for _, p := range []string{dev, target} {
+		if ro, err := DeviceReadOnly(p); err != nil || !ro {
+			t.Fatalf("DeviceReadOnly(%s) = %v, %v; want true", p, ro, err)
+		}
+	}
+	before := hashFile(t, file)
+	pattern := make([]byte, 4096)
+	for i := range pattern {
+		pattern[i] = 0xa5
+	}
+	if f, err := os.OpenFile(target, os.O_WRONLY, 0); err == nil {
+		_, werr := f.WriteAt(pattern, 0)
+		serr := f.Sync()
+		f.Close()
+		if werr == nil && serr == nil {
+			t.Fatal("write through the read-only device succeeded")
+		}
+	} else if !errors.Is(err, unix.EACCES) && !errors.Is(err, unix.EPERM) && !errors.Is(err, unix.EROFS) {
+		t.Fatalf("open read-only device for writing: %v, want EACCES, EPERM or EROFS", err)
+	}
+	if _, err := early.WriteAt(pattern, 0); err == nil {
+		if err := early.Sync(); err == nil {
+			t.Fatal("write through an fd opened before the flag was set succeeded")
+		}
+	}
+	if hashFile(t, file) != before {
+		t.Fatal("device bytes changed while read-only")
+	}
+
+	if err := SetDeviceReadOnly(dev, false); err != nil {
+		t.Fatal(err)
+	}
+	if ro, err := DeviceReadOnly(dev); err != nil || ro {
+		t.Fatalf("DeviceReadOnly after clearing = %v, %v; want false", ro, err)
+	}
+	if _, err := early.WriteAt(pattern, 0); err != nil {
+		t.Fatalf("write after clearing the flag: %v", err)
+	}
+	if err := early.Sync(); err != nil {
+		t.Fatal(err)
+	}
+
+	// Bad input: not a block device, missing.
+	if err := SetDeviceReadOnly(file, true); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("SetDeviceReadOnly(regular file) = %v, want ErrInvalidArgument", err)
+	}
+	if _, err := DeviceReadOnly(filepath.Join(t.TempDir(), "none")); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("DeviceReadOnly(missing) = %v, want ErrNotFound", err)
+	}
+}
