@@ -22,30 +22,6 @@ import (
 	"github.com/berth-csi/berth/test/vm"
 )
 
-// multipathFiles lists what multipathd needs in the guest besides its
-// binary: libgcc_s (glibc loads it for pthread_cancel) and its checker and
-// prioritizer plugins, taken from the image's Debian root.
-func multipathFiles(t *testing.T) map[string]string {
-	files := map[string]string{"/usr/lib/x86_64-linux-gnu/libgcc_s.so.1": "/usr/lib/x86_64-linux-gnu/libgcc_s.so.1"}
-	cache := os.Getenv("BERTH_VM_CACHE")
-	if cache == "" {
-		home, _ := os.UserHomeDir()
-		cache = filepath.Join(home, ".cache", "berth-vm")
-	}
-	b, err := os.ReadFile(filepath.Join(cache, "current", "image.env"))
-	if err != nil {
-		return files
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if root, ok := strings.CutPrefix(line, "ROOT_DIR="); ok {
-			if _, err := os.Stat(filepath.Join(root, "usr/lib/multipath")); err == nil {
-				files[filepath.Join(root, "usr/lib/multipath")] = "/usr/lib/multipath"
-			}
-		}
-	}
-	return files
-}
-
 var lioModules = []string{"iscsi_tcp", "target_core_mod", "target_core_iblock", "iscsi_target_mod", "loop"}
 
 // TestVMISCSI runs the single-path in-guest tests against LIO on loopback.
@@ -61,10 +37,9 @@ func TestVMISCSI(t *testing.T) {
 func TestVMISCSIMultipath(t *testing.T) {
 	vm.RunGuestTests(t,
 		vm.WithTestRun(guestRun("^TestMultipathISCSI")),
-		vm.WithModules(append(lioModules, "dm_multipath", "dm_round_robin", "dm_service_time")...),
+		vm.WithModules(lioModules...),
 		vm.WithIscsid(),
-		vm.WithUdev(),
-		vm.WithExtraFiles(multipathFiles(t)),
+		vm.WithMultipathd(),
 		vm.WithTimeout(6*time.Minute))
 }
 
