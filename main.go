@@ -167,7 +167,7 @@ func serve(c *cli.Context) error {
 			out := make([]metrics.Volume, 0, len(vs))
 			for _, v := range vs {
 				if v.Staged {
-					out = append(out, metrics.Volume{ID: v.ID, Transport: v.Transport, Abnormal: v.Abnormal})
+					out = append(out, metrics.Volume{ID: v.ID, Transport: v.Transport, Paths: v.Paths, Abnormal: v.Abnormal})
 				}
 			}
 			return out

@@ -265,6 +265,15 @@ type VolumeStatus struct {
 	Message  string
 	// Targets is the number of paths the volume is published at.
 	Targets int
+	// Paths counts the volume's storage paths by state ("live": 2,
+	// "connecting": 1), for transports that report them.
+	Paths map[string]int
+}
+
+// PathReporter is implemented by targets with several storage paths
+// (NVMe/TCP controllers, iSCSI sessions): PathStates counts them by state.
+type PathReporter interface {
+	PathStates(ctx context.Context) (map[string]int, error)
 }
 
 // Volumes returns the state of every volume in the agent's records, for
@@ -278,9 +287,36 @@ func (a *Agent) Volumes(ctx context.Context) []VolumeStatus {
 		out = append(out, VolumeStatus{
 			ID: r.VolumeID, Transport: r.Transport, Staged: r.Staged,
 			Abnormal: c.Abnormal, Message: c.Message, Targets: len(r.Publishes),
+			Paths: a.pathStates(ctx, r),
 		})
 	}
 	return out
+}
+
+// pathStates asks the volume's target for its paths, when it reports
+// them; nil otherwise or when it cannot tell.
+func (a *Agent) pathStates(ctx context.Context, r *volumeRecord) map[string]int {
+	if !r.Staged {
+		return nil
+	}
+	tr, ok := a.transports[r.Transport]
+	if !ok {
+		return nil
+	}
+	t, err := tr.Parse(r.Context, nil)
+	if err != nil {
+		return nil
+	}
+	pr, ok := t.(PathReporter)
+	if !ok {
+		return nil
+	}
+	states, err := pr.PathStates(ctx)
+	if err != nil {
+		a.log.DebugContext(ctx, "path states unavailable", slog.String("volume_id", r.VolumeID), slog.String("error", err.Error()))
+		return nil
+	}
+	return states
 }
 
 // StagedContexts returns the stored volume_context of every volume this

@@ -1,0 +1,70 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"maps"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+)
+
+// pathTransport wraps the fake transport so its targets report paths.
+type pathTransport struct {
+	*fakeTransport
+	states map[string]int
+	err    error
+}
+
+func (pt *pathTransport) Parse(vc, s map[string]string) (Target, error) {
+	t, err := pt.fakeTransport.Parse(vc, s)
+	if err != nil {
+		return nil, err
+	}
+	return &pathTarget{fakeTarget: t.(*fakeTarget), pt: pt}, nil
+}
+
+type pathTarget struct {
+	*fakeTarget
+	pt *pathTransport
+}
+
+func (t *pathTarget) PathStates(context.Context) (map[string]int, error) {
+	return maps.Clone(t.pt.states), t.pt.err
+}
+
+func TestVolumesReportPathStates(t *testing.T) {
+	a, _, ft := newFakeAgent(t)
+	pt := &pathTransport{fakeTransport: ft, states: map[string]int{"live": 1, "connecting": 1}}
+	a.transports["fake"] = pt
+	ns := &nodeServer{a: a}
+	ctx := context.Background()
+	staging := filepath.Join(t.TempDir(), "v1")
+	if err := os.Mkdir(staging, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	_, err := ns.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{
+		VolumeId:          "v1",
+		StagingTargetPath: staging,
+		VolumeContext:     map[string]string{"transport": "fake", "fake": "7"},
+		VolumeCapability: &csi.VolumeCapability{
+			AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+		},
+	})
+	if err != nil {
+		t.Fatalf("stage: %v", err)
+	}
+	vs := a.Volumes(ctx)
+	if len(vs) != 1 || !maps.Equal(vs[0].Paths, pt.states) {
+		t.Fatalf("Volumes: %+v, want paths %v", vs, pt.states)
+	}
+
+	// A target that cannot tell reports no paths rather than stale ones.
+	pt.err = errors.New("sysfs gone")
+	if vs := a.Volumes(ctx); len(vs) != 1 || vs[0].Paths != nil {
+		t.Fatalf("Volumes after an error: %+v", vs)
+	}
+}
