@@ -8,8 +8,11 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -213,5 +216,65 @@ func TestParseDiscovery(t *testing.T) {
 	d := parseDiscovery([]byte(out))
 	if len(d) != 2 || d[0].IP != "10.0.0.1" || d[0].TPGT != 1 || d[1].IP != "fd00::1" || d[1].Target != "iqn.2003-01.org.example:a" {
 		t.Fatalf("%+v", d)
+	}
+}
+
+func TestKeyedMutex(t *testing.T) {
+	var k keyedMutex
+	unlock, err := k.lock(context.Background(), "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Another key is independent.
+	unlockB, err := k.lock(context.Background(), "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlockB()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	if _, err := k.lock(ctx, "a"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("second lock of a held key: %v", err)
+	}
+	unlock()
+	unlock2, err := k.lock(context.Background(), "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlock2()
+	if len(k.m) != 0 {
+		t.Fatalf("locks leak: %v", k.m)
+	}
+}
+
+// TestInflightRemoval: a removal that outlives its caller's deadline keeps
+// running once; the caller gets Unavailable at its deadline, and a retry
+// joins the same removal instead of starting another.
+func TestInflightRemoval(t *testing.T) {
+	var in inflight
+	dev := &devices.Device{Name: "sdz", Major: 8, Minor: 400}
+	release := make(chan struct{})
+	var calls atomic.Int32
+	fn := func(ctx context.Context) error {
+		calls.Add(1)
+		<-release
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	err := in.remove(ctx, dev, fn)
+	if !errors.Is(err, errdefs.ErrUnavailable) || !errors.Is(err, context.DeadlineExceeded) || time.Since(start) > 2*time.Second {
+		t.Fatalf("first call: %v after %v", err, time.Since(start))
+	}
+	done := make(chan error, 1)
+	go func() { done <- in.remove(context.Background(), dev, fn) }()
+	time.Sleep(20 * time.Millisecond)
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatalf("retry: %v", err)
+	}
+	if n := calls.Load(); n != 1 {
+		t.Fatalf("removal ran %d times, want once", n)
 	}
 }
