@@ -19,12 +19,14 @@ type fakeFS struct {
 	mu     sync.Mutex
 	mounts map[string]mountEntry
 	nMount map[string]int // mount calls per target
+	ro     map[string]bool
+	roErr  error // returned by SetDeviceReadOnly(_, true) when set
 }
 
 var _ hostFS = (*fakeFS)(nil)
 
 func newFakeFS() *fakeFS {
-	return &fakeFS{mounts: make(map[string]mountEntry), nMount: make(map[string]int)}
+	return &fakeFS{mounts: make(map[string]mountEntry), nMount: make(map[string]int), ro: make(map[string]bool)}
 }
 
 func (f *fakeFS) SupportedFsTypes() []string { return []string{"ext4", "xfs"} }
@@ -90,6 +92,22 @@ func (f *fakeFS) Resize(context.Context, string, string, string) error { return 
 func (f *fakeFS) Stats(string) (fsStats, error)                        { return fsStats{TotalBytes: 1}, nil }
 func (f *fakeFS) BlockDeviceSize(string) (int64, error)                { return 1 << 20, nil }
 func (f *fakeFS) FlushBuffers(string) error                            { return nil }
+
+func (f *fakeFS) SetDeviceReadOnly(devPath string, ro bool) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if ro && f.roErr != nil {
+		return f.roErr
+	}
+	f.ro[devPath] = ro
+	return nil
+}
+
+func (f *fakeFS) DeviceReadOnly(devPath string) (bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.ro[devPath], nil
+}
 
 func (f *fakeFS) mountCount(target string) int {
 	f.mu.Lock()

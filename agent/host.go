@@ -37,4 +37,8 @@ type hostFS interface {
 	Stats(path string) (fsStats, error)
 	BlockDeviceSize(devPath string) (int64, error)
 	FlushBuffers(devPath string) error
+	// SetDeviceReadOnly sets or clears the block layer's read-only flag
+	// of a device; DeviceReadOnly reads it back.
+	SetDeviceReadOnly(devPath string, ro bool) error
+	DeviceReadOnly(devPath string) (bool, error)
 }

@@ -59,3 +59,9 @@ func (realFS) Stats(path string) (fsStats, error) {
 func (realFS) BlockDeviceSize(devPath string) (int64, error) { return fs.BlockDeviceSize(devPath) }
 
 func (realFS) FlushBuffers(devPath string) error { return fs.FlushBuffers(devPath) }
+
+func (realFS) SetDeviceReadOnly(devPath string, ro bool) error {
+	return fs.SetDeviceReadOnly(devPath, ro)
+}
+
+func (realFS) DeviceReadOnly(devPath string) (bool, error) { return fs.DeviceReadOnly(devPath) }

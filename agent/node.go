@@ -195,7 +195,12 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	}
 	if vcap.Block {
 		// Raw block: the device is published directly, nothing is
-		// mounted at the staging path.
+		// mounted at the staging path. A stage repeated after a crash
+		// or on a new device brings the read-only flag in line with the
+		// recorded publishes.
+		if err := n.syncDeviceReadOnly(rec, dev); err != nil {
+			return nil, err
+		}
 		rec.Staged = true
 		if err := n.a.state.put(rec); err != nil {
 			return nil, err
@@ -341,6 +346,11 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 		}
 	}
 	if d := n.a.recordedDevice(rec.Device); d != nil {
+		// No publish is left: a flag berth set is cleared, so that the
+		// next user of the device finds it writable.
+		if err := n.syncDeviceReadOnly(rec, d); err != nil {
+			return nil, err
+		}
 		if err := n.a.host.FlushBuffers(d.Path); err != nil {
 			return nil, err
 		}
@@ -441,6 +451,13 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 			return nil, err
 		}
 		if mounted {
+			if vcap.Block {
+				if d := n.a.recordedDevice(rec.Device); d != nil {
+					if err := n.syncDeviceReadOnly(rec, d); err != nil {
+						return nil, err
+					}
+				}
+			}
 			return &csi.NodePublishVolumeResponse{}, nil
 		}
 		// Recorded but not mounted: an interrupted publish; finish it.
@@ -464,7 +481,10 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		}
 	}
 
-	var created bool
+	var (
+		created bool
+		dev     *devices.Device // raw block only
+	)
 	defer func() {
 		if retErr == nil {
 			return
@@ -475,6 +495,9 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		}
 		if errors.Join(errs...) == nil {
 			delete(rec.Publishes, target)
+			if dev != nil {
+				errs = append(errs, n.syncDeviceReadOnly(rec, dev))
+			}
 			errs = append(errs, n.a.state.put(rec))
 		}
 		if err := errors.Join(errs...); err != nil {
@@ -490,6 +513,15 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		}
 		source = d.Path
 		created, err = createFile(target)
+		if err != nil {
+			return nil, err
+		}
+		// A read-only bind mount does not stop writes through a device
+		// node: the block layer's flag must, before the pod sees it.
+		dev = d
+		if err := n.syncDeviceReadOnly(rec, d); err != nil {
+			return nil, err
+		}
 	} else {
 		created, err = createDir(target)
 	}
@@ -566,6 +598,15 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		if mounted {
 			return nil, notFound("volume %q: not published at %q; the mount there was not made by berth for this volume", id, target)
 		}
+		// A retry after the publish record went but the read-only flag
+		// could not follow it finishes that.
+		if ok && rec.AccessType == "block" {
+			if d := n.a.recordedDevice(rec.Device); d != nil {
+				if err := n.syncDeviceReadOnly(rec, d); err != nil {
+					return nil, err
+				}
+			}
+		}
 		return &csi.NodeUnpublishVolumeResponse{}, nil
 	}
 	if err := checkPathResolves("target_path", target); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
@@ -578,6 +619,13 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		return nil, err
 	}
 	delete(rec.Publishes, target)
+	if rec.AccessType == "block" {
+		if d := n.a.recordedDevice(rec.Device); d != nil {
+			if err := n.syncDeviceReadOnly(rec, d); err != nil {
+				return nil, err
+			}
+		}
+	}
 	if err := n.a.state.put(rec); err != nil {
 		return nil, err
 	}
@@ -589,6 +637,63 @@ func (r *volumeRecord) publishes() map[string]publishRecord {
 		return nil
 	}
 	return r.Publishes
+}
+
+// wantDeviceReadOnly reports whether the device of a raw block volume is
+// to be read-only at the block layer: while it is published, if its
+// access mode is a reader-only one or every publish is read-only. A
+// read-write publish next to read-only ones makes the device writable
+// through all of them; the block layer has one flag per device.
+func (r *volumeRecord) wantDeviceReadOnly() bool {
+	if r.AccessType != "block" || len(r.Publishes) == 0 {
+		return false
+	}
+	if r.Mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY.String() ||
+		r.Mode == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY.String() {
+		return true
+	}
+	for _, p := range r.Publishes {
+		if !p.ReadOnly {
+			return false
+		}
+	}
+	return true
+}
+
+// syncDeviceReadOnly brings the block layer's read-only flag of a raw
+// block volume's device in line with its publishes. It clears only a flag
+// that berth set: a device the driver holds read-only stays so. What
+// berth set is recorded before setting the flag and forgotten only after
+// clearing it, so that a crash in between leaves a record from which a
+// retried call, or the unstage, clears it. rec is saved when it changes.
+func (n *nodeServer) syncDeviceReadOnly(rec *volumeRecord, dev *devices.Device) error {
+	if !rec.wantDeviceReadOnly() {
+		if !rec.DeviceReadOnly {
+			return nil
+		}
+		if err := n.a.host.SetDeviceReadOnly(dev.Path, false); err != nil {
+			return fmt.Errorf("volume %q: make device %s writable again now that no read-only publish needs it: %w", rec.VolumeID, dev.Path, err)
+		}
+		rec.DeviceReadOnly = false
+		return n.a.state.put(rec)
+	}
+	if !rec.DeviceReadOnly {
+		rec.DeviceReadOnly = true
+		if err := n.a.state.put(rec); err != nil {
+			return err
+		}
+	}
+	if err := n.a.host.SetDeviceReadOnly(dev.Path, true); err != nil {
+		return fmt.Errorf("volume %q: make device %s read-only for a read-only raw block publish (a read-only bind mount of a device node does not stop writes; berth needs CAP_SYS_ADMIN): %w", rec.VolumeID, dev.Path, err)
+	}
+	ro, err := n.a.host.DeviceReadOnly(dev.Path)
+	if err != nil {
+		return fmt.Errorf("volume %q: check that device %s is read-only: %w", rec.VolumeID, dev.Path, err)
+	}
+	if !ro {
+		return fmt.Errorf("volume %q: device %s still accepts writes after BLKROSET; refusing a read-only raw block publish", rec.VolumeID, dev.Path)
+	}
+	return nil
 }
 
 // volumePathOf finds the record of a volume and checks that p is its

@@ -67,6 +67,11 @@ type volumeRecord struct {
 	Staged    bool                     `json:"staged"`
 	Device    *deviceRecord            `json:"device,omitempty"`
 	Publishes map[string]publishRecord `json:"publishes,omitempty"`
+	// DeviceReadOnly is set while berth holds the block device of a raw
+	// block volume read-only at the block layer (BLKROSET), so that the
+	// flag is cleared again, after a restart too, once no read-only
+	// publish needs it.
+	DeviceReadOnly bool `json:"deviceReadOnly,omitempty"`
 }
 
 func (r *volumeRecord) clone() *volumeRecord {
