@@ -53,6 +53,7 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 			}
 		}
 	}()
+	var fatal error
 	for _, p := range paths {
 		pd, err := t.attachPath(ctx, v, p)
 		if err != nil {
@@ -61,6 +62,7 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 				errors.Is(err, errdefs.ErrNotFound) || ctx.Err() != nil {
 				// Wrong credentials, wrong LUN or WWID: the next portal
 				// of the same target will say the same.
+				fatal = err
 				break
 			}
 			continue
@@ -76,13 +78,17 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 	if retErr = ctx.Err(); retErr != nil {
 		return nil, retErr
 	}
-	if len(errs) > 0 && (!multipath || len(attached) == len(paths)) {
+	if fatal != nil {
 		// A fatal error after some paths attached (auth on the second
 		// portal): refuse rather than run degraded on a misconfiguration.
 		return nil, fmt.Errorf("attach iSCSI %s LUN %d: %w", v.IQN, v.LUN, errors.Join(errs...))
 	}
 	for _, e := range errs {
-		t.log.Warn("iSCSI path not attached; the volume runs degraded", "volume", v, "error", e)
+		if multipath {
+			t.log.Warn("iSCSI path not attached; the volume runs degraded", "volume", v, "error", e)
+		} else {
+			t.log.Info("iSCSI portal did not answer; the next one is used", "volume", v, "error", e)
+		}
 	}
 	wwid := attached[0].dev.ID.WWID
 	for _, pd := range attached[1:] {
@@ -92,6 +98,11 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 		}
 	}
 	if !multipath {
+		// A multipathd configured to claim every disk may have built a
+		// map over the single path; then only the map is usable.
+		if dm := t.mapOf(attached); dm != nil {
+			return dm, nil
+		}
 		return attached[0].dev, nil
 	}
 	return t.waitMap(ctx, wwid, attached)

@@ -25,9 +25,17 @@
 //  5. The disk is checked against the volume's WWID.
 //
 // With several portals and multipathd running, the device returned is the
-// dm-multipath map over every path. Without multipathd several portals are
-// an error, unless volume_context multipath is "false": then the first
-// portal that answers is used alone.
+// dm-multipath map over every path; a portal that does not answer leaves
+// the map degraded (Health reports it), while wrong credentials, a missing
+// LUN or a WWID mismatch on any portal fail the attach. Without multipathd
+// several portals are an error, unless volume_context multipath is "false":
+// then the first portal that answers is used alone. A single path that a
+// multipathd claiming every disk has put under a map is returned as that
+// map.
+//
+// A volume with CHAP enabled parses without secrets (an unstage after a
+// restart has none, and Detach needs none); Attach then refuses with
+// ErrInvalidArgument before touching the node.
 //
 // Detach removes the multipath map, then the LUN's disk, and logs out of a
 // session only when no SCSI device is left on it: other volumes on the

@@ -264,6 +264,46 @@ func TestGuestISCSINodeNotReady(t *testing.T) {
 	assertDetached(t, lt.IQN)
 }
 
+// TestGuestISCSIHostnamePortals: portals given as host names are resolved
+// for the node record and the sysfs match; with multipath "false", the
+// first portal that answers is used alone.
+func TestGuestISCSIHostnamePortals(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	hosts, _ := os.ReadFile("/etc/hosts")
+	if !bytes.Contains(hosts, []byte("san-a.berth.test")) {
+		f, err := os.OpenFile("/etc/hosts", os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fmt.Fprintln(f, "127.0.0.1 san-a.berth.test")
+		fmt.Fprintln(f, "127.0.0.3 san-dead.berth.test")
+		f.Close()
+	}
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	wwid := lt.AddLUN(0, 16<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	// The first portal does not answer (nothing listens on 127.0.0.3).
+	tg := target(t, tr, map[string]string{"iqn": lt.IQN, "lun": "0", "wwid": wwid, "multipath": "false",
+		"portals": `["san-dead.berth.test:3260","san-a.berth.test:3260"]`, ParamLoginTimeout: "2", ParamLoginRetryMax: "1"}, nil)
+	dev, err := tg.Attach(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ss := sessionsOf(t, lt.IQN)
+	if len(ss) != 1 || ss[0].PersistentAddress != "127.0.0.1" {
+		t.Fatalf("sessions: %+v", ss)
+	}
+	if _, err := tr.db.nodeRecordFiles(lt.IQN, "127.0.0.1", 3260, "default"); err != nil {
+		t.Fatalf("the record is not under the portal's address: %v", err)
+	}
+	t.Logf("attached %s through the second portal", dev.Path)
+	if err := tg.Detach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	assertDetached(t, lt.IQN)
+}
+
 // cmdlineSampler reads every process's argv until stopped and reports any
 // that holds one of the needles.
 type cmdlineSampler struct {
