@@ -317,7 +317,7 @@ type event struct {
 
 func (e *event) device() (*Device, error) {
 	e.once.Do(func() {
-		e.dev, e.err = readDevice(sysfsRoot+e.DevPath, "")
+		e.dev, e.err = readDeviceEvent(sysfsRoot+e.DevPath, "", e.Event)
 	})
 	return e.dev, e.err
 }
@@ -329,6 +329,13 @@ type WaitTrace struct {
 	// after Subscribe (zero when none came, e.g. the device already existed).
 	KernelEvent EventInfo
 	UdevEvent   EventInfo
+	// Matched is the event whose device matched (zero when found by a scan);
+	// Considered is when the waiter began to read its device from sysfs.
+	Matched    EventInfo
+	Considered time.Time
+	// Rejected counts the block events of a device of the wanted kind that
+	// were read from sysfs but did not match (or had no device node yet).
+	Rejected int
 	// Found is when the device was matched and its node checked.
 	Found time.Time
 	// FromScan: found by the sysfs scan at the start of Wait, not by an event.
@@ -525,11 +532,19 @@ func (w *Waiter) consider(e *event) (*Device, bool) {
 	if w.kind != "" && !nameMayBeKind(e.Name(), w.kind) {
 		return nil, false
 	}
+	considered := time.Now()
 	d, err := e.device()
 	if err != nil || !w.m.Match(d) || !nodeMatches(d) {
+		w.mu.Lock()
+		w.trace.Rejected++
+		w.mu.Unlock()
 		return nil, false
 	}
 	w.found(d, false)
+	w.mu.Lock()
+	w.trace.Matched = e.info()
+	w.trace.Considered = considered
+	w.mu.Unlock()
 	return d, true
 }
 

@@ -43,88 +43,150 @@ func checkName(name string) error {
 // not empty and the device is of another kind, only its number, size and
 // kind are read.
 func readDevice(sysPath, kind string) (*Device, error) {
+	return readDeviceEvent(sysPath, kind, nil)
+}
+
+// readDeviceEvent is readDevice for the device an event announced: the
+// number, node name and type come from the event instead of sysfs (ev may
+// be nil). Either way the device's "dev" attribute
+// is read last and must still hold the number, so that a name reused while
+// its attributes were read is not taken for the device.
+func readDeviceEvent(sysPath, kind string, ev *Event) (*Device, error) {
 	name := filepath.Base(sysPath)
-	devnum, err := readAttr(sysPath, "dev")
+	dir, err := openAttrDir(sysPath)
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil, fmt.Errorf("block device %s: %w", name, errdefs.ErrNotFound)
 		}
 		return nil, fmt.Errorf("block device %s: %w", name, err)
 	}
-	d := &Device{Name: name, sysPath: sysPath}
-	if d.Major, d.Minor, err = parseMajorMinor(devnum); err != nil {
-		return nil, fmt.Errorf("block device %s: %w", name, err)
-	}
-	d.Path = filepath.Join(devRoot, name)
-	if ue, err := os.ReadFile(filepath.Join(sysPath, "uevent")); err == nil {
-		env := parseUeventFile(ue)
-		if n := env["DEVNAME"]; n != "" && !strings.Contains(n, "..") {
-			d.Path = filepath.Join(devRoot, n)
+	defer dir.close()
+	d := &Device{Name: name, sysPath: sysPath, Path: filepath.Join(devRoot, name)}
+	var env map[string]string
+	if ev != nil && ev.HasDevNum && ev.Env != nil {
+		env = ev.Env
+		d.Major, d.Minor = ev.Major, ev.Minor
+	} else {
+		// The uevent attribute holds the number, node name, type and disk
+		// sequence number in one read.
+		if ue, err := dir.read("uevent"); err == nil {
+			env = parseUeventFile([]byte(ue))
 		}
+		maj, min, err := parseMajorMinor(env["MAJOR"] + ":" + env["MINOR"])
+		if err != nil {
+			devnum, err := dir.read("dev")
+			if err != nil {
+				if errors.Is(err, fs.ErrNotExist) {
+					return nil, fmt.Errorf("block device %s: %w", name, errdefs.ErrNotFound)
+				}
+				return nil, fmt.Errorf("block device %s: %w", name, err)
+			}
+			if maj, min, err = parseMajorMinor(devnum); err != nil {
+				return nil, fmt.Errorf("block device %s: %w", name, err)
+			}
+		}
+		d.Major, d.Minor = maj, min
 	}
-	if s, err := readAttr(sysPath, "size"); err == nil {
+	if n := strings.TrimPrefix(env["DEVNAME"], "/dev/"); n != "" && !strings.Contains(n, "..") && !strings.HasPrefix(n, "/") {
+		d.Path = filepath.Join(devRoot, n)
+	}
+	if s, err := dir.read("size"); err == nil {
 		if n, err := strconv.ParseInt(s, 10, 64); err == nil {
 			d.Size = n * 512
 		}
 	}
-	if s, err := readAttr(sysPath, "diskseq"); err == nil {
+	// An event's disk sequence number may be older than the medium the
+	// attributes read now describe (a loop device re-attached since): only
+	// the uevent attribute's is as current as they are.
+	if s, ok := env["DISKSEQ"]; ok && ev == nil {
+		d.DiskSeq, _ = strconv.ParseUint(s, 10, 64)
+	} else if s, err := dir.read("diskseq"); err == nil {
 		d.DiskSeq, _ = strconv.ParseUint(s, 10, 64)
 	}
-	if exists(sysPath, "partition") {
-		return d, nil // partitions carry no identity of their own
+	switch env["DEVTYPE"] {
+	case "partition":
+		return d, checkDevNum(dir, d) // partitions carry no identity of their own
+	case "disk":
+	default:
+		if dir.exists("partition") {
+			return d, checkDevNum(dir, d)
+		}
 	}
-	if s, _ := readAttr(sysPath, "hidden"); s == "1" {
-		return d, nil // NVMe per-path nodes behind a multipath head
+	if s, _ := dir.read("hidden"); s == "1" {
+		return d, checkDevNum(dir, d) // NVMe per-path nodes behind a multipath head
 	}
-	d.ID.Kind = detectKind(sysPath, name, d.Major)
+	d.ID.Kind = detectKind(dir, name, d)
 	if kind != "" && d.ID.Kind != kind {
-		return d, nil
+		return d, checkDevNum(dir, d)
 	}
 	switch d.ID.Kind {
 	case KindLoop:
-		d.ID.BackingFile, _ = readAttr(sysPath, "loop/backing_file")
+		d.ID.BackingFile, _ = dir.read("loop/backing_file")
 	case KindSCSI:
-		readSCSIIdentity(sysPath, d)
+		readSCSIIdentity(dir, d)
 	case KindNVMe:
-		readNVMeIdentity(sysPath, d)
+		readNVMeIdentity(dir, d)
 	case KindDM:
-		d.ID.WWID, _ = readAttr(sysPath, "dm/uuid")
-		d.ID.DMName, _ = readAttr(sysPath, "dm/name")
+		d.ID.WWID, _ = dir.read("dm/uuid")
+		d.ID.DMName, _ = dir.read("dm/name")
 		// A map being created or reloaded is not usable yet.
-		s, _ := readAttr(sysPath, "dm/suspended")
+		s, _ := dir.read("dm/suspended")
 		d.dmSuspended = s == "1"
 	}
-	// The device may have gone away while its attributes were read.
-	if !exists(sysPath, "dev") {
-		return nil, fmt.Errorf("block device %s: removed while reading sysfs: %w", name, errdefs.ErrNotFound)
+	return d, checkDevNum(dir, d)
+}
+
+// checkDevNum makes sure the device still has the number d was read with:
+// it may have gone away, or its name been reused, while its attributes were
+// read.
+func checkDevNum(dir *attrDir, d *Device) error {
+	s, err := dir.read("dev")
+	if err != nil {
+		return fmt.Errorf("block device %s: removed while reading sysfs: %w", d.Name, errdefs.ErrNotFound)
 	}
-	return d, nil
+	maj, min, err := parseMajorMinor(s)
+	if err != nil {
+		return fmt.Errorf("block device %s: %w", d.Name, err)
+	}
+	if maj != d.Major || min != d.Minor {
+		return fmt.Errorf("block device %s: is %d:%d, not %d:%d, after a removal: %w", d.Name, maj, min, d.Major, d.Minor, errdefs.ErrNotFound)
+	}
+	return nil
 }
 
 // loopMajor is the block major of loop devices (LOOP_MAJOR).
 const loopMajor = 7
 
-func detectKind(sysPath, name string, major uint32) string {
+// detectKind tells the kind of device; for NVMe it keeps the subsystem NQN
+// it read on the way.
+func detectKind(dir *attrDir, name string, d *Device) string {
 	switch {
-	case strings.HasPrefix(name, "dm-") && exists(sysPath, "dm"):
+	case strings.HasPrefix(name, "dm-") && dir.exists("dm"):
 		return KindDM
-	case strings.HasPrefix(name, "loop") && major == loopMajor:
+	case strings.HasPrefix(name, "loop") && d.Major == loopMajor:
 		return KindLoop
-	case strings.HasPrefix(name, "nvme") && exists(sysPath, "device/subsysnqn"):
-		return KindNVMe
+	case strings.HasPrefix(name, "nvme"):
+		// For a multipath head (/sys/devices/virtual/nvme-subsystem/
+		// nvme-subsysN/nvmeXnY) "device" is the subsystem; for a namespace
+		// without native multipath it is the controller. Both carry
+		// subsysnqn.
+		if nqn, err := dir.read("device/subsysnqn"); err == nil {
+			d.ID.NQN = nqn
+			return KindNVMe
+		}
 	}
-	if sub, err := os.Readlink(filepath.Join(sysPath, "device", "subsystem")); err == nil && filepath.Base(sub) == "scsi" {
+	if sub, err := dir.readlink("device/subsystem"); err == nil && filepath.Base(sub) == "scsi" {
 		return KindSCSI
 	}
 	return ""
 }
 
-func readSCSIIdentity(sysPath string, d *Device) {
-	if target, err := os.Readlink(filepath.Join(sysPath, "device")); err == nil {
+func readSCSIIdentity(dir *attrDir, d *Device) {
+	if target, err := dir.readlink("device"); err == nil {
 		d.ID.HCTL = filepath.Base(target)
 	}
-	d.ID.WWID, _ = readAttr(sysPath, "device/wwid")
-	if page, err := os.ReadFile(filepath.Join(sysPath, "device", "vpd_pg83")); err == nil {
+	d.ID.WWID, _ = dir.read("device/wwid")
+	if page, err := dir.readFile("device/vpd_pg83"); err == nil {
 		if ds, err := ParseVPD83(page); err == nil {
 			for _, x := range ds {
 				if t := x.Text(); t != "" {
@@ -138,27 +200,23 @@ func readSCSIIdentity(sysPath string, d *Device) {
 	}
 }
 
-func readNVMeIdentity(sysPath string, d *Device) {
-	// For a multipath head (/sys/devices/virtual/nvme-subsystem/nvme-subsysN/
-	// nvmeXnY) "device" is the subsystem; for a namespace without native
-	// multipath it is the controller. Both carry subsysnqn.
-	d.ID.NQN, _ = readAttr(sysPath, "device/subsysnqn")
-	if s, err := readAttr(sysPath, "nsid"); err == nil {
+func readNVMeIdentity(dir *attrDir, d *Device) {
+	if s, err := dir.read("nsid"); err == nil {
 		if n, err := strconv.ParseUint(s, 10, 32); err == nil {
 			d.ID.NSID = uint32(n)
 		}
 	}
-	uuid, _ := readAttr(sysPath, "uuid")
+	uuid, _ := dir.read("uuid")
 	d.ID.UUID = strings.ToLower(uuid)
 	if normHexID(uuid) == "" {
 		d.ID.UUID = ""
 	}
-	nguid, _ := readAttr(sysPath, "nguid")
+	nguid, _ := dir.read("nguid")
 	d.ID.NGUID = strings.ToLower(nguid)
 	if normHexID(nguid) == "" {
 		d.ID.NGUID = ""
 	}
-	d.ID.WWID, _ = readAttr(sysPath, "wwid")
+	d.ID.WWID, _ = dir.read("wwid")
 }
 
 // readAttr reads a sysfs attribute without its trailing newline.

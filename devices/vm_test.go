@@ -14,6 +14,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -69,6 +70,13 @@ func TestVMBenchDevices(t *testing.T) {
 
 // ---- in-guest helpers ----
 
+// benchCtx bounds a whole benchmark (every round) in the guest.
+func benchCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
 func guestCtx(t *testing.T) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	t.Cleanup(cancel)
@@ -110,9 +118,9 @@ func backingLoop(t *testing.T, l *Listener, size int64) *Device {
 	return d
 }
 
-func guestListener(t *testing.T) *Listener {
+func guestListener(t *testing.T, opts ...ListenerOption) *Listener {
 	t.Helper()
-	l := newTestListener(t)
+	l := newTestListener(t, opts...)
 	_, err := os.Stat("/run/udev/control")
 	if l.Udev() != (err == nil) {
 		t.Fatalf("listener udev mode %v, /run/udev/control: %v", l.Udev(), err)
@@ -621,19 +629,47 @@ func benchMode(l *Listener) string {
 	return "(kernel events)"
 }
 
+// eventLog records every uevent the listener receives, for the timeline
+// of a benchmark round.
+type eventLog struct {
+	mu  sync.Mutex
+	evs []EventInfo
+}
+
+func (e *eventLog) hook(ev EventInfo) {
+	e.mu.Lock()
+	e.evs = append(e.evs, ev)
+	e.mu.Unlock()
+}
+
+// since returns the events received at or after t.
+func (e *eventLog) since(t time.Time) []EventInfo {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var out []EventInfo
+	for _, ev := range e.evs {
+		if !ev.Received.Before(t) {
+			out = append(out, ev)
+		}
+	}
+	return out
+}
+
 // TestGuestBenchNVMe: the connect write to /dev/nvme-fabrics, then a
-// verified namespace device, benchRounds times.
+// verified namespace device, benchRounds times. The first rounds log a
+// timeline of every uevent received, relative to the connect write.
 func TestGuestBenchNVMe(t *testing.T) {
 	vm.RequireGuest(t)
 	if os.Getenv("BERTH_BENCH") != "1" {
 		t.Skip("benchmark")
 	}
-	ctx := guestCtx(t)
-	l := guestListener(t)
+	ctx := benchCtx(t)
+	var evlog eventLog
+	l := guestListener(t, WithEventHook(evlog.hook))
 	nqn := "nqn.2026-01.io.berth:devices-bench"
 	n := newNVMet(t, nqn, 2, backingLoop(t, l, 16<<20), nvmeUUID, nvmeNGUID)
 	lat := latencies{}
-	for range benchRounds {
+	for round := range benchRounds {
 		w := l.Subscribe(MatchNVMe(nqn, 1, nvmeUUID, ""))
 		start := time.Now()
 		ctrl := n.connect(t)
@@ -642,6 +678,7 @@ func TestGuestBenchNVMe(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		waited := time.Now()
 		if err := d.Verify(); err != nil {
 			t.Fatal(err)
 		}
@@ -650,12 +687,43 @@ func TestGuestBenchNVMe(t *testing.T) {
 		w.Close()
 		lat.add("connect write -> verified device", done.Sub(start))
 		lat.add("write returned -> verified device", done.Sub(written))
+		lat.add("Wait returned -> verified (Verify)", done.Sub(waited))
+		if m := tr.Matched.Received; !m.IsZero() {
+			lat.add("matching uevent -> verified (added delay)", done.Sub(m))
+			lat.add("matching uevent -> waiter woke", tr.Considered.Sub(m))
+			lat.add("waiter woke -> found (sysfs read)", tr.Found.Sub(tr.Considered))
+			lat.add("write returned -> matching uevent", m.Sub(written))
+		} else {
+			lat.add("found by the sysfs scan", 0)
+		}
 		if !tr.KernelEvent.Received.IsZero() {
-			lat.add("kernel uevent -> verified device", done.Sub(tr.KernelEvent.Received))
-			lat.add("write returned -> kernel uevent", tr.KernelEvent.Received.Sub(written))
+			lat.add("last kernel uevent -> verified device", done.Sub(tr.KernelEvent.Received))
 		}
 		if !tr.UdevEvent.Received.IsZero() {
 			lat.add("kernel uevent -> udev event", tr.UdevEvent.Received.Sub(tr.KernelEvent.Received))
+		}
+		t0 := time.Now()
+		for range 10 {
+			if _, err := Lookup(d.Name); err != nil {
+				t.Fatal(err)
+			}
+		}
+		lat.add("Lookup (sysfs read of the device)", time.Since(t0)/10)
+		t0 = time.Now()
+		for range 10 {
+			readAttr(d.sysPath, "nsid")
+		}
+		lat.add("one attribute: os.ReadFile", time.Since(t0)/10)
+		if dir, err := openAttrDir(d.sysPath); err == nil {
+			t0 = time.Now()
+			for range 10 {
+				dir.read("nsid")
+			}
+			lat.add("one attribute: attrDir.read", time.Since(t0)/10)
+			dir.close()
+		}
+		if round < 3 {
+			logTimeline(t, round, start, written, waited, done, tr, evlog.since(start))
 		}
 		gone := l.subscribeRemoval(d)
 		cfs(t, "/sys/class/nvme/"+ctrl+"/delete_controller", "1")
@@ -667,6 +735,30 @@ func TestGuestBenchNVMe(t *testing.T) {
 	lat.report(t, "nvme-tcp "+benchMode(l))
 }
 
+// logTimeline logs one benchmark round: every uevent and berth's steps, in
+// milliseconds after the action started.
+func logTimeline(t *testing.T, round int, start, written, waited, done time.Time, tr WaitTrace, evs []EventInfo) {
+	ms := func(at time.Time) string { return fmt.Sprintf("%8.2fms", float64(at.Sub(start).Microseconds())/1000) }
+	var b strings.Builder
+	fmt.Fprintf(&b, "round %d timeline (from scan: %v, rejected events: %d):\n", round, tr.FromScan, tr.Rejected)
+	fmt.Fprintf(&b, "  %s write returned\n", ms(written))
+	for _, ev := range evs {
+		if !ev.Received.Before(done) {
+			break
+		}
+		mark := ""
+		if ev.Seqnum == tr.Matched.Seqnum && ev.Source == tr.Matched.Source {
+			mark = "  <- matched"
+		}
+		fmt.Fprintf(&b, "  %s %s %s %s seq=%d%s\n", ms(ev.Received), ev.Source, ev.Action, ev.DevPath, ev.Seqnum, mark)
+	}
+	if !tr.Considered.IsZero() {
+		fmt.Fprintf(&b, "  %s waiter woke\n", ms(tr.Considered))
+	}
+	fmt.Fprintf(&b, "  %s found\n  %s Wait returned\n  %s verified\n", ms(tr.Found), ms(waited), ms(done))
+	t.Log(b.String())
+}
+
 // TestGuestBenchSCSI: a LUN scan on a logged-in iSCSI session, then a
 // verified disk, benchRounds times (the disk is deleted between rounds).
 func TestGuestBenchSCSI(t *testing.T) {
@@ -674,7 +766,7 @@ func TestGuestBenchSCSI(t *testing.T) {
 	if os.Getenv("BERTH_BENCH") != "1" {
 		t.Skip("benchmark")
 	}
-	ctx := guestCtx(t)
+	ctx := benchCtx(t)
 	l := guestListener(t)
 	tg := newLIO(t, "devbench", backingLoop(t, l, 16<<20), "2b3c4d5e-6f70-8192-a3b4-c5d6e7f8091a", "127.0.0.1:3260")
 	w := l.Subscribe(MatchSCSI("", tg.wwid()))
