@@ -254,10 +254,23 @@ func TestGuestISCSINodeNotReady(t *testing.T) {
 	if _, err := target(t, tr, vctx(lt, 0), nil).Attach(ctx); !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "iscsi_tcp") {
 		t.Fatalf("no iscsi_tcp: %v", err)
 	}
+	// iscsid out of reach: a wrapper (as --iscsiadm takes) runs iscsiadm in
+	// a network namespace of its own, where iscsid's abstract socket does
+	// not exist.
+	wrapper := filepath.Join(t.TempDir(), "iscsiadm-isolated")
+	if err := os.WriteFile(wrapper, []byte("#!/bin/sh\nexec unshare -n iscsiadm \"$@\"\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	tr = guestTransport(t, Options{Iscsiadm: wrapper})
+	_, err := target(t, tr, vctx(lt, 0), nil).Attach(ctx)
+	if !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "iscsid is not running") {
+		t.Fatalf("iscsid unreachable: %v", err)
+	}
+	t.Log(err)
 	// Several portals without multipathd: a clear error, unless single path
 	// is asked for.
 	tr = guestTransport(t, Options{})
-	_, err := target(t, tr, vctx(lt, 0, "portals", "127.0.0.2:3260"), nil).Attach(ctx)
+	_, err = target(t, tr, vctx(lt, 0, "portals", "127.0.0.2:3260"), nil).Attach(ctx)
 	if !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "multipath") {
 		t.Fatalf("two portals without multipathd: %v", err)
 	}
