@@ -49,6 +49,16 @@
 // let the host sequence the guests, for example to kill a target guest while
 // an initiator guest watches its path go down.
 //
+// Options: WithTestRun, WithTestArgs, WithPackage, WithModules, WithTimeout,
+// WithMemory, WithCPUs, WithUdev, WithIscsid, WithMultipathd, WithSystemd,
+// WithExtraFiles, WithEnv, WithNIC, WithName. WithSystemd boots the Debian
+// root (a snapshot of a disk image) with systemd as PID 1 instead of the
+// busybox init; the tests then run from a service after multi-user.target.
+//
+// Timing under TCG on two host cores: the initramfs guest starts its tests
+// 2-10 s after QEMU starts (depending on host load), the systemd guest much
+// later; the console line "BERTH-VM-START guest uptime N" tells.
+//
 // When QEMU or the image is missing the VM tests skip, unless BERTH_CI=1 is
 // set: then they fail.
 package vm
