@@ -40,7 +40,7 @@
 // In the guest: the berth binary is /usr/bin/berth; the package's testdata
 // directory is the working directory's testdata; env BERTH_VM_GUEST=1; the
 // kernel modules of the storage stack are available through modprobe (the
-// helpers of package target load what they use).
+// functions of package target load what they use).
 //
 // Several guests on one host test: Boot starts a guest and returns at once;
 // NewLink gives two guests a private Ethernet link (QEMU socket netdev over
