@@ -61,6 +61,14 @@ mode=$1
 
 if [ "$mode" = tests ]; then # systemd mode, from berth-vm-tests.service
 	prepare
+	# systemd-udevd runs already; the daemons asked for start as units.
+	if [ "$BERTH_VM_ISCSID" = 1 ]; then
+		modprobe -a iscsi_tcp sd_mod || fail "cannot load iscsi_tcp"
+		systemctl start iscsid.service || fail "iscsid.service did not start"
+	fi
+	if [ "$BERTH_VM_MULTIPATHD" = 1 ]; then
+		systemctl start multipathd.service || fail "multipathd.service did not start"
+	fi
 	run_tests "$@"
 fi
 

@@ -95,7 +95,9 @@ func WithMultipathd() Option {
 
 // WithSystemd boots the Debian root from a disk image (a throwaway snapshot)
 // with systemd as PID 1; the tests run from a service unit once the system
-// reached multi-user.target. Slower to boot than the default initramfs guest.
+// reached multi-user.target. systemd-udevd runs; WithIscsid and
+// WithMultipathd start iscsid.service and multipathd.service. Slower to boot
+// than the default initramfs guest.
 func WithSystemd() Option { return func(c *config) { c.systemd = true } }
 
 // WithExtraFiles copies host files (or directories) into the guest:

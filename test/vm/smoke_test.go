@@ -365,7 +365,7 @@ func TestTwoVMsInitiator(t *testing.T) {
 // TestVMSystemd boots the Debian root with systemd as PID 1.
 func TestVMSystemd(t *testing.T) {
 	t.Parallel()
-	vm.RunGuestTests(t, vm.WithTestRun("^TestSystemdGuest"), vm.WithSystemd(), vm.WithTimeout(8*time.Minute))
+	vm.RunGuestTests(t, vm.WithTestRun("^TestSystemdGuest"), vm.WithSystemd(), vm.WithIscsid(), vm.WithTimeout(8*time.Minute))
 }
 
 func TestSystemdGuest(t *testing.T) {
@@ -382,6 +382,9 @@ func TestSystemdGuest(t *testing.T) {
 	t.Logf("%s", run(t, "systemd-analyze"))
 	if _, err := os.Stat("/run/udev/control"); err != nil {
 		t.Errorf("systemd-udevd is not running: %v", err)
+	}
+	if out, err := exec.Command("systemctl", "is-active", "iscsid.service").CombinedOutput(); err != nil {
+		t.Errorf("iscsid.service (WithIscsid): %v: %s", err, out)
 	}
 }
 
