@@ -668,7 +668,7 @@ func TestGuestBenchNVMe(t *testing.T) {
 	l := guestListener(t, WithEventHook(evlog.hook))
 	nqn := "nqn.2026-01.io.berth:devices-bench"
 	n := newNVMet(t, nqn, 2, backingLoop(t, l, 16<<20), nvmeUUID, nvmeNGUID)
-	lat := latencies{}
+	lat, attrLat := latencies{}, attrLatencies{}
 	for round := range benchRounds {
 		w := l.Subscribe(MatchNVMe(nqn, 1, nvmeUUID, ""))
 		start := time.Now()
@@ -702,6 +702,7 @@ func TestGuestBenchNVMe(t *testing.T) {
 		if !tr.UdevEvent.Received.IsZero() {
 			lat.add("kernel uevent -> udev event", tr.UdevEvent.Received.Sub(tr.KernelEvent.Received))
 		}
+		attrLat.probe(d)
 		t0 := time.Now()
 		for range 10 {
 			if _, err := Lookup(d.Name); err != nil {
@@ -733,6 +734,51 @@ func TestGuestBenchNVMe(t *testing.T) {
 		gone.Close()
 	}
 	lat.report(t, "nvme-tcp "+benchMode(l))
+	latencies(attrLat).report(t, "nvme-tcp read "+benchMode(l))
+}
+
+// attrLatencies times, once per round, each step of reading an NVMe
+// namespace from sysfs right after it was verified.
+type attrLatencies latencies
+
+func (a attrLatencies) probe(d *Device) {
+	t0 := time.Now()
+	dir, err := openAttrDir(d.sysPath)
+	if err != nil {
+		return
+	}
+	defer dir.close()
+	latencies(a).add("open dir", time.Since(t0))
+	for _, attr := range []string{"uevent", "dev", "size", "diskseq", "hidden", "device/subsysnqn", "nsid", "uuid", "nguid", "wwid"} {
+		t0 := time.Now()
+		dir.read(attr)
+		latencies(a).add(attr, time.Since(t0))
+	}
+	t0 = time.Now()
+	statBlockNode(d.Path)
+	latencies(a).add("stat "+d.Path, time.Since(t0))
+
+	// The same namespace read the way an event's device used to be read
+	// (whole paths through os.ReadFile, the number and node name from
+	// sysfs) and the way it is now (relative to the directory, number
+	// and node name from the event).
+	t0 = time.Now()
+	readAttr(d.sysPath, "dev")
+	readAttr(d.sysPath, "uevent")
+	readAttr(d.sysPath, "size")
+	readAttr(d.sysPath, "diskseq")
+	exists(d.sysPath, "partition")
+	readAttr(d.sysPath, "hidden")
+	exists(d.sysPath, "device/subsysnqn")
+	for _, attr := range []string{"device/subsysnqn", "nsid", "uuid", "nguid", "wwid"} {
+		readAttr(d.sysPath, attr)
+	}
+	exists(d.sysPath, "dev")
+	latencies(a).add("event's device, whole paths (before)", time.Since(t0))
+	t0 = time.Now()
+	readDeviceEvent(d.sysPath, "", &Event{DevName: d.Name, Major: d.Major, Minor: d.Minor, HasDevNum: true,
+		Env: map[string]string{"DEVNAME": d.Name, "DEVTYPE": "disk"}})
+	latencies(a).add("event's device, readDeviceEvent (after)", time.Since(t0))
 }
 
 // logTimeline logs one benchmark round: every uevent and berth's steps, in
