@@ -24,10 +24,11 @@ import (
 
 // TestVMSystemd runs the shipped units under a real systemd: socket
 // activation, READY=1, the hardening (mounts must reach the host), journal
-// fields, and a restart by the watchdog once Probe hangs.
+// fields, a restart by the watchdog once Probe hangs, and an NVMe/TCP
+// volume that stays mounted across `systemctl restart berth`.
 func TestVMSystemd(t *testing.T) {
 	t.Parallel()
-	vm.RunGuestTests(t, vm.WithSystemd(), vm.WithTestRun("^TestGuestSystemd"), vm.WithTimeout(6*time.Minute))
+	vm.RunGuestTests(t, vm.WithSystemd(), vm.WithTestRun("^TestGuestSystemd"), vm.WithTimeout(8*time.Minute))
 }
 
 func systemctl(t *testing.T, args ...string) string {
@@ -201,28 +202,7 @@ func TestGuestSystemdUnits(t *testing.T) {
 // changed only in the binary's path (/usr/bin/berth in the guest).
 func TestGuestSystemdBerth(t *testing.T) {
 	vm.RequireGuest(t)
-	const bin = "/usr/local/bin/berth"
-	service := bytes.ReplaceAll(serviceUnit, []byte("ExecStart="+bin+" "), []byte("ExecStart=/usr/bin/berth "))
-	if bytes.Equal(service, serviceUnit) {
-		t.Fatalf("berth.service does not start %s", bin)
-	}
-	sock := unitValues(t, socketUnit, "ListenStream")[0]
-	dir := "/run/systemd/system"
-	if err := os.WriteFile(filepath.Join(dir, "berth.service"), service, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(dir, "berth.socket"), socketUnit, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	systemctl(t, "daemon-reload")
-	systemctl(t, "start", "berth.socket")
-	t.Cleanup(func() {
-		exec.Command("systemctl", "stop", "berth.service", "berth.socket").Run()
-		if t.Failed() {
-			out, _ := exec.Command("journalctl", "--no-pager", "-n", "60", "-u", "berth.service", "-u", "berth.socket").CombinedOutput()
-			t.Logf("journal:\n%s", out)
-		}
-	})
+	sock := installBerth(t)
 
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
