@@ -61,8 +61,23 @@ func TestSanity(t *testing.T) {
 	if err := os.Mkdir(root, 0o700); err != nil {
 		t.Fatal(err)
 	}
+	sanityBerth(t, bin, dir, newFileController(root), "--file-root", root)
+}
+
+// controller is the CSI Controller (and its Identity) that creates the
+// volumes sanity hands to berth.
+type controller interface {
+	csi.ControllerServer
+	csi.IdentityServer
+}
+
+// sanityBerth starts berth (with the flags given) in dir, runs csi-sanity
+// against it with ctl as the controller, stops berth and checks that it
+// stopped cleanly and forgot every volume.
+func sanityBerth(t *testing.T, bin, dir string, ctl controller, flags ...string) {
+	t.Helper()
 	berthSock := filepath.Join(dir, "berth.sock")
-	berth, logs := startBerth(t, bin, berthSock, root, filepath.Join(dir, "state"))
+	berth, logs := startBerth(t, bin, berthSock, filepath.Join(dir, "state"), flags...)
 	berthConn, err := grpc.NewClient("unix://"+berthSock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -72,12 +87,33 @@ func TestSanity(t *testing.T) {
 
 	nodeSock, ctlSock := filepath.Join(dir, "node.sock"), filepath.Join(dir, "controller.sock")
 	serve(t, newProxy(berthConn), nodeSock)
-	ctl := grpc.NewServer()
-	fc := newFileController(root)
-	csi.RegisterControllerServer(ctl, fc)
-	csi.RegisterIdentityServer(ctl, fc)
-	serve(t, ctl, ctlSock)
+	s := grpc.NewServer()
+	csi.RegisterControllerServer(s, ctl)
+	csi.RegisterIdentityServer(s, ctl)
+	serve(t, s, ctlSock)
 
+	passed := runSanity(t, dir, nodeSock, ctlSock)
+
+	if err := berth.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := berth.Wait(); err != nil {
+		t.Errorf("berth did not stop cleanly on SIGTERM: %v", err)
+	}
+	if left, _ := filepath.Glob(filepath.Join(dir, "state", "volumes", "*.json")); len(left) > 0 {
+		t.Errorf("berth still records %d volumes after sanity cleaned up", len(left))
+	}
+	if !passed || t.Failed() {
+		t.Logf("berth log:\n%s", logs.String())
+	}
+}
+
+// runSanity runs the Node and Identity specs of csi-sanity for mount and
+// block volumes against the node plugin on nodeSock, with the controller
+// on ctlSock creating the volumes, and checks that the lifecycle specs ran
+// and passed. Ginkgo runs once per process: one call per test binary.
+func runSanity(t *testing.T, dir, nodeSock, ctlSock string) bool {
+	t.Helper()
 	for cfg, accessType := range map[*sanity.TestConfig]string{&mountConfig: "mount", &blockConfig: "block"} {
 		*cfg = sanity.NewTestConfig()
 		cfg.Address = "unix:" + nodeSock
@@ -95,28 +131,15 @@ func TestSanity(t *testing.T) {
 
 	RegisterFailHandler(Fail)
 	suiteConfig, reporterConfig := GinkgoConfiguration()
-	// The Controller specs would test fileController, not berth.
+	// The Controller specs would test the test's controller, not berth.
 	suiteConfig.FocusStrings = []string{"Node Service", "Identity Service"}
 	reporterConfig.NoColor = true
 	passed := RunSpecs(t, "berth csi-sanity", suiteConfig, reporterConfig)
 	for _, sc := range contexts {
 		sc.Finalize()
 	}
-
 	checkRequired(t)
-
-	if err := berth.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
-	}
-	if err := berth.Wait(); err != nil {
-		t.Errorf("berth did not stop cleanly on SIGTERM: %v", err)
-	}
-	if left, _ := filepath.Glob(filepath.Join(dir, "state", "volumes", "*.json")); len(left) > 0 {
-		t.Errorf("berth still records %d volumes after sanity cleaned up", len(left))
-	}
-	if !passed || t.Failed() {
-		t.Logf("berth log:\n%s", logs.String())
-	}
+	return passed
 }
 
 func checkRequired(t *testing.T) {
@@ -175,16 +198,17 @@ func (l *lockedBuffer) String() string {
 	return l.b.String()
 }
 
-func startBerth(t *testing.T, bin, sock, root, state string) (*exec.Cmd, *lockedBuffer) {
+// startBerth starts `berth serve` on sock with the extra flags given.
+func startBerth(t *testing.T, bin, sock, state string, flags ...string) (*exec.Cmd, *lockedBuffer) {
 	t.Helper()
 	logs := &lockedBuffer{}
-	cmd := exec.Command(bin, "serve",
-		"--endpoint", "unix://"+sock,
+	args := append([]string{"serve",
+		"--endpoint", "unix://" + sock,
 		"--node-id", "sanity-node",
 		"--state-dir", state,
-		"--file-root", root,
 		"--max-volumes", "16",
-	)
+	}, flags...)
+	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = logs, logs
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -228,4 +252,3 @@ func serve(t *testing.T, s *grpc.Server, sock string) {
 	go s.Serve(l)
 	t.Cleanup(s.Stop)
 }
-

@@ -1,0 +1,266 @@
+package sanity
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/berth-csi/berth/test/vm"
+	"github.com/berth-csi/berth/test/vm/target"
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+)
+
+// csi-sanity inside a QEMU guest against the berth binary of the image,
+// with a controller that makes a new network target for every volume:
+// an nvmet subsystem, or a LIO target with one LUN.
+
+func TestVMSanityNVMe(t *testing.T) {
+	t.Parallel()
+	vm.RunGuestTests(t,
+		vm.WithTestRun("^TestGuestSanityNVMe$"),
+		vm.WithMemory(1536),
+		vm.WithTimeout(8*time.Minute))
+}
+
+func TestVMSanityISCSI(t *testing.T) {
+	t.Parallel()
+	vm.RunGuestTests(t,
+		vm.WithTestRun("^TestGuestSanityISCSI$"),
+		vm.WithIscsid(),
+		vm.WithMemory(1536),
+		vm.WithTimeout(8*time.Minute))
+}
+
+const guestBerth = "/usr/bin/berth"
+
+func TestGuestSanityNVMe(t *testing.T) {
+	vm.RequireGuest(t)
+	target.LoadModules(t, "nvmet", "nvmet_tcp", "nvme_tcp", "nvme_fabrics")
+	ctl := newTargetController(t, func(tb testing.TB, id string, size int64) (map[string]string, func(int64)) {
+		tgt := target.NewNVMeTarget(tb, target.NVMeConfig{
+			NQN:        "nqn.2014-08.io.berth:" + id,
+			Namespaces: []target.NVMeNamespace{{Size: size}},
+			Ports:      []string{nvmePort},
+		})
+		ns := tgt.Namespace(1)
+		return map[string]string{
+				"transport": "nvmeof",
+				"nqn":       tgt.NQN(),
+				"traddr":    "127.0.0.1",
+				"trsvcid":   "4420",
+				"nsid":      "1",
+				"uuid":      ns.UUID,
+			}, func(size int64) {
+				tgt.Grow(1, size)
+			}
+	})
+	sanityBerth(t, guestBerth, t.TempDir(), ctl, "--transports", "nvmeof")
+}
+
+// All subsystems share one nvmet port.
+const nvmePort = "127.0.0.1:4420"
+
+func TestGuestSanityISCSI(t *testing.T) {
+	vm.RequireGuest(t)
+	ctl := newTargetController(t, func(tb testing.TB, id string, size int64) (map[string]string, func(int64)) {
+		// A serial of 32 hex digits: LIO's NAA designator is 6001405
+		// followed by its first 25.
+		sum := sha256.Sum256([]byte(id))
+		serial := hex.EncodeToString(sum[:16])
+		tgt := target.NewISCSITarget(tb, target.ISCSIConfig{
+			IQN:     "iqn.2003-01.io.berth:" + id,
+			Portals: []string{iscsiPortal},
+			LUNs:    []target.ISCSILUN{{Size: size, Serial: serial}},
+		})
+		return map[string]string{
+				"targetPortal": iscsiPortal,
+				"iqn":          tgt.IQN(),
+				"lun":          "0",
+				"wwid":         "naa.6001405" + serial[:25],
+			}, func(size int64) {
+				tgt.Grow(0, size)
+			}
+	})
+	sanityBerth(t, guestBerth, t.TempDir(), ctl, "--transports", "iscsi")
+}
+
+// All targets share one portal.
+const iscsiPortal = "127.0.0.1:3260"
+
+// newVolumeFunc makes a target exporting a new volume of size bytes and
+// returns its volume_context and a function that grows it. It reports
+// failures on tb and registers the target's removal with tb.Cleanup.
+type newVolumeFunc func(tb testing.TB, id string, size int64) (map[string]string, func(int64))
+
+// targetController is a CSI Controller whose volumes are network targets
+// made in the guest. DeleteVolume forgets a volume; its target is removed
+// when the test ends.
+type targetController struct {
+	csi.UnimplementedControllerServer
+	csi.UnimplementedIdentityServer
+	t      *testing.T
+	tb     *callTB // what the targets report on
+	create newVolumeFunc
+
+	mu   sync.Mutex
+	vols map[string]*targetVolume
+	n    int
+}
+
+type targetVolume struct {
+	size int64
+	vc   map[string]string
+	grow func(int64)
+}
+
+func newTargetController(t *testing.T, create newVolumeFunc) *targetController {
+	return &targetController{t: t, tb: &callTB{TB: t}, create: create, vols: make(map[string]*targetVolume)}
+}
+
+// callTB turns a fatal failure of the target package during an RPC into
+// a panic that the RPC recovers as an Internal error: FailNow must not
+// run on a gRPC goroutine. Outside RPCs, failures (those of the targets'
+// cleanups at the end of the test) go to the test as usual.
+type callTB struct {
+	testing.TB
+	inCall atomic.Bool
+}
+
+type callFailure struct{ msg string }
+
+func (c *callTB) Fatal(args ...any) { c.fail(fmt.Sprint(args...)) }
+
+func (c *callTB) Fatalf(format string, args ...any) { c.fail(fmt.Sprintf(format, args...)) }
+
+func (c *callTB) FailNow() { c.fail("FailNow") }
+
+func (c *callTB) fail(msg string) {
+	if c.inCall.Load() {
+		panic(callFailure{msg})
+	}
+	c.TB.Fatal(msg)
+}
+
+// run calls f with c.tb and returns f's fatal failure as an error. The
+// caller holds c.mu.
+func (c *targetController) run(f func(tb testing.TB)) (err error) {
+	c.tb.inCall.Store(true)
+	defer func() {
+		c.tb.inCall.Store(false)
+		if r := recover(); r != nil {
+			cf, ok := r.(callFailure)
+			if !ok {
+				panic(r)
+			}
+			c.t.Logf("controller: %s", cf.msg)
+			err = status.Error(codes.Internal, cf.msg)
+		}
+	}()
+	f(c.tb)
+	return nil
+}
+
+func (c *targetController) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
+	return &csi.GetPluginInfoResponse{Name: driverName, VendorVersion: "sanity"}, nil
+}
+
+func (c *targetController) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
+	return &csi.GetPluginCapabilitiesResponse{Capabilities: []*csi.PluginCapability{controllerServiceCap()}}, nil
+}
+
+func (c *targetController) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
+}
+
+func (c *targetController) ControllerGetCapabilities(ctx context.Context, req *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
+	return (&fileController{}).ControllerGetCapabilities(ctx, req)
+}
+
+func (c *targetController) CreateVolume(_ context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+	if req.GetName() == "" {
+		return nil, status.Error(codes.InvalidArgument, "name: missing")
+	}
+	if len(req.GetVolumeCapabilities()) == 0 {
+		return nil, status.Error(codes.InvalidArgument, "volume_capabilities: missing")
+	}
+	size := max(req.GetCapacityRange().GetRequiredBytes(), minSize)
+	if l := req.GetCapacityRange().GetLimitBytes(); l > 0 && size > l {
+		return nil, status.Error(codes.OutOfRange, "capacity_range: limit below the minimum size")
+	}
+	id := volumeID(req.GetName())
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	v, ok := c.vols[id]
+	switch {
+	case ok && v.size != size:
+		return nil, status.Errorf(codes.AlreadyExists, "volume %s exists with %d bytes", req.GetName(), v.size)
+	case !ok:
+		// A deleted volume's target lives on: a name created again gets
+		// a target of its own.
+		c.n++
+		v = &targetVolume{size: size}
+		err := c.run(func(tb testing.TB) {
+			v.vc, v.grow = c.create(tb, id+"-"+strconv.Itoa(c.n), size)
+		})
+		if err != nil {
+			return nil, err
+		}
+		c.vols[id] = v
+	}
+	return &csi.CreateVolumeResponse{Volume: &csi.Volume{
+		VolumeId:      id,
+		CapacityBytes: size,
+		VolumeContext: v.vc,
+	}}, nil
+}
+
+func (c *targetController) DeleteVolume(_ context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id: missing")
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.vols, req.GetVolumeId())
+	return &csi.DeleteVolumeResponse{}, nil
+}
+
+func (c *targetController) ControllerExpandVolume(_ context.Context, req *csi.ControllerExpandVolumeRequest) (*csi.ControllerExpandVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id: missing")
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	v, ok := c.vols[req.GetVolumeId()]
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "volume %s", req.GetVolumeId())
+	}
+	size := max(req.GetCapacityRange().GetRequiredBytes(), v.size)
+	if size > v.size {
+		if err := c.run(func(testing.TB) { v.grow(size) }); err != nil {
+			return nil, err
+		}
+		v.size = size
+	}
+	return &csi.ControllerExpandVolumeResponse{CapacityBytes: size, NodeExpansionRequired: true}, nil
+}
+
+func (c *targetController) ValidateVolumeCapabilities(_ context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
+	c.mu.Lock()
+	_, ok := c.vols[req.GetVolumeId()]
+	c.mu.Unlock()
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "volume %s", req.GetVolumeId())
+	}
+	return &csi.ValidateVolumeCapabilitiesResponse{Confirmed: &csi.ValidateVolumeCapabilitiesResponse_Confirmed{
+		VolumeCapabilities: req.GetVolumeCapabilities(),
+	}}, nil
+}
