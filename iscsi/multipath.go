@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 	"time"
 
@@ -17,33 +16,6 @@ import (
 // find_multipaths), not something more waiting fixes.
 const mapWait = 60 * time.Second
 
-// mapMatcher matches the multipath map of wwid once every given path is
-// one of its slaves.
-type mapMatcher struct {
-	m     devices.Matcher
-	paths []string
-}
-
-func (m mapMatcher) Match(d *devices.Device) bool {
-	if !m.m.Match(d) {
-		return false
-	}
-	slaves, err := devices.Slaves(d.Name)
-	if err != nil {
-		return false
-	}
-	for _, p := range m.paths {
-		if !slices.Contains(slaves, p) {
-			return false
-		}
-	}
-	return true
-}
-
-func (m mapMatcher) String() string {
-	return fmt.Sprintf("%s over %s", m.m, strings.Join(m.paths, ", "))
-}
-
 // waitMap waits for multipathd to build the map of wwid over every
 // attached path.
 func (t *Transport) waitMap(ctx context.Context, wwid string, pds []*pathDevice) (*devices.Device, error) {
@@ -51,7 +23,7 @@ func (t *Transport) waitMap(ctx context.Context, wwid string, pds []*pathDevice)
 	for i, pd := range pds {
 		names[i] = pd.dev.Name
 	}
-	w := t.opts.Listener.Subscribe(mapMatcher{m: devices.MatchMultipath(wwid), paths: names})
+	w := t.opts.Listener.Subscribe(devices.MatchMultipath(wwid, names...))
 	defer w.Close()
 	wctx, cancel := context.WithTimeout(ctx, mapWait)
 	defer cancel()
