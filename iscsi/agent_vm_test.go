@@ -16,69 +16,25 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/berth-csi/berth/agent"
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/iscsi"
+	"github.com/berth-csi/berth/test/csitest"
 	"github.com/berth-csi/berth/test/vm"
 )
-
-type logWriter struct{ t testing.TB }
-
-func (w logWriter) Write(b []byte) (int, error) {
-	w.t.Log(strings.TrimRight(string(b), "\n"))
-	return len(b), nil
-}
 
 // startAgent serves berth's CSI node service with the iscsi transport on a
 // unix socket, as `berth serve` wires it, and returns a client of it.
 func startAgent(t testing.TB, logger *slog.Logger) csi.NodeClient {
-	dir := t.TempDir()
-	l, err := devices.NewListener()
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := csitest.Listener(t)
 	tr, err := iscsi.New(iscsi.Options{Listener: l, Logger: logger})
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, err := agent.New(agent.Config{
-		NodeID: "guest", StateDir: filepath.Join(dir, "state"), Logger: logger,
-		Listener: l, Transports: []agent.Transport{agent.TransportFunc(tr.Name(), tr.Parse)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	endpoint := "unix://" + filepath.Join(dir, "csi.sock")
-	lis, err := agent.Listen(endpoint)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- a.Serve(ctx, lis) }()
-	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		conn.Close()
-		cancel()
-		<-done
-		l.Close()
-	})
-	return csi.NewNodeClient(conn)
-}
-
-func mountCap(fsType string) *csi.VolumeCapability {
-	return &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: fsType}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-	}
+	return csitest.StartAgent(t, logger, l, agent.TransportFunc(tr.Name(), tr.Parse))
 }
 
 func iscsiSessions(t testing.TB, iqn string) int {
@@ -100,7 +56,7 @@ func iscsiSessions(t testing.TB, iqn string) int {
 // sees for wrong credentials and a bad volume_context.
 func TestGuestISCSIAgentLifecycle(t *testing.T) {
 	vm.RequireGuest(t)
-	logger := slog.New(slog.NewTextHandler(logWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	logger := slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelInfo}))
 	node := startAgent(t, logger)
 	lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
 	wwid := lt.AddLUN(0, 64<<20)
@@ -116,7 +72,7 @@ func TestGuestISCSIAgentLifecycle(t *testing.T) {
 	os.MkdirAll(filepath.Dir(targetPath), 0o750)
 	id := "vol-iscsi"
 	vctx := map[string]string{"targetPortal": lt.Portal(1), "iqn": lt.IQN, "lun": "0", "wwid": wwid, "sessionCHAPAuth": "true"}
-	capability := mountCap("ext4")
+	capability := csitest.MountCap("ext4")
 
 	stage := func() {
 		t.Helper()
@@ -223,7 +179,7 @@ func TestBenchGuestISCSI(t *testing.T) {
 		t.Skip("set BERTH_BENCH=1 to run the iSCSI stage benchmark")
 	}
 	const rounds = 5
-	logger := slog.New(slog.NewTextHandler(logWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	logger := slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelWarn}))
 	node := startAgent(t, logger)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
@@ -274,7 +230,7 @@ func TestBenchGuestISCSI(t *testing.T) {
 		vctx := map[string]string{"targetPortal": lt.Portal(1), "iqn": lt.IQN, "lun": "0", "wwid": wwid}
 		start = time.Now()
 		if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: fmt.Sprintf("bench-%d", i),
-			StagingTargetPath: staging, VolumeCapability: mountCap("ext4"), VolumeContext: vctx}); err != nil {
+			StagingTargetPath: staging, VolumeCapability: csitest.MountCap("ext4"), VolumeContext: vctx}); err != nil {
 			t.Fatal(err)
 		}
 		berth = append(berth, time.Since(start))

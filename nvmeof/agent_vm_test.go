@@ -16,75 +16,23 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/berth-csi/berth/agent"
-	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/nvmeof"
+	"github.com/berth-csi/berth/test/csitest"
 	"github.com/berth-csi/berth/test/vm"
 	"github.com/berth-csi/berth/test/vm/target"
 )
 
-type logWriter struct{ t *testing.T }
-
-func (w logWriter) Write(b []byte) (int, error) {
-	w.t.Log(strings.TrimRight(string(b), "\n"))
-	return len(b), nil
-}
-
 // startAgent serves berth's CSI node service with the nvmeof transport
 // on a unix socket and returns a client of it.
 func startAgent(t testing.TB, logger *slog.Logger) csi.NodeClient {
-	dir := t.TempDir()
-	l, err := devices.NewListener()
-	if err != nil {
-		t.Fatal(err)
-	}
+	l := csitest.Listener(t)
 	tr, err := nvmeof.NewTransport(nvmeof.Options{Listener: l, Logger: logger})
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, err := agent.New(agent.Config{
-		NodeID: "guest", StateDir: filepath.Join(dir, "state"), Logger: logger,
-		Listener: l, Transports: []agent.Transport{agent.TransportFunc(tr.Name(), tr.Parse)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	endpoint := "unix://" + filepath.Join(dir, "csi.sock")
-	lis, err := agent.Listen(endpoint)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- a.Serve(ctx, lis) }()
-	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		conn.Close()
-		cancel()
-		<-done
-		l.Close()
-	})
-	return csi.NewNodeClient(conn)
-}
-
-func mountCap(fsType string) *csi.VolumeCapability {
-	return &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: fsType}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-	}
-}
-
-func blockCap() *csi.VolumeCapability {
-	return &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-	}
+	return csitest.StartAgent(t, logger, l, agent.TransportFunc(tr.Name(), tr.Parse))
 }
 
 func subsysControllers(t *testing.T, nqn string) int {
@@ -108,7 +56,7 @@ func subsysControllers(t *testing.T, nqn string) int {
 // stage again and find the data, read-only publish, online expand.
 func TestGuestAgentLifecycle(t *testing.T) {
 	vm.RequireGuest(t)
-	logger := slog.New(slog.NewTextHandler(logWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	logger := slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelInfo}))
 	node := startAgent(t, logger)
 	nqn := "nqn.2026-01.io.berth:lifecycle"
 	tgt := target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{"127.0.0.1:4440", "127.0.0.1:4441"},
@@ -122,9 +70,9 @@ func TestGuestAgentLifecycle(t *testing.T) {
 		cap    *csi.VolumeCapability
 		expand int64
 	}{
-		{"ext4", "1", mountCap("ext4"), 96 << 20},
-		{"xfs", "2", mountCap("xfs"), 0},
-		{"block", "3", blockCap(), 48 << 20},
+		{"ext4", "1", csitest.MountCap("ext4"), 96 << 20},
+		{"xfs", "2", csitest.MountCap("xfs"), 0},
+		{"block", "3", csitest.BlockCap(), 48 << 20},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := t.TempDir()

@@ -20,6 +20,7 @@ import (
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/nvmeof"
+	"github.com/berth-csi/berth/test/csitest"
 	"github.com/berth-csi/berth/test/vm"
 	"github.com/berth-csi/berth/test/vm/target"
 )
@@ -87,7 +88,7 @@ func TestBenchNVMeoFStage(t *testing.T) {
 		staging := filepath.Join(dir, "staging", strconv.Itoa(int(nsid)))
 		os.MkdirAll(staging, 0o750)
 		return &csi.NodeStageVolumeRequest{
-			VolumeId: fmt.Sprintf("bench-%d", nsid), StagingTargetPath: staging, VolumeCapability: mountCap("ext4"),
+			VolumeId: fmt.Sprintf("bench-%d", nsid), StagingTargetPath: staging, VolumeCapability: csitest.MountCap("ext4"),
 			VolumeContext: map[string]string{"nqn": nqn, "nsid": strconv.Itoa(int(nsid)), "traddr": "127.0.0.1", "trsvcid": "4450"},
 		}
 	}

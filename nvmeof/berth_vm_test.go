@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/berth-csi/berth/test/csitest"
 	"github.com/berth-csi/berth/test/vm"
 	"github.com/berth-csi/berth/test/vm/target"
 )
@@ -32,8 +33,8 @@ func startBerth(t *testing.T, dir string) *berthProcess {
 	b := &berthProcess{t: t, endpoint: "unix://" + filepath.Join(dir, "csi.sock"), stateDir: filepath.Join(dir, "state")}
 	b.cmd = exec.Command("/usr/bin/berth", "serve", "--endpoint", b.endpoint, "--state-dir", b.stateDir,
 		"--node-id", "guest", "--transports", "nvmeof", "--log-format", "text")
-	b.cmd.Stdout = logWriter{t}
-	b.cmd.Stderr = logWriter{t}
+	b.cmd.Stdout = csitest.LogWriter(t)
+	b.cmd.Stderr = csitest.LogWriter(t)
 	if err := b.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -94,7 +95,7 @@ func TestGuestBerthSharedSubsystem(t *testing.T) {
 		v.staging = filepath.Join(dir, v.id)
 		os.MkdirAll(v.staging, 0o750)
 		if _, err := b.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging,
-			VolumeCapability: mountCap("ext4"), VolumeContext: vctx([]string{"1", "2"}[i])}); err != nil {
+			VolumeCapability: csitest.MountCap("ext4"), VolumeContext: vctx([]string{"1", "2"}[i])}); err != nil {
 			t.Fatalf("NodeStageVolume %s: %v", v.id, err)
 		}
 		v.file = filepath.Join(v.staging, "data")

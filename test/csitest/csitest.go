@@ -1,0 +1,105 @@
+// Package csitest serves berth's CSI node service inside a test and builds
+// the pieces of CSI requests that the transports' guest tests share.
+//
+// A transport's test binds its transport to the agent's uevent listener and
+// talks to the agent over a unix socket, as kubelet does:
+//
+//	l := csitest.Listener(t)
+//	tr, err := iscsi.New(iscsi.Options{Listener: l, Logger: logger})
+//	...
+//	node := csitest.StartAgent(t, logger, l, agent.TransportFunc(tr.Name(), tr.Parse))
+//	node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{..., VolumeCapability: csitest.MountCap("ext4")})
+package csitest
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/berth-csi/berth/agent"
+	"github.com/berth-csi/berth/devices"
+)
+
+// Listener opens a uevent listener for the agent and its transports. It is
+// closed when the test ends, after the agent StartAgent started on it.
+func Listener(t testing.TB) *devices.Listener {
+	t.Helper()
+	l, err := devices.NewListener()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l
+}
+
+// StartAgent serves berth's CSI node service with the given transports on
+// a unix socket in a temporary directory, as `berth serve` wires it, and
+// returns a client of it. l is the listener the transports were built on.
+// The client is closed and the agent stopped when the test ends.
+func StartAgent(t testing.TB, logger *slog.Logger, l *devices.Listener, transports ...agent.Transport) csi.NodeClient {
+	t.Helper()
+	dir := t.TempDir()
+	a, err := agent.New(agent.Config{
+		NodeID: "guest", StateDir: filepath.Join(dir, "state"), Logger: logger,
+		Listener: l, Transports: transports,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	endpoint := "unix://" + filepath.Join(dir, "csi.sock")
+	lis, err := agent.Listen(endpoint)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- a.Serve(ctx, lis) }()
+	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		cancel()
+		<-done
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		conn.Close()
+		cancel()
+		<-done
+	})
+	return csi.NewNodeClient(conn)
+}
+
+// LogWriter writes each line written to it to the test log, for a slog
+// handler or a child process's output.
+func LogWriter(t testing.TB) io.Writer { return logWriter{t} }
+
+type logWriter struct{ t testing.TB }
+
+func (w logWriter) Write(b []byte) (int, error) {
+	w.t.Log(strings.TrimRight(string(b), "\n"))
+	return len(b), nil
+}
+
+// MountCap is the capability of a volume mounted with filesystem fsType by
+// a single node.
+func MountCap(fsType string) *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: fsType}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+}
+
+// BlockCap is the capability of a raw block volume written by a single
+// node.
+func BlockCap() *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+}
