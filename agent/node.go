@@ -190,14 +190,15 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		log.InfoContext(ctx, "volume came back on another device", slog.String("old_device", rec.Device.Path))
 	}
 	rec.Device = deviceRecordOf(dev)
-	if err := n.a.state.put(rec); err != nil {
-		return nil, err
-	}
 	if vcap.Block {
 		// Raw block: the device is published directly, nothing is
 		// mounted at the staging path. A stage repeated after a crash
 		// or on a new device brings the read-only flag in line with the
-		// recorded publishes.
+		// recorded publishes; the device is recorded before its flag
+		// is touched.
+		if err := n.a.state.put(rec); err != nil {
+			return nil, err
+		}
 		if err := n.syncDeviceReadOnly(rec, dev); err != nil {
 			return nil, err
 		}
@@ -244,6 +245,9 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		}
 		mounted = true
 	}
+	// A mounted volume's device is recorded with the finished stage:
+	// undoing an interrupted one needs only the staging path and the
+	// target, both recorded before the attach.
 	rec.Staged = true
 	if err := n.a.state.put(rec); err != nil {
 		return nil, err

@@ -19,7 +19,8 @@
 // and the device is left untouched. A device that already holds the
 // requested filesystem type is used as it is. The force flags of mkfs (-F,
 // -f) are passed only after that probe: they turn off mkfs' own, weaker
-// checks, never ours (mkfs still refuses a mounted device).
+// checks, never ours (mkfs still refuses a mounted device). After mkfs,
+// the new superblock's magic number is read back from the device.
 //
 // mkfs runs with production defaults: no discard pass at mkfs time (a full
 // device TRIM can take minutes on thin-provisioned LUNs and some arrays

@@ -154,6 +154,31 @@ func TestHostEnsureFilesystemFormatsBlank(t *testing.T) {
 	}
 }
 
+// TestHostSuperblockCheck checks the post-mkfs check against what the
+// real tools write, and that a blank or other filesystem does not pass.
+func TestHostSuperblockCheck(t *testing.T) {
+	needRoot(t)
+	needTools(t, "mkfs.ext4", "mkfs.xfs")
+	ext4, _ := newLoop(t, 64*mib)
+	xfs, _ := newLoop(t, 320*mib)
+	blank, _ := newLoop(t, 64*mib)
+	run(t, "mkfs.ext4", "-q", "-F", ext4)
+	run(t, "mkfs.xfs", "-q", "-f", xfs)
+	for _, tc := range []struct {
+		dev, fsType string
+		want        bool
+	}{
+		{ext4, Ext4, true}, {ext4, XFS, false},
+		{xfs, XFS, true}, {xfs, Ext4, false},
+		{blank, Ext4, false}, {blank, XFS, false},
+	} {
+		got, err := hasSuperblock(tc.dev, tc.fsType)
+		if err != nil || got != tc.want {
+			t.Errorf("hasSuperblock(%s, %s) = %v, %v; want %v", tc.dev, tc.fsType, got, err, tc.want)
+		}
+	}
+}
+
 func TestHostEnsureFilesystemReusesExisting(t *testing.T) {
 	needRoot(t)
 	needTools(t, "blkid", "mkfs.ext4")

@@ -33,13 +33,31 @@ const mkfsTimeout = 10 * time.Minute
 // Before probing, the kernel's buffer cache of a block device is flushed
 // and dropped (BLKFLSBUF), so that both readers see the medium and not
 // pages cached before the device's content changed (a reused loop device,
-// a LUN written from another node).
+// a LUN written from another node). blkid then runs while Probe reads
+// (with O_DIRECT, where the device allows it).
 func Probe(ctx context.Context, devPath string) (Signature, error) {
-	e, err := readEnds(devPath)
+	f, size, err := openForProbe(devPath)
 	if err != nil {
 		return Signature{}, err
 	}
-	out, err := runTool(ctx, "blkid", "-p", "-o", "export", "--", devPath)
+	defer f.Close()
+	// The buffer cache is dropped: blkid's reads and ours (O_DIRECT)
+	// both see the medium and can run at the same time.
+	type blkidResult struct {
+		out []byte
+		err error
+	}
+	blkid := make(chan blkidResult, 1)
+	go func() {
+		out, err := runTool(ctx, "blkid", "-p", "-o", "export", "--", devPath)
+		blkid <- blkidResult{out, err}
+	}()
+	e, endsErr := readEnds(f, devPath, size)
+	r := <-blkid
+	if endsErr != nil {
+		return Signature{}, endsErr
+	}
+	out, err := r.out, r.err
 	exit := 0
 	if err != nil {
 		var te *ToolError
@@ -83,21 +101,22 @@ type ends struct {
 // gptSignature starts a GPT header (UEFI spec, "EFI PART").
 var gptSignature = []byte("EFI PART")
 
-// readEnds reads the first and the last MiB of path, with O_DIRECT where
-// the file allows it.
-func readEnds(path string) (ends, error) {
-	var e ends
+// openForProbe opens path for readEnds, with O_DIRECT where the file
+// allows it, and returns its size. The buffer cache of a block device is
+// dropped (BLKFLSBUF) first, so that later buffered readers see the
+// medium too.
+func openForProbe(path string) (*os.File, int64, error) {
 	f, err := openDevice(path, unix.O_RDONLY|unix.O_DIRECT)
 	if errors.Is(err, unix.EINVAL) {
 		f, err = openDevice(path, unix.O_RDONLY)
 	}
 	if err != nil {
-		return e, fmt.Errorf("probe %s: %w", path, err)
+		return nil, 0, fmt.Errorf("probe %s: %w", path, err)
 	}
-	defer f.Close()
 	fi, err := f.Stat()
 	if err != nil {
-		return e, fmt.Errorf("probe %s: %w", path, err)
+		f.Close()
+		return nil, 0, fmt.Errorf("probe %s: %w", path, err)
 	}
 	size := fi.Size()
 	if fi.Mode()&os.ModeDevice != 0 {
@@ -105,10 +124,17 @@ func readEnds(path string) (ends, error) {
 		_ = unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0)
 		n, err := unix.IoctlGetUint64(int(f.Fd()), unix.BLKGETSIZE64)
 		if err != nil {
-			return e, fmt.Errorf("probe %s: ioctl BLKGETSIZE64: %w", path, err)
+			f.Close()
+			return nil, 0, fmt.Errorf("probe %s: ioctl BLKGETSIZE64: %w", path, err)
 		}
 		size = int64(n)
 	}
+	return f, size, nil
+}
+
+// readEnds reads the first and the last MiB of f, of the given size.
+func readEnds(f *os.File, path string, size int64) (ends, error) {
+	var e ends
 	// An anonymous mapping is page aligned, as O_DIRECT requires.
 	buf, err := unix.Mmap(-1, 0, headSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
@@ -219,22 +245,68 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 	if err != nil {
 		return false, err
 	}
-	defer release()
 	// mkfs is not cancelled with ctx: a mkfs killed halfway leaves a
 	// device that is neither blank nor a filesystem, which every later
 	// probe refuses. With lazy initialisation and no discard it takes
 	// seconds; the cap only bounds a device whose I/O hangs.
 	mkfsCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), mkfsTimeout)
 	defer cancel()
-	if _, err := runTool(mkfsCtx, "mkfs."+fsType, args...); err != nil {
+	_, err = runTool(mkfsCtx, "mkfs."+fsType, args...)
+	release()
+	if err != nil {
 		return false, fmt.Errorf("format %s as %s: %w", devPath, fsType, err)
 	}
-	sig, err = Probe(mkfsCtx, devPath)
+	// The device was probed above; reading the new superblock's magic
+	// confirms mkfs wrote what was asked (a full probe would read the
+	// device again through blkid).
+	ok, err := hasSuperblock(devPath, fsType)
 	if err != nil {
 		return true, fmt.Errorf("format %s as %s: verify: %w", devPath, fsType, err)
 	}
-	if sig.Type != fsType {
-		return true, fmt.Errorf("format %s as %s: mkfs succeeded but the device now holds %s", devPath, fsType, sig)
+	if !ok {
+		return true, fmt.Errorf("format %s as %s: mkfs succeeded but no %s superblock is on the device", devPath, fsType, fsType)
 	}
 	return true, nil
+}
+
+// Superblock magic numbers checked after mkfs: ext2/3/4 s_magic (little
+// endian, at byte 56 of the superblock that starts at 1024) and the xfs
+// superblock's "XFSB" at offset 0.
+const (
+	ext4MagicOffset = 1024 + 56
+	xfsMagicOffset  = 0
+)
+
+var (
+	ext4Magic = []byte{0x53, 0xef}
+	xfsMagic  = []byte("XFSB")
+)
+
+// hasSuperblock reports whether devPath starts with a superblock of
+// fsType: the check that a finished mkfs wrote what was asked, without
+// running blkid again. The read bypasses the buffer cache.
+func hasSuperblock(devPath, fsType string) (bool, error) {
+	f, _, err := openForProbe(devPath)
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	const blockSize = 4096
+	buf, err := unix.Mmap(-1, 0, blockSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return false, fmt.Errorf("probe %s: allocate read buffer: %w", devPath, err)
+	}
+	defer unix.Munmap(buf)
+	n, err := readAtFull(f, buf, 0)
+	if err != nil {
+		return false, fmt.Errorf("probe %s: read the first block: %w", devPath, err)
+	}
+	b := buf[:n]
+	switch fsType {
+	case Ext4:
+		return len(b) >= ext4MagicOffset+len(ext4Magic) && bytes.Equal(b[ext4MagicOffset:ext4MagicOffset+len(ext4Magic)], ext4Magic), nil
+	case XFS:
+		return len(b) >= xfsMagicOffset+len(xfsMagic) && bytes.Equal(b[xfsMagicOffset:xfsMagicOffset+len(xfsMagic)], xfsMagic), nil
+	}
+	return false, nil
 }
