@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/kmutex"
 )
 
 // LO_FLAGS_READ_ONLY of <linux/loop.h>. LO_FLAGS_AUTOCLEAR is never set: a
@@ -52,7 +53,7 @@ func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (_
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := attachLocks.lock(ctx, path)
+	unlock, err := attachLocks.Lock(ctx, path)
 	if err != nil {
 		return nil, fmt.Errorf("attach loop device for %s: %w", path, err)
 	}
@@ -361,44 +362,6 @@ func blockDeviceSize(f *os.File) (int64, error) {
 	return int64(size), nil
 }
 
-// keyedLocks serialises work on one key (a backing file) without a global
-// lock; waiting for a key respects the context.
-type keyedLocks struct {
-	mu sync.Mutex
-	m  map[string]*keyedLock
-}
-
-type keyedLock struct {
-	ch   chan struct{}
-	refs int
-}
-
-var attachLocks keyedLocks
-
-func (k *keyedLocks) lock(ctx context.Context, key string) (func(), error) {
-	k.mu.Lock()
-	if k.m == nil {
-		k.m = make(map[string]*keyedLock)
-	}
-	e := k.m[key]
-	if e == nil {
-		e = &keyedLock{ch: make(chan struct{}, 1)}
-		k.m[key] = e
-	}
-	e.refs++
-	k.mu.Unlock()
-	release := func() {
-		k.mu.Lock()
-		if e.refs--; e.refs == 0 {
-			delete(k.m, key)
-		}
-		k.mu.Unlock()
-	}
-	select {
-	case e.ch <- struct{}{}:
-		return func() { <-e.ch; release() }, nil
-	case <-ctx.Done():
-		release()
-		return nil, ctx.Err()
-	}
-}
+// attachLocks serialises the attach of one backing file without a global
+// lock; waiting for a file respects the context.
+var attachLocks kmutex.KeyedMutex

@@ -6,10 +6,10 @@ import (
 	"log/slog"
 	"net"
 	"strings"
-	"sync"
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/kmutex"
 )
 
 // Options configures the iSCSI transport of a node.
@@ -135,43 +135,14 @@ func (tg *Target) Key() string { return tg.v.Key() }
 func (tg *Target) Volume() *Volume { return tg.v }
 
 // keyedMutex serializes work per key, honouring the context while waiting.
-type keyedMutex struct {
-	mu sync.Mutex
-	m  map[string]*keyedLock
-}
+type keyedMutex struct{ k kmutex.KeyedMutex }
 
-type keyedLock struct {
-	ch   chan struct{}
-	refs int
-}
-
-func (k *keyedMutex) lock(ctx context.Context, key string) (func(), error) {
-	k.mu.Lock()
-	if k.m == nil {
-		k.m = map[string]*keyedLock{}
+func (m *keyedMutex) lock(ctx context.Context, key string) (func(), error) {
+	unlock, err := m.k.Lock(ctx, key)
+	if err != nil {
+		return nil, fmt.Errorf("wait for another operation on %s: %w", key, err)
 	}
-	l := k.m[key]
-	if l == nil {
-		l = &keyedLock{ch: make(chan struct{}, 1)}
-		k.m[key] = l
-	}
-	l.refs++
-	k.mu.Unlock()
-	release := func() {
-		k.mu.Lock()
-		l.refs--
-		if l.refs == 0 {
-			delete(k.m, key)
-		}
-		k.mu.Unlock()
-	}
-	select {
-	case l.ch <- struct{}{}:
-		return func() { <-l.ch; release() }, nil
-	case <-ctx.Done():
-		release()
-		return nil, fmt.Errorf("wait for another operation on %s: %w", key, ctx.Err())
-	}
+	return unlock, nil
 }
 
 // path is one portal of a volume, resolved.

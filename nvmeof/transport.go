@@ -15,6 +15,7 @@ import (
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/kmutex"
 )
 
 // DefaultNamespaceTimeout bounds the wait for a namespace device after
@@ -802,40 +803,12 @@ func (g *Target) Health(ctx context.Context) (abnormal bool, message string) {
 }
 
 // keyedMutex serializes operations per key (a subsystem NQN).
-type keyedMutex struct {
-	mu    sync.Mutex
-	locks map[string]*keyedLock
-}
+type keyedMutex struct{ k kmutex.KeyedMutex }
 
-type keyedLock struct {
-	ch   chan struct{}
-	refs int
-}
-
-func (k *keyedMutex) lock(ctx context.Context, key string) (func(), error) {
-	k.mu.Lock()
-	if k.locks == nil {
-		k.locks = make(map[string]*keyedLock)
+func (m *keyedMutex) lock(ctx context.Context, key string) (func(), error) {
+	unlock, err := m.k.Lock(ctx, key)
+	if err != nil {
+		return nil, fmt.Errorf("wait for another operation on subsystem %s: %w", key, err)
 	}
-	l := k.locks[key]
-	if l == nil {
-		l = &keyedLock{ch: make(chan struct{}, 1)}
-		k.locks[key] = l
-	}
-	l.refs++
-	k.mu.Unlock()
-	release := func() {
-		k.mu.Lock()
-		if l.refs--; l.refs == 0 {
-			delete(k.locks, key)
-		}
-		k.mu.Unlock()
-	}
-	select {
-	case l.ch <- struct{}{}:
-		return func() { <-l.ch; release() }, nil
-	case <-ctx.Done():
-		release()
-		return nil, fmt.Errorf("wait for another operation on subsystem %s: %w", key, ctx.Err())
-	}
+	return unlock, nil
 }

@@ -1,0 +1,83 @@
+package kmutex
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func TestSameKeySerializes(t *testing.T) {
+	var k KeyedMutex
+	var inside, most atomic.Int32
+	var wg sync.WaitGroup
+	for range 20 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			unlock, err := k.Lock(context.Background(), "a")
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			n := inside.Add(1)
+			for {
+				m := most.Load()
+				if n <= m || most.CompareAndSwap(m, n) {
+					break
+				}
+			}
+			time.Sleep(time.Millisecond)
+			inside.Add(-1)
+			unlock()
+		}()
+	}
+	wg.Wait()
+	if most.Load() != 1 {
+		t.Fatalf("%d holders of one key at once", most.Load())
+	}
+	if n := k.len(); n != 0 {
+		t.Fatalf("%d keys left after every unlock", n)
+	}
+}
+
+func TestOtherKeysRunInParallel(t *testing.T) {
+	var k KeyedMutex
+	unlockA, err := k.Lock(context.Background(), "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlockA()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	unlockB, err := k.Lock(ctx, "b")
+	if err != nil {
+		t.Fatalf("key b blocked by a holder of key a: %v", err)
+	}
+	unlockB()
+}
+
+func TestWaitEndsWithContext(t *testing.T) {
+	var k KeyedMutex
+	unlock, err := k.Lock(context.Background(), "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	if _, err := k.Lock(ctx, "a"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Lock of a held key with an ending context: %v", err)
+	}
+	unlock()
+	unlock() // a second unlock is harmless
+	if n := k.len(); n != 0 {
+		t.Fatalf("%d keys left after the waiter gave up and the holder unlocked", n)
+	}
+	again, err := k.Lock(context.Background(), "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	again()
+}
