@@ -31,7 +31,7 @@ manifest-test: build
 	cd deploy/kubernetes/validate && BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -mod=mod -count=1 ./...
 
 sanity-test: build
-	cd test/sanity && BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m ./...
+	cd test/sanity && BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m -skip '^TestVM' ./...
 
 vm-image:
 	./test/vm/image/build.sh
@@ -39,6 +39,7 @@ vm-image:
 # Tests that boot QEMU guests with real NVMe/TCP and iSCSI targets.
 vm-test: build vm-image
 	$(GO) test -count=1 -timeout 25m -run '^TestVM' -skip '^TestVMBench' ./...
+	cd test/sanity && $(GO) test -count=1 -timeout 20m -run '^TestVM' ./...
 
 bench: build vm-image
 	./scripts/bench.sh
