@@ -6,6 +6,10 @@
 #
 # usage: raw-stage.sh NQN TRADDR TRSVCID HOSTNQN HOSTID MOUNTROOT NSID...
 # MOUNTROOT "-" stops once the block devices exist (the attach alone).
+#
+# mkfs.ext4 runs with the options berth formats with (no discard pass,
+# lazy inode table and journal initialisation), so that both sides do
+# the same work on the device.
 set -eu
 nqn=$1 traddr=$2 trsvcid=$3 hostnqn=$4 hostid=$5 root=$6
 shift 6
@@ -26,7 +30,7 @@ stage() {
 		[ -n "$dev" ] || sleep 0.01
 	done
 	[ "$root" = - ] && return
-	/usr/sbin/mkfs.ext4 -q -F "$dev"
+	/usr/sbin/mkfs.ext4 -q -F -E lazy_itable_init=1,lazy_journal_init=1,nodiscard "$dev"
 	mkdir -p "$root/$ns"
 	mount -t ext4 "$dev" "$root/$ns"
 }
