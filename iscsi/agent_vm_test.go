@@ -247,7 +247,8 @@ func TestBenchGuestISCSI(t *testing.T) {
 		run(t, "iscsiadm", "-m", "node", "-o", "new", "-T", lr.IQN, "-p", lr.Portal(1))
 		run(t, "iscsiadm", "-m", "node", "-T", lr.IQN, "-p", lr.Portal(1), "--login")
 		dev := waitSessionDisk(t, lr.IQN)
-		run(t, "/usr/sbin/mkfs.ext4", "-q", "-F", dev)
+		// berth's own mkfs options, so both sides format the same way.
+		run(t, "/usr/sbin/mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", dev)
 		if err := unix.Mount(dev, mnt, "ext4", 0, ""); err != nil {
 			t.Fatal(err)
 		}
