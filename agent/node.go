@@ -298,16 +298,22 @@ func withoutSecrets(vctx, secrets map[string]string) map[string]string {
 	return out
 }
 
-func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (_ *csi.NodeUnstageVolumeResponse, retErr error) {
-	defer func() { retErr = toStatus(retErr, nil) }()
-	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
+// lockVolumePath validates a volume ID and a path field of a request that
+// names nothing else, then takes the locks of both (Aborted when busy).
+func (n *nodeServer) lockVolumePath(id, field, p string) (unlock func(), err error) {
 	if err := validateVolumeID(id); err != nil {
 		return nil, err
 	}
-	if err := validatePath("staging_target_path", staging); err != nil {
+	if err := validatePath(field, p); err != nil {
 		return nil, err
 	}
-	unlock, err := n.a.locks.tryLock(volumeKey(id), pathKey(staging))
+	return n.a.locks.tryLock(volumeKey(id), pathKey(p))
+}
+
+func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (_ *csi.NodeUnstageVolumeResponse, retErr error) {
+	defer func() { retErr = toStatus(retErr, nil) }()
+	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
+	unlock, err := n.lockVolumePath(id, "staging_target_path", staging)
 	if err != nil {
 		return nil, err
 	}
@@ -578,13 +584,7 @@ func createFile(p string) (created bool, err error) {
 func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (_ *csi.NodeUnpublishVolumeResponse, retErr error) {
 	defer func() { retErr = toStatus(retErr, nil) }()
 	id, target := req.GetVolumeId(), req.GetTargetPath()
-	if err := validateVolumeID(id); err != nil {
-		return nil, err
-	}
-	if err := validatePath("target_path", target); err != nil {
-		return nil, err
-	}
-	unlock, err := n.a.locks.tryLock(volumeKey(id), pathKey(target))
+	unlock, err := n.lockVolumePath(id, "target_path", target)
 	if err != nil {
 		return nil, err
 	}

@@ -76,18 +76,27 @@ func volumeID(name string) string {
 
 func (c *fileController) image(id string) string { return filepath.Join(c.root, id+".img") }
 
-func (c *fileController) CreateVolume(_ context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+// checkCreate validates a CreateVolumeRequest for the test controllers
+// and returns the volume ID and size it asks for.
+func checkCreate(req *csi.CreateVolumeRequest) (id string, size int64, err error) {
 	if req.GetName() == "" {
-		return nil, status.Error(codes.InvalidArgument, "name: missing")
+		return "", 0, status.Error(codes.InvalidArgument, "name: missing")
 	}
 	if len(req.GetVolumeCapabilities()) == 0 {
-		return nil, status.Error(codes.InvalidArgument, "volume_capabilities: missing")
+		return "", 0, status.Error(codes.InvalidArgument, "volume_capabilities: missing")
 	}
-	size := max(req.GetCapacityRange().GetRequiredBytes(), minSize)
+	size = max(req.GetCapacityRange().GetRequiredBytes(), minSize)
 	if l := req.GetCapacityRange().GetLimitBytes(); l > 0 && size > l {
-		return nil, status.Error(codes.OutOfRange, "capacity_range: limit below the minimum size")
+		return "", 0, status.Error(codes.OutOfRange, "capacity_range: limit below the minimum size")
 	}
-	id := volumeID(req.GetName())
+	return volumeID(req.GetName()), size, nil
+}
+
+func (c *fileController) CreateVolume(_ context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+	id, size, err := checkCreate(req)
+	if err != nil {
+		return nil, err
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if have, ok := c.vols[id]; ok && have != size {

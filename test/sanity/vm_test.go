@@ -186,17 +186,10 @@ func (c *targetController) ControllerGetCapabilities(ctx context.Context, req *c
 }
 
 func (c *targetController) CreateVolume(_ context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
-	if req.GetName() == "" {
-		return nil, status.Error(codes.InvalidArgument, "name: missing")
+	id, size, err := checkCreate(req)
+	if err != nil {
+		return nil, err
 	}
-	if len(req.GetVolumeCapabilities()) == 0 {
-		return nil, status.Error(codes.InvalidArgument, "volume_capabilities: missing")
-	}
-	size := max(req.GetCapacityRange().GetRequiredBytes(), minSize)
-	if l := req.GetCapacityRange().GetLimitBytes(); l > 0 && size > l {
-		return nil, status.Error(codes.OutOfRange, "capacity_range: limit below the minimum size")
-	}
-	id := volumeID(req.GetName())
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	v, ok := c.vols[id]

@@ -3,10 +3,11 @@ package target
 import (
 	"encoding/hex"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
-	"sort"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -206,12 +207,7 @@ func (x *ISCSITarget) BackingDevice(i int) string {
 func (x *ISCSITarget) Portals() []string {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	var ps []string
-	for p := range x.tpgs {
-		ps = append(ps, p)
-	}
-	sort.Strings(ps)
-	return ps
+	return slices.Sorted(maps.Keys(x.tpgs))
 }
 
 func (x *ISCSITarget) tpgOf(addr string) string {

@@ -3,10 +3,11 @@ package target
 import (
 	"encoding/hex"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
-	"sort"
+	"slices"
 	"strconv"
 	"sync"
 	"testing"
@@ -157,12 +158,7 @@ func (n *NVMeTarget) BackingDevice(nsid uint32) string {
 func (n *NVMeTarget) Ports() []string {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	var ps []string
-	for p := range n.ports {
-		ps = append(ps, p)
-	}
-	sort.Strings(ps)
-	return ps
+	return slices.Sorted(maps.Keys(n.ports))
 }
 
 // ConnectString is what an initiator writes to /dev/nvme-fabrics to reach
