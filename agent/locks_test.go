@@ -1,9 +1,13 @@
 package agent
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"log/slog"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -151,4 +155,57 @@ func TestConcurrentFirstStageMountsOnce(t *testing.T) {
 	if c := host.mountCount(staging); c != 1 {
 		t.Fatalf("mounted %d times, want 1", c)
 	}
+}
+
+// The log line of a finished stage says how long each step took.
+func TestStageLogsStepTimes(t *testing.T) {
+	a, _, _ := newFakeAgent(t)
+	var buf syncBuffer
+	a.log = slog.New(slog.NewJSONHandler(&buf, nil))
+	n := &nodeServer{a: a}
+	staging := filepath.Join(t.TempDir(), "s")
+	must(t, "mkdir", mkdirAll(staging))
+	if _, err := n.NodeStageVolume(context.Background(), stageReq("vol-t", staging, "7")); err != nil {
+		t.Fatal(err)
+	}
+	var line struct {
+		Msg  string            `json:"msg"`
+		Took map[string]string `json:"took"`
+	}
+	found := false
+	for _, l := range strings.Split(strings.TrimSpace(buf.String()), "\n") {
+		if err := json.Unmarshal([]byte(l), &line); err != nil {
+			t.Fatalf("log line %q: %v", l, err)
+		}
+		if line.Msg != "staged" {
+			continue
+		}
+		found = true
+		for _, step := range []string{"prepare", "attach", "verify", "format", "verify_again", "mount", "record", "total"} {
+			if _, err := time.ParseDuration(line.Took[step]); err != nil {
+				t.Errorf("took.%s = %q: %v", step, line.Took[step], err)
+			}
+		}
+	}
+	if !found {
+		t.Fatalf("no staged line in:\n%s", buf.String())
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for concurrent writers.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

@@ -172,3 +172,28 @@ func errorMessage(err error) string {
 	}
 	return status.Convert(err).Message()
 }
+
+// stepTimer records how long each step of an RPC took, for the log line
+// that reports the RPC's result.
+type stepTimer struct {
+	start, last time.Time
+	steps       []any
+}
+
+func newStepTimer() *stepTimer {
+	now := time.Now()
+	return &stepTimer{start: now, last: now}
+}
+
+// mark ends the step called name.
+func (s *stepTimer) mark(name string) {
+	now := time.Now()
+	s.steps = append(s.steps, slog.String(name, now.Sub(s.last).Round(time.Microsecond).String()))
+	s.last = now
+}
+
+// attr is the "took" group: every marked step and the total.
+func (s *stepTimer) attr() slog.Attr {
+	steps := append(s.steps, slog.String("total", s.last.Sub(s.start).Round(time.Microsecond).String()))
+	return slog.Group("took", steps...)
+}

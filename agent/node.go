@@ -108,6 +108,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		return nil, err
 	}
 	log := logFrom(ctx, n.a.log)
+	took := newStepTimer()
 
 	rec, known := n.a.state.get(id)
 	if known {
@@ -181,10 +182,12 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		}
 	}()
 
+	took.mark("prepare")
 	dev, err := target.Attach(ctx)
 	if err != nil {
 		return nil, err
 	}
+	took.mark("attach")
 	log = log.With(slog.String("device", dev.Path))
 	if wasStaged && rec.Device != nil && (rec.Device.Major != dev.Major || rec.Device.Minor != dev.Minor) {
 		log.InfoContext(ctx, "volume came back on another device", slog.String("old_device", rec.Device.Path))
@@ -206,12 +209,14 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		if err := n.a.state.put(rec); err != nil {
 			return nil, err
 		}
-		log.InfoContext(ctx, "staged for raw block access")
+		took.mark("record")
+		log.InfoContext(ctx, "staged for raw block access", took.attr())
 		return &csi.NodeStageVolumeResponse{}, nil
 	}
 	if err := n.a.verify(dev); err != nil {
 		return nil, err
 	}
+	took.mark("verify")
 
 	m, err := n.a.host.MountInfo(staging)
 	switch {
@@ -227,15 +232,21 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 			return nil, err
 		}
 		if formatted {
+			took.mark("format")
 			log.InfoContext(ctx, "created filesystem", slog.String("fs_type", vcap.FsType))
-		} else if err := n.a.host.Fsck(ctx, dev.Path, vcap.FsType); err != nil {
-			return nil, err
+		} else {
+			took.mark("probe")
+			if err := n.a.host.Fsck(ctx, dev.Path, vcap.FsType); err != nil {
+				return nil, err
+			}
+			took.mark("fsck")
 		}
 		// mkfs and fsck take time; make sure the name still means the
 		// device we checked before mounting it.
 		if err := n.a.verify(dev); err != nil {
 			return nil, err
 		}
+		took.mark("verify_again")
 		flags, data, err := n.mountOptions(vcap, vcap.readOnly())
 		if err != nil {
 			return nil, err
@@ -244,6 +255,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 			return nil, err
 		}
 		mounted = true
+		took.mark("mount")
 	}
 	// A mounted volume's device is recorded with the finished stage:
 	// undoing an interrupted one needs only the staging path and the
@@ -252,7 +264,8 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if err := n.a.state.put(rec); err != nil {
 		return nil, err
 	}
-	log.InfoContext(ctx, "staged", slog.String("fs_type", vcap.FsType))
+	took.mark("record")
+	log.InfoContext(ctx, "staged", slog.String("fs_type", vcap.FsType), took.attr())
 	return &csi.NodeStageVolumeResponse{}, nil
 }
 
