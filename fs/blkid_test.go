@@ -102,3 +102,41 @@ func TestFirstNonZero(t *testing.T) {
 		t.Error("zeros reported non-zero")
 	}
 }
+
+// Every byte of every far window is read on every device size where it
+// exists, with aligned ranges inside the device; windows inside the first
+// or the last MiB are left to those reads.
+func TestFarSpans(t *testing.T) {
+	for _, size := range []int64{4096, 1 << 20, 1<<20 + 512, 3 << 20, 4<<20 + 4096, 5<<20 + 3*512, 64 << 20, 1 << 40} {
+		tail := max(0, (size-headSize)&^(blockAlign-1))
+		spans := farSpans(size, headSize, tail)
+		covered := func(off int64) bool {
+			if off < headSize || off >= tail {
+				return true
+			}
+			for _, s := range spans {
+				if off >= s[0] && off < s[1] {
+					return true
+				}
+			}
+			return false
+		}
+		for _, s := range spans {
+			if s[0]%blockAlign != 0 || s[0] >= s[1] || s[1] > size || (s[1]%blockAlign != 0 && s[1] != size) {
+				t.Errorf("size %d: bad span %v", size, s)
+			}
+		}
+		for _, w := range farWindows {
+			off := w.off
+			if off < 0 {
+				off += size
+			}
+			for b := off; b < off+w.length; b++ {
+				if b >= 0 && b < size && !covered(b) {
+					t.Errorf("size %d: byte %d of window %q is not read", size, b, w.who)
+					break
+				}
+			}
+		}
+	}
+}

@@ -4,14 +4,18 @@
 //
 // # Formatting
 //
-// A device is formatted only when it provably holds nothing. [Probe] runs
-// `blkid -p` (low-level superblock and partition-table probing that
-// bypasses the blkid cache) and reads the first and the last MiB of the
-// device itself. blkid looks beyond the first MiB: md 0.90/1.0
-// superblocks near the end of the device, the GPT backup header when the
-// primary one is damaged, superblocks at larger offsets. A GPT backup
-// header left alone at the end (primary table and protective MBR erased),
-// which blkid ignores, is caught by Probe's own read of the last block.
+// A device is formatted only when it provably holds nothing. [Probe]
+// reads the first and the last MiB of the device and the few places
+// beyond them where libblkid looks for a signature (LUKS2 secondary
+// headers up to 4 MiB, VMFS at 1 and 2 MiB, a Promise RAID signature 3087
+// sectors before the end). No libblkid prober matches all-zero bytes, so
+// when all of those bytes are zero the device is blank and blkid need not
+// run. Otherwise Probe runs `blkid -p` (low-level superblock and
+// partition-table probing that bypasses the blkid cache), started as soon
+// as the first block shows data. Zoned devices and CD-ROMs, where libblkid
+// looks elsewhere, always go to blkid. A GPT backup header left alone at
+// the end (primary table and protective MBR erased), which blkid ignores,
+// is caught by Probe's own read of the last block.
 // [EnsureFilesystem] formats only when nothing was found: no filesystem,
 // partition table, RAID member, LUKS header, swap area, LVM PV or other
 // signature, and both MiBs all zeros. Anything else is refused with an

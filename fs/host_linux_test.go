@@ -226,6 +226,17 @@ func luks1Header() []byte {
 	return b
 }
 
+// luks2SecondaryHeader returns the start of a LUKS2 binary header as
+// cryptsetup writes its secondary copies, for a copy at off.
+func luks2SecondaryHeader(off int64) []byte {
+	b := make([]byte, 512)
+	copy(b, "SKUL\xba\xbe")
+	binary.BigEndian.PutUint16(b[6:], 2)
+	binary.BigEndian.PutUint64(b[8:], 16384) // header size
+	binary.BigEndian.PutUint64(b[256:], uint64(off))
+	return b
+}
+
 // md090 returns an md 0.90 superblock and its offset on a device of size
 // bytes: the last 64 KiB-aligned 64 KiB block, far outside the first MiB.
 func md090(size int64) ([]byte, int64) {
@@ -289,6 +300,14 @@ func TestHostEnsureFilesystemRefuses(t *testing.T) {
 			sb, off := md090(size)
 			writeAt(t, f, off, sb)
 		}, "linux_raid_member"},
+		// Signatures only in the far windows: the first and the last
+		// MiB are zero, so only blkid can name these.
+		{"VMFS volume member at 1 MiB", Ext4, func(t *testing.T, f string) { writeAt(t, f, 1*mib, []byte{0x0d, 0xd0, 0x01, 0xc0}) }, "VMFS_volume_member"},
+		{"VMFS at 2 MiB", Ext4, func(t *testing.T, f string) { writeAt(t, f, 2*mib, []byte{0x5e, 0xf1, 0xab, 0x2f}) }, "VMFS"},
+		{"LUKS2 secondary header at 4 MiB only", XFS, func(t *testing.T, f string) { writeAt(t, f, 4*mib, luks2SecondaryHeader(4*mib)) }, "crypto_LUKS"},
+		{"Promise RAID 3087 sectors before the end", Ext4, func(t *testing.T, f string) {
+			writeAt(t, f, size-3087*512, []byte("Promise Technology, Inc."))
+		}, "promise_fasttrack_raid_member"},
 		{"random bytes in the first MiB", Ext4, func(t *testing.T, f string) {
 			b := make([]byte, 16)
 			rand.Read(b)
@@ -824,6 +843,35 @@ func TestHostProbeSeesPastStaleCache(t *testing.T) {
 	}
 	if hashFile(t, file) != before {
 		t.Fatal("device bytes changed")
+	}
+}
+
+// A device whose first and last MiB and far windows are zero is blank
+// without blkid: Probe decides it without running the tool (here: no
+// tool can be found), and data elsewhere does not change the verdict,
+// as it does not for blkid. Any byte in a window needs blkid.
+func TestHostProbeFastPath(t *testing.T) {
+	needRoot(t)
+	const size = 64 * mib
+	file := sparseFile(t, size)
+	writeAt(t, file, 3*mib, []byte("data outside every window"))
+	dev := attachLoop(t, file)
+	ctx := context.Background()
+
+	dirs := toolDirs
+	toolDirs = []string{t.TempDir()}
+	t.Cleanup(func() { toolDirs = dirs })
+	t.Setenv("PATH", t.TempDir())
+	if sig, err := Probe(ctx, dev); err != nil || !sig.Blank() {
+		t.Fatalf("Probe of a device with zero windows and no blkid = %+v, %v; want blank without blkid", sig, err)
+	}
+	for _, off := range []int64{0, 4095, mib - 1, 2*mib + 511, 4 * mib, size - 3087*512 + 17, size - mib, size - 1} {
+		writeAt(t, file, off, []byte{0x80})
+		_, err := Probe(ctx, dev)
+		if !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "blkid") {
+			t.Errorf("Probe with a byte at %d = %v; want it to need blkid", off, err)
+		}
+		writeAt(t, file, off, []byte{0})
 	}
 }
 

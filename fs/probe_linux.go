@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -20,39 +21,61 @@ const headSize = 1 << 20
 // mkfsTimeout bounds one mkfs run.
 const mkfsTimeout = 10 * time.Minute
 
-// Probe reports what the device holds. It runs `blkid -p -o export`:
-// low-level probing of superblocks (all usages: filesystem, raid, crypto,
-// other) and partition tables, without the blkid cache. blkid also checks
-// places a first-MiB read cannot see, such as the md 0.90/1.0 superblocks
-// at the end of the device and superblocks beyond the first MiB. Probe
-// itself reads the first and the last MiB: when blkid finds nothing, a
+// Probe reports what the device holds. It reads the first and the last
+// MiB of the device itself and the few places beyond them where libblkid
+// looks for signatures (see farWindows). When every one of those bytes
+// is zero, the device is blank: no signature blkid knows can be there
+// (zoned devices and CD-ROMs always go to blkid).
+// Otherwise it runs `blkid -p -o export`: low-level probing of
+// superblocks (all usages: filesystem, raid, crypto, other) and
+// partition tables, without the blkid cache. When blkid finds nothing, a
 // GPT backup header in the last block gives Signature{Type: "gpt-backup"}
 // (blkid ignores a backup header without the protective MBR), and any
-// non-zero byte in either MiB gives Signature{Type: "unknown-data"}.
+// non-zero byte in the first or the last MiB gives
+// Signature{Type: "unknown-data"}.
 //
-// Before probing, the kernel's buffer cache of a block device is flushed
+// Before reading, the kernel's buffer cache of a block device is flushed
 // and dropped (BLKFLSBUF), so that both readers see the medium and not
 // pages cached before the device's content changed (a reused loop device,
-// a LUN written from another node). blkid then runs while Probe reads
-// (with O_DIRECT, where the device allows it).
+// a LUN written from another node). Probe's own reads bypass the cache
+// (O_DIRECT, where the device allows it). When the first block already
+// holds data, blkid is started at once and runs while Probe reads the
+// rest.
 func Probe(ctx context.Context, devPath string) (Signature, error) {
 	f, size, err := openForProbe(devPath)
 	if err != nil {
 		return Signature{}, err
 	}
 	defer f.Close()
-	// The buffer cache is dropped: blkid's reads and ours (O_DIRECT)
-	// both see the medium and can run at the same time.
 	type blkidResult struct {
 		out []byte
 		err error
 	}
-	blkid := make(chan blkidResult, 1)
-	go func() {
-		out, err := runTool(ctx, "blkid", "-p", "-o", "export", "--", devPath)
-		blkid <- blkidResult{out, err}
-	}()
+	var blkid chan blkidResult
+	startBlkid := func() {
+		blkid = make(chan blkidResult, 1)
+		go func() {
+			out, err := runTool(ctx, "blkid", "-p", "-o", "export", "--", devPath)
+			blkid <- blkidResult{out, err}
+		}()
+	}
+	first, err := readFirstBlock(f, devPath)
+	if err != nil {
+		return Signature{}, err
+	}
+	if first || blkidOnly(f) {
+		startBlkid()
+	}
 	e, endsErr := readEnds(f, devPath, size)
+	if blkid == nil {
+		if endsErr != nil {
+			return Signature{}, endsErr
+		}
+		if e.zero() {
+			return Signature{}, nil
+		}
+		startBlkid()
+	}
 	r := <-blkid
 	if endsErr != nil {
 		return Signature{}, endsErr
@@ -90,12 +113,18 @@ func Probe(ctx context.Context, devPath string) (Signature, error) {
 	return Signature{}, nil
 }
 
-// ends is what Probe read itself at both ends of a device.
+// ends is what Probe read itself.
 type ends struct {
-	headNonZero int  // offset of the first non-zero byte in the first MiB, or -1
-	tailNonZero int  // offset of the first non-zero byte in the last MiB, or -1
-	gptBackup   bool // a GPT header signature in the last logical block
+	headNonZero int   // offset of the first non-zero byte in the first MiB, or -1
+	tailNonZero int   // offset of the first non-zero byte in the last MiB, or -1
+	farNonZero  int64 // device offset of a non-zero byte in a far window, or -1
+	gptBackup   bool  // a GPT header signature in the last logical block
 	tailStart   int64
+}
+
+// zero reports whether every byte read was zero.
+func (e ends) zero() bool {
+	return e.headNonZero < 0 && e.tailNonZero < 0 && e.farNonZero < 0 && !e.gptBackup
 }
 
 // gptSignature starts a GPT header (UEFI spec, "EFI PART").
@@ -132,32 +161,109 @@ func openForProbe(path string) (*os.File, int64, error) {
 	return f, size, nil
 }
 
-// readEnds reads the first and the last MiB of f, of the given size.
-func readEnds(f *os.File, path string, size int64) (ends, error) {
-	var e ends
-	// An anonymous mapping is page aligned, as O_DIRECT requires.
-	buf, err := unix.Mmap(-1, 0, headSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+// blkidOnly reports whether f is a device that only blkid can call
+// blank (see farWindows): a zoned device or a CD-ROM.
+func blkidOnly(f *os.File) bool {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		return false
+	}
+	const scsiCDROMMajor = 11 // sr, <linux/major.h>
+	return unix.Major(st.Rdev) == scsiCDROMMajor || isZoned(f)
+}
+
+// blkGetZoneSz is BLKGETZONESZ, _IOR(0x12, 132, __u32) in
+// <linux/blkzoned.h>: the zone size in sectors, 0 for a device that is
+// not zoned.
+const blkGetZoneSz = 0x80041284
+
+// isZoned reports whether the block device f is zoned. A kernel without
+// the ioctl has no zoned devices.
+func isZoned(f *os.File) bool {
+	n, err := unix.IoctlGetUint32(int(f.Fd()), blkGetZoneSz)
+	return err == nil && n != 0
+}
+
+// readFirstBlock reports whether the device's first block holds a
+// non-zero byte: where most signatures are.
+func readFirstBlock(f *os.File, path string) (bool, error) {
+	buf, err := alignedBuffer(blockAlign)
 	if err != nil {
-		return e, fmt.Errorf("probe %s: allocate read buffer: %w", path, err)
+		return false, fmt.Errorf("probe %s: %w", path, err)
+	}
+	defer unix.Munmap(buf)
+	n, err := readAtFull(f, buf, 0)
+	if err != nil {
+		return false, fmt.Errorf("probe %s: read the first block: %w", path, err)
+	}
+	return firstNonZero(buf[:n]) >= 0, nil
+}
+
+// alignedBuffer allocates n bytes, page aligned as O_DIRECT requires.
+// Free it with unix.Munmap.
+func alignedBuffer(n int) ([]byte, error) {
+	buf, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, fmt.Errorf("allocate read buffer: %w", err)
+	}
+	return buf, nil
+}
+
+// readEnds reads the first and the last MiB of f, of the given size, and
+// the far windows between them, all at once.
+func readEnds(f *os.File, path string, size int64) (ends, error) {
+	e := ends{farNonZero: -1}
+	e.tailStart = max(0, (size-headSize)&^(blockAlign-1))
+	far := farSpans(size, headSize, e.tailStart)
+	total := 2 * headSize
+	for _, s := range far {
+		total += int(s[1] - s[0])
+	}
+	buf, err := alignedBuffer(total)
+	if err != nil {
+		return e, fmt.Errorf("probe %s: %w", path, err)
 	}
 	defer unix.Munmap(buf)
 
-	n, err := readAtFull(f, buf, 0)
-	if err != nil {
-		return e, fmt.Errorf("probe %s: read the first MiB: %w", path, err)
+	type read struct {
+		off  int64
+		buf  []byte
+		what string
+		n    int
+		err  error
 	}
-	e.headNonZero = firstNonZero(buf[:n])
-
-	e.tailStart = max(0, (size-headSize)&^4095)
-	n, err = readAtFull(f, buf, e.tailStart)
-	if err != nil {
-		return e, fmt.Errorf("probe %s: read the last MiB: %w", path, err)
+	reads := []*read{
+		{off: 0, buf: buf[:headSize], what: "the first MiB"},
+		{off: e.tailStart, buf: buf[headSize : 2*headSize], what: "the last MiB"},
 	}
-	tail := buf[:n]
+	at := 2 * headSize
+	for _, s := range far {
+		n := int(s[1] - s[0])
+		reads = append(reads, &read{off: s[0], buf: buf[at : at+n], what: fmt.Sprintf("offset %d", s[0])})
+		at += n
+	}
+	var wg sync.WaitGroup
+	for _, r := range reads {
+		wg.Go(func() { r.n, r.err = readAtFull(f, r.buf, r.off) })
+	}
+	wg.Wait()
+	for _, r := range reads {
+		if r.err != nil {
+			return e, fmt.Errorf("probe %s: read %s: %w", path, r.what, r.err)
+		}
+	}
+	e.headNonZero = firstNonZero(reads[0].buf[:reads[0].n])
+	tail := reads[1].buf[:reads[1].n]
 	e.tailNonZero = firstNonZero(tail)
 	for _, lbs := range []int{512, 4096} {
 		if len(tail) >= lbs && bytes.HasPrefix(tail[len(tail)-lbs:], gptSignature) {
 			e.gptBackup = true
+		}
+	}
+	for _, r := range reads[2:] {
+		if i := firstNonZero(r.buf[:r.n]); i >= 0 {
+			e.farNonZero = r.off + int64(i)
+			break
 		}
 	}
 	return e, nil
@@ -292,9 +398,9 @@ func hasSuperblock(devPath, fsType string) (bool, error) {
 	}
 	defer f.Close()
 	const blockSize = 4096
-	buf, err := unix.Mmap(-1, 0, blockSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	buf, err := alignedBuffer(blockSize)
 	if err != nil {
-		return false, fmt.Errorf("probe %s: allocate read buffer: %w", devPath, err)
+		return false, fmt.Errorf("probe %s: %w", devPath, err)
 	}
 	defer unix.Munmap(buf)
 	n, err := readAtFull(f, buf, 0)
