@@ -101,18 +101,20 @@ func signatureFromBlkid(exitCode int, stdout []byte) (sig Signature, found bool,
 	return Signature{}, false, fmt.Errorf("blkid: unexpected exit status %d", exitCode)
 }
 
+// zeroBlock is compared against: bytes.Equal is vectorised.
+var zeroBlock [4096]byte
+
 // firstNonZero returns the offset of the first non-zero byte in b, or -1.
 func firstNonZero(b []byte) int {
-	const word = 8
-	i := 0
-	for ; i+word <= len(b); i += word {
-		if b[i]|b[i+1]|b[i+2]|b[i+3]|b[i+4]|b[i+5]|b[i+6]|b[i+7] != 0 {
-			break
+	for off := 0; off < len(b); off += len(zeroBlock) {
+		chunk := b[off:min(off+len(zeroBlock), len(b))]
+		if bytes.Equal(chunk, zeroBlock[:len(chunk)]) {
+			continue
 		}
-	}
-	for ; i < len(b); i++ {
-		if b[i] != 0 {
-			return i
+		for i, c := range chunk {
+			if c != 0 {
+				return off + i
+			}
 		}
 	}
 	return -1

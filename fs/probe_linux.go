@@ -38,9 +38,8 @@ const mkfsTimeout = 10 * time.Minute
 // and dropped (BLKFLSBUF), so that both readers see the medium and not
 // pages cached before the device's content changed (a reused loop device,
 // a LUN written from another node). Probe's own reads bypass the cache
-// (O_DIRECT, where the device allows it). When the first block already
-// holds data, blkid is started at once and runs while Probe reads the
-// rest.
+// (O_DIRECT, where the device allows it). When the first block holds
+// data, blkid is started at once and runs while Probe reads the rest.
 func Probe(ctx context.Context, devPath string) (Signature, error) {
 	f, size, err := openForProbe(devPath)
 	if err != nil {
@@ -59,14 +58,14 @@ func Probe(ctx context.Context, devPath string) (Signature, error) {
 			blkid <- blkidResult{out, err}
 		}()
 	}
-	first, err := readFirstBlock(f, devPath)
-	if err != nil {
-		return Signature{}, err
-	}
-	if first || blkidOnly(f) {
+	if blkidOnly(f) {
 		startBlkid()
 	}
-	e, endsErr := readEnds(f, devPath, size)
+	e, endsErr := readEnds(f, devPath, size, func() {
+		if blkid == nil {
+			startBlkid()
+		}
+	})
 	if blkid == nil {
 		if endsErr != nil {
 			return Signature{}, endsErr
@@ -184,87 +183,112 @@ func isZoned(f *os.File) bool {
 	return err == nil && n != 0
 }
 
-// readFirstBlock reports whether the device's first block holds a
-// non-zero byte: where most signatures are.
-func readFirstBlock(f *os.File, path string) (bool, error) {
-	buf, err := alignedBuffer(blockAlign)
-	if err != nil {
-		return false, fmt.Errorf("probe %s: %w", path, err)
-	}
-	defer unix.Munmap(buf)
-	n, err := readAtFull(f, buf, 0)
-	if err != nil {
-		return false, fmt.Errorf("probe %s: read the first block: %w", path, err)
-	}
-	return firstNonZero(buf[:n]) >= 0, nil
-}
-
-// alignedBuffer allocates n bytes, page aligned as O_DIRECT requires.
-// Free it with unix.Munmap.
+// alignedBuffer allocates n bytes, page aligned as O_DIRECT requires,
+// with its pages already faulted in. Free it with unix.Munmap.
 func alignedBuffer(n int) ([]byte, error) {
-	buf, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	buf, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_POPULATE)
 	if err != nil {
 		return nil, fmt.Errorf("allocate read buffer: %w", err)
 	}
 	return buf, nil
 }
 
+// probeBufSize is the most readEnds reads: both MiBs and a block for
+// each far window.
+var probeBufSize = 2*headSize + len(farWindows)*blockAlign
+
+// probeBufs keeps one read buffer between probes: a new mapping costs a
+// page fault per page, and probes come in bursts.
+var probeBufs = make(chan []byte, 1)
+
+func getProbeBuf() ([]byte, error) {
+	select {
+	case b := <-probeBufs:
+		return b, nil
+	default:
+		return alignedBuffer(probeBufSize)
+	}
+}
+
+func putProbeBuf(b []byte) {
+	select {
+	case probeBufs <- b:
+	default:
+		unix.Munmap(b)
+	}
+}
+
 // readEnds reads the first and the last MiB of f, of the given size, and
-// the far windows between them, all at once.
-func readEnds(f *os.File, path string, size int64) (ends, error) {
+// the far windows between them. The three parts are read at once; the
+// first block is read on its own first, and onData is called as soon as
+// it holds a non-zero byte.
+func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) {
 	e := ends{farNonZero: -1}
 	e.tailStart = max(0, (size-headSize)&^(blockAlign-1))
 	far := farSpans(size, headSize, e.tailStart)
-	total := 2 * headSize
-	for _, s := range far {
-		total += int(s[1] - s[0])
-	}
-	buf, err := alignedBuffer(total)
+	buf, err := getProbeBuf()
 	if err != nil {
 		return e, fmt.Errorf("probe %s: %w", path, err)
 	}
-	defer unix.Munmap(buf)
+	defer putProbeBuf(buf)
+	head, tail, rest := buf[:headSize], buf[headSize:2*headSize], buf[2*headSize:]
 
-	type read struct {
-		off  int64
-		buf  []byte
-		what string
-		n    int
-		err  error
+	var (
+		wg               sync.WaitGroup
+		tailN, farN      int
+		tailErr, farErr  error
+		farOffs, farLens []int64
+	)
+	wg.Go(func() { tailN, tailErr = readAtFull(f, tail, e.tailStart) })
+	if len(far) > 0 {
+		// Small reads: one after the other on one thread.
+		wg.Go(func() {
+			for _, s := range far {
+				n, err := readAtFull(f, rest[farN:farN+int(s[1]-s[0])], s[0])
+				if err != nil {
+					farErr = fmt.Errorf("read offset %d: %w", s[0], err)
+					return
+				}
+				farOffs, farLens = append(farOffs, s[0]), append(farLens, int64(n))
+				farN += int(s[1] - s[0])
+			}
+		})
 	}
-	reads := []*read{
-		{off: 0, buf: buf[:headSize], what: "the first MiB"},
-		{off: e.tailStart, buf: buf[headSize : 2*headSize], what: "the last MiB"},
-	}
-	at := 2 * headSize
-	for _, s := range far {
-		n := int(s[1] - s[0])
-		reads = append(reads, &read{off: s[0], buf: buf[at : at+n], what: fmt.Sprintf("offset %d", s[0])})
-		at += n
-	}
-	var wg sync.WaitGroup
-	for _, r := range reads {
-		wg.Go(func() { r.n, r.err = readAtFull(f, r.buf, r.off) })
-	}
-	wg.Wait()
-	for _, r := range reads {
-		if r.err != nil {
-			return e, fmt.Errorf("probe %s: read %s: %w", path, r.what, r.err)
+	headN, headErr := readAtFull(f, head[:blockAlign], 0)
+	if headErr == nil {
+		if firstNonZero(head[:headN]) >= 0 {
+			onData()
+		}
+		if headN == blockAlign {
+			var n int
+			n, headErr = readAtFull(f, head[blockAlign:], blockAlign)
+			headN += n
 		}
 	}
-	e.headNonZero = firstNonZero(reads[0].buf[:reads[0].n])
-	tail := reads[1].buf[:reads[1].n]
-	e.tailNonZero = firstNonZero(tail)
+	wg.Wait()
+	switch {
+	case headErr != nil:
+		return e, fmt.Errorf("probe %s: read the first MiB: %w", path, headErr)
+	case tailErr != nil:
+		return e, fmt.Errorf("probe %s: read the last MiB: %w", path, tailErr)
+	case farErr != nil:
+		return e, fmt.Errorf("probe %s: %w", path, farErr)
+	}
+	e.headNonZero = firstNonZero(head[:headN])
+	t := tail[:tailN]
+	e.tailNonZero = firstNonZero(t)
 	for _, lbs := range []int{512, 4096} {
-		if len(tail) >= lbs && bytes.HasPrefix(tail[len(tail)-lbs:], gptSignature) {
+		if len(t) >= lbs && bytes.HasPrefix(t[len(t)-lbs:], gptSignature) {
 			e.gptBackup = true
 		}
 	}
-	for _, r := range reads[2:] {
-		if i := firstNonZero(r.buf[:r.n]); i >= 0 {
-			e.farNonZero = r.off + int64(i)
+	at := 0
+	for i, off := range farOffs {
+		if j := firstNonZero(rest[at : at+int(farLens[i])]); j >= 0 {
+			e.farNonZero = off + int64(j)
 			break
 		}
+		at += int(far[i][1] - far[i][0])
 	}
 	return e, nil
 }
@@ -390,11 +414,17 @@ var (
 
 // hasSuperblock reports whether devPath starts with a superblock of
 // fsType: the check that a finished mkfs wrote what was asked, without
-// running blkid again. The read bypasses the buffer cache.
+// running blkid again. The read bypasses the buffer cache, which keeps
+// what mkfs wrote.
 func hasSuperblock(devPath, fsType string) (bool, error) {
-	f, _, err := openForProbe(devPath)
+	// No BLKFLSBUF here: mkfs has synced, the read bypasses the cache,
+	// and the cached metadata mkfs wrote is what the mount reads next.
+	f, err := openDevice(devPath, unix.O_RDONLY|unix.O_DIRECT)
+	if errors.Is(err, unix.EINVAL) {
+		f, err = openDevice(devPath, unix.O_RDONLY)
+	}
 	if err != nil {
-		return false, err
+		return false, fmt.Errorf("probe %s: %w", devPath, err)
 	}
 	defer f.Close()
 	const blockSize = 4096
