@@ -365,8 +365,23 @@ func (t *Transport) recordSettings(v *Volume) []setting {
 // its settings and credentials, and logs in.
 func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error) {
 	start := time.Now()
-	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeNew(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...); err != nil {
-		return t.iscsiadmError("create node record", err)
+	// On the default interface berth writes the record itself, as
+	// iscsiadm would; otherwise (or before open-iscsi made its record
+	// directory) iscsiadm creates it and berth adds the settings.
+	native := false
+	if v.Iface == "default" {
+		_, err := t.db.createNodeRecord(ctx, v.IQN, p.IP, p.Port, p.TPGT, t.recordSettings(v))
+		switch {
+		case err == nil:
+			native = true
+		case !errors.Is(err, errdefs.ErrNotFound):
+			return err
+		}
+	}
+	if !native {
+		if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeNew(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...); err != nil {
+			return t.iscsiadmError("create node record", err)
+		}
 	}
 	defer func() {
 		t.log.Debug("iSCSI login", "portal", p.String(), "duration", time.Since(start).String(), "error", retErr)
@@ -380,14 +395,21 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 			}
 		}
 	}()
-	files, err := t.db.nodeRecordFiles(v.IQN, p.IP, p.Port, v.Iface)
-	if err != nil {
-		return fmt.Errorf("iscsiadm created the node record of %s at %s, but berth cannot find it (set the node record directory if open-iscsi keeps it elsewhere): %w", v.IQN, p, err)
+	if !native {
+		files, err := t.db.nodeRecordFiles(v.IQN, p.IP, p.Port, v.Iface)
+		if err != nil {
+			return fmt.Errorf("iscsiadm created the node record of %s at %s, but berth cannot find it (set the node record directory if open-iscsi keeps it elsewhere): %w", v.IQN, p, err)
+		}
+		if err := t.db.update(ctx, files, t.recordSettings(v)); err != nil {
+			return err
+		}
 	}
-	if err := t.db.update(ctx, files, t.recordSettings(v)); err != nil {
-		return err
+	_, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeLogin(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...)
+	if native && exitCode(err) == ISCSI_ERR_NO_OBJS_FOUND {
+		dir, _ := t.db.nodeDir()
+		return fmt.Errorf("log in to %s at %s: iscsiadm found no node record, though berth wrote it in %s: this iscsiadm keeps its records elsewhere (both /etc/iscsi/nodes and /var/lib/iscsi/nodes exist?): %w",
+			v.IQN, p, dir, errdefs.ErrUnavailable)
 	}
-	_, err = t.run.run(ctx, t.opts.Iscsiadm, argsNodeLogin(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...)
 	if err != nil && exitCode(err) != ISCSI_ERR_SESS_EXISTS {
 		return t.iscsiadmError(fmt.Sprintf("log in to %s at %s", v.IQN, p), err)
 	}

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -273,5 +274,43 @@ func TestInflightRemoval(t *testing.T) {
 	}
 	if n := calls.Load(); n != 1 {
 		t.Fatalf("removal ran %d times, want once", n)
+	}
+}
+
+// With open-iscsi's record directory in place, berth writes the record
+// itself: one iscsiadm run (the login), the secrets only in the record.
+func TestLoginWritesRecordItself(t *testing.T) {
+	v, err := ParseVolume(ctxWith("sessionCHAPAuth", "true"), chapSecrets)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fr := &fakeRunner{}
+	tr := testTransport(t, fr)
+	fr.nodes = tr.db.nodes
+	tr.db.conf = filepath.Join(t.TempDir(), "iscsid.conf")
+	if err := os.WriteFile(tr.db.conf, []byte("node.session.cmds_max = 64\nnode.session.scan = auto\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(tr.db.nodes, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := tr.login(context.Background(), v, path{Portal: v.Portals[0], IP: "10.0.0.1"}); err != nil {
+		t.Fatal(err)
+	}
+	if len(fr.argv) != 1 || !slices.Contains(fr.argv[0], "--login") {
+		t.Fatalf("want only the login, got %q", fr.argv)
+	}
+	b, err := os.ReadFile(filepath.Join(tr.db.nodes, testIQN, "10.0.0.1,3260"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := parseRecord(b)
+	for k, want := range map[string]string{
+		"node.session.cmds_max": "64", "node.session.scan": "manual", "node.startup": "manual",
+		SecretSessionPassword: "s3cret-Passw0rd", ParamReplacementTimeout: "20",
+	} {
+		if rec[k] != want {
+			t.Errorf("record %s = %q, want %q", k, rec[k], want)
+		}
 	}
 }

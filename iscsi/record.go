@@ -145,6 +145,8 @@ type recordDB struct {
 	nodes string
 	// lockDir holds open-iscsi's database lock ("lock", "lock.write").
 	lockDir string
+	// conf is iscsid.conf; "" = defaultConfFile.
+	conf string
 }
 
 // defaultNodeDirs are where distributions keep node records: Debian and
@@ -307,3 +309,129 @@ func (db *recordDB) lock(ctx context.Context) (func(), error) {
 
 // lockWait bounds the wait for open-iscsi's database lock.
 const lockWait = 10 * time.Second
+
+// defaultConfFile is open-iscsi's configuration. `iscsiadm -m node -o new`
+// copies its node.* settings into each record it creates: a record read
+// later starts from built-in defaults, not from this file.
+const defaultConfFile = "/etc/iscsi/iscsid.conf"
+
+// confNodeSettings returns the node.* settings of an iscsid.conf, in file
+// order. A missing file has none.
+func confNodeSettings(path string) ([]setting, error) {
+	b, err := os.ReadFile(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read open-iscsi configuration: %w", err)
+	}
+	var set []setting
+	for _, line := range strings.Split(string(b), "\n") {
+		line = strings.TrimSpace(line)
+		name, ok := recordKey(line)
+		if !ok || !strings.HasPrefix(name, "node.") {
+			continue
+		}
+		rest := strings.TrimLeft(line[len(name):], " \t")
+		if !strings.HasPrefix(rest, "=") {
+			continue
+		}
+		if v := strings.TrimSpace(rest[1:]); v != "" && !strings.ContainsRune(v, 0) {
+			set = append(set, setting{name, v})
+		}
+	}
+	return set, nil
+}
+
+// createNodeRecord writes the record of target at address:port (tpgt, or
+// -1 when unknown) on the default iface, as `iscsiadm -m node -o new`
+// does: the node.* settings of iscsid.conf, the target, portal and
+// interface, then set. It replaces the records of the same target, portal
+// and iface. The file is written under open-iscsi's database lock with
+// mode 0600 from the start. ErrNotFound when the node record directory
+// does not exist yet: only iscsiadm knows where it is created.
+func (db *recordDB) createNodeRecord(ctx context.Context, target, address string, port, tpgt int, set []setting) (string, error) {
+	dir, err := db.nodeDir()
+	if err != nil {
+		return "", fmt.Errorf("%w: %w", err, errdefs.ErrNotFound)
+	}
+	if st, err := os.Stat(dir); err != nil || !st.IsDir() {
+		return "", fmt.Errorf("node record directory %s: not there yet: %w", dir, errdefs.ErrNotFound)
+	}
+	conf := db.conf
+	if conf == "" {
+		conf = defaultConfFile
+	}
+	defaults, err := confNodeSettings(conf)
+	if err != nil {
+		return "", err
+	}
+	var base bytes.Buffer
+	base.WriteString(recordBegin + "\n")
+	for _, s := range defaults {
+		fmt.Fprintf(&base, "%s = %s\n", s.name, s.value)
+	}
+	base.WriteString(recordEnd + "\n")
+	identity := []setting{
+		{"node.name", target},
+		{"node.tpgt", strconv.Itoa(tpgt)},
+		{"node.discovery_type", "static"},
+		{"iface.iscsi_ifacename", "default"},
+		{"iface.transport_name", "tcp"},
+		{"node.conn[0].address", address},
+		{"node.conn[0].port", strconv.Itoa(port)},
+	}
+	rec, err := setRecordValues(base.Bytes(), append(identity, set...))
+	if err != nil {
+		return "", err
+	}
+	// open-iscsi's layout: a file named after the portal when the portal
+	// group is unknown, else a directory per portal group with a file per
+	// interface.
+	portal := filepath.Join(dir, target, address+","+strconv.Itoa(port))
+	file := portal
+	if tpgt >= 0 {
+		file = filepath.Join(portal+","+strconv.Itoa(tpgt), "default")
+	}
+	for _, name := range []string{target, address} {
+		if name == "" || name == "." || name == ".." || strings.ContainsAny(name, "/\x00") {
+			return "", fmt.Errorf("node record for %q at %q: not a file name: %w", target, address, errdefs.ErrInvalidArgument)
+		}
+	}
+
+	unlock, err := db.lock(ctx)
+	if err != nil {
+		return "", err
+	}
+	defer unlock()
+	old, err := db.nodeRecordFiles(target, address, port, "default")
+	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+		return "", err
+	}
+	for _, f := range old {
+		if err := os.Remove(f); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return "", fmt.Errorf("replace node record %s: %w", f, err)
+		}
+		if f != portal {
+			os.Remove(filepath.Dir(f)) // the portal group directory, when empty
+		}
+	}
+	if err := os.MkdirAll(filepath.Dir(file), 0o700); err != nil {
+		return "", fmt.Errorf("create node record: %w", err)
+	}
+	f, err := os.OpenFile(file, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		return "", fmt.Errorf("create node record: %w", err)
+	}
+	defer f.Close()
+	if err := f.Chmod(0o600); err != nil {
+		return "", fmt.Errorf("create node record %s: %w", file, err)
+	}
+	if _, err := f.Write(rec); err != nil {
+		return "", fmt.Errorf("create node record %s: %w", file, err)
+	}
+	if err := f.Sync(); err != nil {
+		return "", fmt.Errorf("create node record %s: %w", file, err)
+	}
+	return file, f.Close()
+}

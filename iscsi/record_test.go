@@ -5,6 +5,8 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -158,4 +160,115 @@ func TestRecordLockHeld(t *testing.T) {
 		t.Fatalf("lock after release: %v", err)
 	}
 	unlock2()
+}
+
+const sampleConf = `# open-iscsi configuration
+iscsid.startup = /bin/systemctl start iscsid.socket
+node.startup = automatic
+#node.session.auth.authmethod = CHAP
+node.session.cmds_max = 64
+   node.conn[0].timeo.login_timeout = 15
+node.session.timeo.replacement_timeout=120
+node.session.scan = auto
+discovery.sendtargets.iscsi.MaxRecvDataSegmentLength = 32768
+node.session.queue_depth =
+`
+
+func TestConfNodeSettings(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "iscsid.conf")
+	if err := os.WriteFile(p, []byte(sampleConf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	got, err := confNodeSettings(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []setting{
+		{"node.startup", "automatic"}, {"node.session.cmds_max", "64"}, {"node.conn[0].timeo.login_timeout", "15"},
+		{"node.session.timeo.replacement_timeout", "120"}, {"node.session.scan", "auto"},
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("got %q\nwant %q", got, want)
+	}
+	if set, err := confNodeSettings(filepath.Join(t.TempDir(), "none")); err != nil || set != nil {
+		t.Fatalf("missing file: %v %v", set, err)
+	}
+}
+
+// createNodeRecord writes what `iscsiadm -o new` would (iscsid.conf's
+// node settings, identity) with berth's settings winning, in open-iscsi's
+// layout, 0600 from the start, replacing older records of the portal.
+func TestCreateNodeRecord(t *testing.T) {
+	dir := t.TempDir()
+	db := recordDB{nodes: filepath.Join(dir, "nodes"), lockDir: filepath.Join(dir, "lock"), conf: filepath.Join(dir, "iscsid.conf")}
+	ctx := context.Background()
+	set := []setting{{"node.startup", "manual"}, {"node.session.scan", "manual"}, {SecretSessionPassword, "topsecret1"}}
+	if _, err := db.createNodeRecord(ctx, testIQN, "10.0.0.1", 3260, -1, set); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("without a node record directory: %v, want ErrNotFound", err)
+	}
+	if err := os.WriteFile(db.conf, []byte(sampleConf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// An older record of the portal, in the portal-group layout.
+	stale := filepath.Join(db.nodes, testIQN, "10.0.0.1,3260,1", "default")
+	if err := os.MkdirAll(filepath.Dir(stale), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(stale, []byte(sampleRecord), 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	for _, tc := range []struct {
+		tpgt int
+		file string
+	}{
+		{-1, filepath.Join(db.nodes, testIQN, "10.0.0.1,3260")},
+		{1, filepath.Join(db.nodes, testIQN, "10.0.0.1,3260,1", "default")},
+	} {
+		file, err := db.createNodeRecord(ctx, testIQN, "10.0.0.1", 3260, tc.tpgt, set)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if file != tc.file {
+			t.Errorf("tpgt %d: record at %s, want %s", tc.tpgt, file, tc.file)
+		}
+		files, err := db.nodeRecordFiles(testIQN, "10.0.0.1", 3260, "default")
+		if err != nil || !slices.Equal(files, []string{tc.file}) {
+			t.Errorf("tpgt %d: records of the portal %v (%v), want only %s", tc.tpgt, files, err, tc.file)
+		}
+		st, err := os.Stat(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Mode().Perm() != 0o600 {
+			t.Errorf("mode %v, want 0600", st.Mode().Perm())
+		}
+		b, _ := os.ReadFile(file)
+		if !strings.HasPrefix(string(b), recordBegin+"\n") || !strings.HasSuffix(string(b), recordEnd+"\n") {
+			t.Errorf("record not framed:\n%s", b)
+		}
+		rec := parseRecord(b)
+		for k, want := range map[string]string{
+			"node.name": testIQN, "node.tpgt": strconv.Itoa(tc.tpgt), "node.discovery_type": "static",
+			"iface.iscsi_ifacename": "default", "iface.transport_name": "tcp",
+			"node.conn[0].address": "10.0.0.1", "node.conn[0].port": "3260",
+			"node.session.cmds_max": "64", "node.conn[0].timeo.login_timeout": "15", // from iscsid.conf
+			"node.startup": "manual", "node.session.scan": "manual", SecretSessionPassword: "topsecret1", // berth's
+		} {
+			if rec[k] != want {
+				t.Errorf("tpgt %d: %s = %q, want %q", tc.tpgt, k, rec[k], want)
+			}
+		}
+		if strings.Count(string(b), "node.startup") != 1 {
+			t.Errorf("node.startup twice:\n%s", b)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(db.lockDir, "lock.write")); !os.IsNotExist(err) {
+		t.Fatalf("lock not released: %v", err)
+	}
+	for _, bad := range []string{"../x", "a/b", "..", ""} {
+		if _, err := db.createNodeRecord(ctx, bad, "10.0.0.1", 3260, -1, set); !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("target %q: %v", bad, err)
+		}
+	}
 }
