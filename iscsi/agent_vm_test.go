@@ -178,8 +178,9 @@ func TestBenchGuestISCSI(t *testing.T) {
 	if os.Getenv("BERTH_BENCH") != "1" {
 		t.Skip("set BERTH_BENCH=1 to run the iSCSI stage benchmark")
 	}
-	const rounds = 5
-	logger := slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelWarn}))
+	const rounds = 9
+	var steps csitest.StepTimes
+	logger := slog.New(steps.Handler(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelWarn})))
 	node := startAgent(t, logger)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
@@ -270,6 +271,15 @@ func TestBenchGuestISCSI(t *testing.T) {
 	report("raw-iscsiadm-mkfs-mount", raw)
 	report("berth-transport-Attach", attach)
 	report("raw-iscsiadm-login-disk", login)
+	median := func(d []time.Duration) time.Duration { s := slices.Clone(d); slices.Sort(s); return s[len(s)/2] }
+	ratios := make([]float64, len(berth))
+	for i := range berth {
+		ratios[i] = float64(berth[i]) / float64(raw[i])
+	}
+	slices.Sort(ratios)
+	t.Logf("BENCH iscsi-stage berth/raw: ratio of the medians %.2f, median of the %d per-round ratios %.2f (goal <= 1.15)",
+		float64(median(berth))/float64(median(raw)), rounds, ratios[len(ratios)/2])
+	t.Logf("BENCH iscsi-stage berth steps, %s", steps.Summary())
 }
 
 func run(t *testing.T, name string, args ...string) {

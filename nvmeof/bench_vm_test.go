@@ -3,7 +3,6 @@ package nvmeof_test
 import (
 	"context"
 	"fmt"
-	"io"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -49,7 +48,8 @@ func TestBenchNVMeoFStage(t *testing.T) {
 	if s := os.Getenv("BERTH_BENCH_ITERATIONS"); s != "" {
 		iterations, _ = strconv.Atoi(s)
 	}
-	logger := slog.New(slog.NewTextHandler(io.Discard, nil))
+	var steps csitest.StepTimes
+	logger := slog.New(steps.Handler(nil))
 	node := startAgent(t, logger)
 	nqn := "nqn.2026-01.io.berth:bench"
 	var nss []target.NVMeNamespace
@@ -166,6 +166,7 @@ func TestBenchNVMeoFStage(t *testing.T) {
 		b1 = append(b1, berth([]uint32{1}))
 		r1 = append(r1, raw([]uint32{1}, filepath.Join(dir, "raw")))
 	}
+	singleSteps := steps.Summary()
 	// The attach alone: Target.Attach (connect, uevent, verified device)
 	// against the connect write and a device poll.
 	l, err := devices.NewListener()
@@ -202,6 +203,7 @@ func TestBenchNVMeoFStage(t *testing.T) {
 
 	t.Logf("BENCH nvmeof stage (NVMe/TCP loopback, ext4 64 MiB, TCG guest, median of %d):", iterations)
 	t.Logf("BENCH   1 volume : berth NodeStageVolume %s, raw kernel steps %s (berth/raw %.2f)", ms(median(b1)), ms(median(r1)), float64(median(b1))/float64(median(r1)))
+	t.Logf("BENCH   berth steps, %s", singleSteps)
 	t.Logf("BENCH   attach   : berth Target.Attach %s, raw connect + device %s", ms(median(ba)), ms(median(ra)))
 	t.Logf("BENCH  %d volumes: berth %s (%s per volume), raw %s (%s per volume)", benchVolumes, ms(b16), ms(b16/benchVolumes), ms(r16), ms(r16/benchVolumes))
 	t.Logf("BENCH   single runs: berth stage %v; raw stage %v; berth attach %v; raw attach %v", b1, r1, ba, ra)
