@@ -339,6 +339,10 @@ func TestHostEnsureFilesystemRefuses(t *testing.T) {
 			if !strings.Contains(err.Error(), tc.wantType) || !strings.Contains(err.Error(), dev) {
 				t.Errorf("error %q does not name %q and the device", err, tc.wantType)
 			}
+			// wipefs does not clear unknown data: the advice must fit.
+			if wantWipefs := tc.wantType != "unknown-data"; strings.Contains(err.Error(), "wipefs") != wantWipefs {
+				t.Errorf("error %q: advice does not fit %s", err, tc.wantType)
+			}
 			if hashFile(t, file) != before {
 				t.Fatal("device bytes changed")
 			}
@@ -843,6 +847,20 @@ func TestHostProbeSeesPastStaleCache(t *testing.T) {
 	}
 	if hashFile(t, file) != before {
 		t.Fatal("device bytes changed")
+	}
+}
+
+// wipefs clears only the signatures of a filesystem; what remains is
+// still data, and Probe still refuses it.
+func TestHostProbeAfterWipefs(t *testing.T) {
+	needRoot(t)
+	needTools(t, "blkid", "mkfs.ext4", "wipefs")
+	dev, _ := newLoop(t, 64*mib)
+	run(t, "/usr/sbin/mkfs.ext4", "-q", "-F", dev)
+	run(t, "wipefs", "-a", dev)
+	sig, err := Probe(context.Background(), dev)
+	if err != nil || sig.Type != typeUnknownData {
+		t.Fatalf("Probe after wipefs = %+v, %v; want unknown-data", sig, err)
 	}
 }
 

@@ -367,9 +367,15 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 	case sig.Type == fsType:
 		return false, nil
 	case !sig.Blank():
+		// wipefs clears signatures only: the rest of the old data stays
+		// and is still refused as unknown-data.
+		erase := "erase its signatures with wipefs -a"
+		if sig.Type == typeUnknownData {
+			erase = "zero it, for example with blkdiscard --zeroout, or at least its first and last MiB"
+		}
 		return false, fmt.Errorf("format %s as %s: device holds %s; refusing to format a device that may hold data "+
-			"(check the volume; erase it with wipefs only if its content is not needed): %w",
-			devPath, fsType, sig, errdefs.ErrFailedPrecondition)
+			"(check the volume; %s only if its content is not needed): %w",
+			devPath, fsType, sig, erase, errdefs.ErrFailedPrecondition)
 	}
 	release, err := acquireHeavy(ctx, "format "+devPath)
 	if err != nil {
