@@ -18,7 +18,8 @@ echo "== host: agent and fs (loop devices)" | tee -a "$out"
 go test -count=1 -run '^$' -bench . -benchmem ./agent/ ./fs/ 2>&1 | grep -E '^(Benchmark|ok|FAIL|---)' | tee -a "$out"
 
 echo "== guests: NVMe/TCP, iSCSI and device discovery" | tee -a "$out"
-BERTH_BENCH=1 go test -count=1 -timeout 30m -run '^TestVMBench' -v ./... 2>&1 | tee "$log" | grep -E '^(---|ok|FAIL|PASS)' || true
+# One package at a time: two guests at once would share the host's cores.
+BERTH_BENCH=1 go test -p 1 -count=1 -timeout 30m -run '^TestVMBench' -v ./... 2>&1 | tee "$log" | grep -E '^(---|ok|FAIL|PASS)' || true
 
 # Lines the benchmarks mark with "BENCH " are the report.
 grep -h 'BENCH ' "$log" | sed 's/.*BENCH //' | tee -a "$out"
