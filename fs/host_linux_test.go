@@ -850,6 +850,21 @@ func TestHostProbeSeesPastStaleCache(t *testing.T) {
 	}
 }
 
+// A device whose size is not a whole number of blocks is read to its
+// last sector, where several RAID formats keep their signature.
+func TestHostProbeLastSectorOfOddSize(t *testing.T) {
+	needRoot(t)
+	needTools(t, "blkid")
+	const size = 64*mib + 512
+	file := sparseFile(t, size)
+	writeAt(t, file, size-512, []byte("$XIDE$"))
+	dev := attachLoop(t, file)
+	sig, err := Probe(context.Background(), dev)
+	if err != nil || sig.Type != "lsi_mega_raid_member" {
+		t.Fatalf("Probe = %+v, %v; want lsi_mega_raid_member", sig, err)
+	}
+}
+
 // wipefs clears only the signatures of a filesystem; what remains is
 // still data, and Probe still refuses it.
 func TestHostProbeAfterWipefs(t *testing.T) {

@@ -52,10 +52,11 @@ func Probe(ctx context.Context, devPath string) (Signature, error) {
 	}
 	var blkid chan blkidResult
 	startBlkid := func() {
-		blkid = make(chan blkidResult, 1)
+		ch := make(chan blkidResult, 1)
+		blkid = ch
 		go func() {
 			out, err := runTool(ctx, "blkid", "-p", "-o", "export", "--", devPath)
-			blkid <- blkidResult{out, err}
+			ch <- blkidResult{out, err}
 		}()
 	}
 	if blkidOnly(f) {
@@ -193,9 +194,10 @@ func alignedBuffer(n int) ([]byte, error) {
 	return buf, nil
 }
 
-// probeBufSize is the most readEnds reads: both MiBs and a block for
-// each far window.
-var probeBufSize = 2*headSize + len(farWindows)*blockAlign
+// probeBufSize is the most readEnds reads: the first MiB, the last MiB
+// with up to a block more (its start is block aligned), and two blocks
+// for each far window (one may straddle a block boundary).
+var probeBufSize = 2*headSize + blockAlign + len(farWindows)*2*blockAlign
 
 // probeBufs keeps one read buffer between probes: a new mapping costs a
 // page fault per page, and probes come in bursts.
@@ -218,6 +220,30 @@ func putProbeBuf(b []byte) {
 	}
 }
 
+// span is a range of the device readEnds reads, into buf.
+type span struct {
+	off  int64
+	want int // bytes of the device in the range
+	buf  []byte
+	n    int
+	err  error
+}
+
+// read fills s.buf from the device. The request is rounded up to whole
+// blocks, as O_DIRECT needs; the device ends where the range does. Fewer
+// bytes than the range holds (a device that shrank) is an error.
+func (s *span) read(f *os.File) {
+	s.n, s.err = readAtFull(f, s.buf[:min(len(s.buf), roundUp(s.want, blockAlign))], s.off)
+	if s.err == nil && s.n < s.want {
+		s.err = fmt.Errorf("read %d bytes at offset %d, expected %d: did the device shrink?", s.n, s.off, s.want)
+	}
+	s.n = min(s.n, s.want)
+}
+
+func (s *span) data() []byte { return s.buf[:s.n] }
+
+func roundUp(n, to int) int { return (n + to - 1) / to * to }
+
 // readEnds reads the first and the last MiB of f, of the given size, and
 // the far windows between them. The three parts are read at once; the
 // first block is read on its own first, and onData is called as soon as
@@ -225,70 +251,66 @@ func putProbeBuf(b []byte) {
 func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) {
 	e := ends{farNonZero: -1}
 	e.tailStart = max(0, (size-headSize)&^(blockAlign-1))
-	far := farSpans(size, headSize, e.tailStart)
 	buf, err := getProbeBuf()
 	if err != nil {
 		return e, fmt.Errorf("probe %s: %w", path, err)
 	}
 	defer putProbeBuf(buf)
-	head, tail, rest := buf[:headSize], buf[headSize:2*headSize], buf[2*headSize:]
+	tailEnd := 2*headSize + blockAlign
+	first := &span{off: 0, want: int(min(blockAlign, size)), buf: buf[:blockAlign]}
+	head := &span{off: blockAlign, want: int(max(0, min(headSize, size)-blockAlign)), buf: buf[blockAlign:headSize]}
+	tail := &span{off: e.tailStart, want: int(size - e.tailStart), buf: buf[headSize:tailEnd]}
+	var far []*span
+	for i, r := range farSpans(size, headSize, e.tailStart) {
+		at := tailEnd + i*2*blockAlign
+		far = append(far, &span{off: r[0], want: int(r[1] - r[0]), buf: buf[at : at+2*blockAlign]})
+	}
 
-	var (
-		wg               sync.WaitGroup
-		tailN, farN      int
-		tailErr, farErr  error
-		farOffs, farLens []int64
-	)
-	wg.Go(func() { tailN, tailErr = readAtFull(f, tail, e.tailStart) })
+	var wg sync.WaitGroup
+	wg.Go(func() { tail.read(f) })
 	if len(far) > 0 {
 		// Small reads: one after the other on one thread.
 		wg.Go(func() {
 			for _, s := range far {
-				n, err := readAtFull(f, rest[farN:farN+int(s[1]-s[0])], s[0])
-				if err != nil {
-					farErr = fmt.Errorf("read offset %d: %w", s[0], err)
+				if s.read(f); s.err != nil {
 					return
 				}
-				farOffs, farLens = append(farOffs, s[0]), append(farLens, int64(n))
-				farN += int(s[1] - s[0])
 			}
 		})
 	}
-	headN, headErr := readAtFull(f, head[:blockAlign], 0)
-	if headErr == nil {
-		if firstNonZero(head[:headN]) >= 0 {
+	first.read(f)
+	if first.err == nil {
+		if firstNonZero(first.data()) >= 0 {
 			onData()
 		}
-		if headN == blockAlign {
-			var n int
-			n, headErr = readAtFull(f, head[blockAlign:], blockAlign)
-			headN += n
+		if head.want > 0 {
+			head.read(f)
 		}
 	}
 	wg.Wait()
-	switch {
-	case headErr != nil:
-		return e, fmt.Errorf("probe %s: read the first MiB: %w", path, headErr)
-	case tailErr != nil:
-		return e, fmt.Errorf("probe %s: read the last MiB: %w", path, tailErr)
-	case farErr != nil:
-		return e, fmt.Errorf("probe %s: %w", path, farErr)
+	for _, s := range append([]*span{first, head, tail}, far...) {
+		if s.err != nil {
+			return e, fmt.Errorf("probe %s: %w", path, s.err)
+		}
 	}
-	e.headNonZero = firstNonZero(head[:headN])
-	t := tail[:tailN]
+	e.headNonZero = firstNonZero(first.data())
+	if e.headNonZero < 0 {
+		if i := firstNonZero(head.data()); i >= 0 {
+			e.headNonZero = blockAlign + i
+		}
+	}
+	t := tail.data()
 	e.tailNonZero = firstNonZero(t)
 	for _, lbs := range []int{512, 4096} {
 		if len(t) >= lbs && bytes.HasPrefix(t[len(t)-lbs:], gptSignature) {
 			e.gptBackup = true
 		}
 	}
-	at := 0
-	for i, off := range farOffs {
-		if j := firstNonZero(rest[at : at+int(farLens[i])]); j >= 0 {
-			e.farNonZero = off + int64(j)
+	for _, s := range far {
+		if i := firstNonZero(s.data()); i >= 0 {
+			e.farNonZero = s.off + int64(i)
 			break
 		}
-		at += int(far[i][1] - far[i][0])
 	}
 	return e, nil
 }

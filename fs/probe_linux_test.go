@@ -1,0 +1,50 @@
+package fs
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// readEnds reads to the very end of a device of any size: a byte in the
+// last sector, or in a far window, of sizes that are not whole blocks is
+// seen.
+func TestReadEndsOddSizes(t *testing.T) {
+	const mib = 1 << 20
+	for _, size := range []int64{1000, 5000, mib + 512, mib + 4096 + 512, 5*mib + 3100, 64*mib + 512, 64*mib + 3100} {
+		for _, at := range []int64{size - 1, size - 3087*512 + 23, 2*mib + 100, 4*mib + 3} {
+			if at < 0 || at >= size {
+				continue
+			}
+			p := filepath.Join(t.TempDir(), "dev")
+			f, err := os.Create(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := f.Truncate(size); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := f.WriteAt([]byte{0x5a}, at); err != nil {
+				t.Fatal(err)
+			}
+			f.Close()
+			pf, gotSize, err := openForProbe(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			e, err := readEnds(pf, p, gotSize, func() {})
+			pf.Close()
+			if err != nil {
+				t.Fatalf("size %d: %v", size, err)
+			}
+			found := e.headNonZero == int(at) || (e.tailNonZero >= 0 && e.tailStart+int64(e.tailNonZero) == at) || e.farNonZero == at
+			inWindow := at < headSize || at >= size-headSize || at == size-3087*512+23 || at == 2*mib+100 || at == 4*mib+3
+			if inWindow && !found {
+				t.Errorf("size %d: byte at %d not seen: %+v", size, at, e)
+			}
+			if e.zero() == found {
+				t.Errorf("size %d, byte at %d: zero() = %v with the byte seen = %v", size, at, e.zero(), found)
+			}
+		}
+	}
+}
