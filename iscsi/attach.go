@@ -368,12 +368,12 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 	// On the default interface berth writes the record itself, as
 	// iscsiadm would; otherwise (or before open-iscsi made its record
 	// directory) iscsiadm creates it and berth adds the settings.
-	native := false
+	native, file := false, ""
 	if v.Iface == "default" {
-		_, err := t.db.createNodeRecord(ctx, v.IQN, p.IP, p.Port, p.TPGT, t.recordSettings(v))
+		f, err := t.db.createNodeRecord(ctx, v.IQN, p.IP, p.Port, p.TPGT, t.recordSettings(v))
 		switch {
 		case err == nil:
-			native = true
+			native, file = true, f
 		case !errors.Is(err, errdefs.ErrNotFound):
 			return err
 		}
@@ -389,7 +389,13 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 	defer func() {
 		if retErr != nil {
 			// Leave no record (and no credentials) behind for a login
-			// that did not happen.
+			// that did not happen: the file berth wrote, and whatever
+			// record iscsiadm knows of.
+			if native {
+				if err := t.db.remove(context.WithoutCancel(ctx), file); err != nil {
+					t.log.Warn("delete node record after failed login", "volume", v, "portal", p.String(), "error", err)
+				}
+			}
 			if _, err := t.run.run(context.WithoutCancel(ctx), t.opts.Iscsiadm, argsNodeDelete(v.IQN, p.IP, p.Port, v.Iface)...); err != nil && exitCode(err) != ISCSI_ERR_NO_OBJS_FOUND {
 				t.log.Warn("delete node record after failed login", "volume", v, "portal", p.String(), "error", err)
 			}

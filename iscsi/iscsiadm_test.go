@@ -314,3 +314,32 @@ func TestLoginWritesRecordItself(t *testing.T) {
 		}
 	}
 }
+
+// A failed login leaves nothing of the record berth wrote, secrets
+// included, whether the target refused or iscsiadm looked elsewhere.
+func TestLoginFailureRemovesWrittenRecord(t *testing.T) {
+	for code, want := range map[int]string{
+		ISCSI_ERR_LOGIN_AUTH_FAILED: "CHAP authentication failed",
+		ISCSI_ERR_NO_OBJS_FOUND:     "keeps its records elsewhere",
+	} {
+		v, err := ParseVolume(ctxWith("sessionCHAPAuth", "true"), chapSecrets)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fr := &fakeRunner{fail: map[string]int{"--login": code}}
+		tr := testTransport(t, fr)
+		fr.nodes = tr.db.nodes
+		tr.db.conf = filepath.Join(t.TempDir(), "none")
+		if err := os.MkdirAll(tr.db.nodes, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		err = tr.login(context.Background(), v, path{Portal: v.Portals[0], IP: "10.0.0.1"})
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Fatalf("exit %d: got %v, want %q", code, err, want)
+		}
+		ents, _ := os.ReadDir(tr.db.nodes)
+		if len(ents) != 0 {
+			t.Fatalf("exit %d: %s still holds %v", code, tr.db.nodes, ents)
+		}
+	}
+}

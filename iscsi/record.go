@@ -419,19 +419,57 @@ func (db *recordDB) createNodeRecord(ctx context.Context, target, address string
 	if err := os.MkdirAll(filepath.Dir(file), 0o700); err != nil {
 		return "", fmt.Errorf("create node record: %w", err)
 	}
+	if err := writeRecord(file, rec); err != nil {
+		// No partial record, which iscsiadm would misread.
+		removeRecord(file, dir)
+		return "", fmt.Errorf("create node record %s: %w", file, err)
+	}
+	return file, nil
+}
+
+// writeRecord writes a new record file, mode 0600 before any content.
+func writeRecord(file string, rec []byte) error {
 	f, err := os.OpenFile(file, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
 	if err != nil {
-		return "", fmt.Errorf("create node record: %w", err)
+		return err
 	}
 	defer f.Close()
 	if err := f.Chmod(0o600); err != nil {
-		return "", fmt.Errorf("create node record %s: %w", file, err)
+		return err
 	}
 	if _, err := f.Write(rec); err != nil {
-		return "", fmt.Errorf("create node record %s: %w", file, err)
+		return err
 	}
 	if err := f.Sync(); err != nil {
-		return "", fmt.Errorf("create node record %s: %w", file, err)
+		return err
 	}
-	return file, f.Close()
+	return f.Close()
+}
+
+// removeRecord deletes a record file and the portal group and target
+// directories it leaves empty, up to the node record directory.
+func removeRecord(file, nodes string) error {
+	if err := os.Remove(file); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	for d := filepath.Dir(file); d != nodes && strings.HasPrefix(d, nodes+string(filepath.Separator)); d = filepath.Dir(d) {
+		if os.Remove(d) != nil {
+			break // not empty
+		}
+	}
+	return nil
+}
+
+// remove deletes a record berth wrote, under open-iscsi's database lock.
+func (db *recordDB) remove(ctx context.Context, file string) error {
+	dir, err := db.nodeDir()
+	if err != nil {
+		return err
+	}
+	unlock, err := db.lock(ctx)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return removeRecord(file, dir)
 }
