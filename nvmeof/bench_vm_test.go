@@ -44,7 +44,7 @@ func TestBenchNVMeoFStage(t *testing.T) {
 	if os.Getenv("BERTH_BENCH") != "1" {
 		t.Skip("benchmark: set BERTH_BENCH=1")
 	}
-	iterations := 5
+	iterations := 9
 	if s := os.Getenv("BERTH_BENCH_ITERATIONS"); s != "" {
 		iterations, _ = strconv.Atoi(s)
 	}
