@@ -57,7 +57,11 @@
 //
 // Timing under TCG on two host cores: the initramfs guest starts its tests
 // 2-10 s after QEMU starts (depending on host load), the systemd guest much
-// later; the console line "BERTH-VM-START guest uptime N" tells.
+// later; the console line "BERTH-VM-START guest uptime N" tells. A guest
+// that has not started its tests after half its timeout (at most 150 s)
+// is taken for stuck in early boot: it is killed, with its console in the
+// log, and booted once more with the kernel's messages on. A second hang
+// fails the test at its timeout.
 //
 // When QEMU or the image is missing the VM tests skip, unless BERTH_CI=1 is
 // set: then they fail.

@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -51,6 +52,7 @@ type Machine struct {
 	panicked bool
 	timedOut bool
 	killed   bool
+	retry    bool // the boot watchdog killed a guest that never started
 	exited   bool // QEMU exited and its output was read
 	waitErr  error
 	signals  map[string]bool
@@ -295,26 +297,55 @@ func sanitizeHost(s string) string {
 	return strings.Trim(s, "-")
 }
 
+// maxBootWait bounds how long a guest may take from QEMU's start to its
+// test binary's start (normally 2 to 30 s) before the boot watchdog
+// gives up on it.
+const maxBootWait = 150 * time.Second
+
 // start launches QEMU and the goroutines that read its serial ports.
-func (m *Machine) start() error {
+func (m *Machine) start() error { return m.launch(1) }
+
+// launch starts one attempt to run the guest. A guest whose init never
+// starts the tests within the boot deadline (a kernel stuck early in boot
+// under an overloaded TCG host, which prints nothing with "quiet") is
+// killed and booted once more, with the kernel's messages on, so that a
+// second hang shows where it stops; the first attempt's console goes to
+// the test log.
+func (m *Machine) launch(attempt int) error {
 	ln, err := net.Listen("unix", filepath.Join(m.dir, "io.sock"))
 	if err != nil {
 		return err
 	}
-	cmd := exec.Command(m.args[0], m.args[1:]...)
+	args := slices.Clone(m.args)
+	for i, a := range args {
+		switch {
+		case i == 0 || args[i-1] != "-append":
+		case attempt > 1:
+			args[i] = strings.Replace(a, " quiet", " loglevel=7", 1)
+		case m.cfg.hangFirstBoot:
+			args[i] = a + " berth_vm_hang"
+		}
+	}
+	cmd := exec.Command(args[0], args[1:]...)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		ln.Close()
 		return err
 	}
 	cmd.Stderr = cmd.Stdout
-	m.cmd = cmd
-	m.started = time.Now()
 	if err := cmd.Start(); err != nil {
 		ln.Close()
 		return fmt.Errorf("start %s: %w", m.Command(), err)
 	}
-	m.t.Logf("vm %s: booting: %s", m.name, m.Command())
+	m.mu.Lock()
+	m.cmd = cmd
+	m.started = time.Now()
+	killed := m.killed
+	m.mu.Unlock()
+	if killed { // Kill ran while this attempt started
+		cmd.Process.Kill()
+	}
+	m.t.Logf("vm %s: booting: %s", m.name, strings.Join(args, " "))
 
 	// QEMU connects to the socket while it starts; it exits on failure.
 	connc := make(chan net.Conn, 1)
@@ -358,15 +389,46 @@ func (m *Machine) start() error {
 		m.mu.Unlock()
 		cmd.Process.Kill()
 	})
+	bootWait := min(m.cfg.timeout/2, maxBootWait)
+	watchdog := time.AfterFunc(bootWait, func() {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		if m.booted != 0 || m.killed || attempt > 1 {
+			return
+		}
+		m.retry = true
+		m.t.Logf("vm %s: the guest did not start its tests within %v; killing it and booting once more\n%s",
+			m.name, bootWait, m.diagnosticsLocked())
+		cmd.Process.Kill()
+	})
 	go func() {
 		err := cmd.Wait()
 		timer.Stop()
+		watchdog.Stop()
 		ln.Close()
 		m.mu.Lock()
-		m.waitErr = err
+		retry := m.retry && !m.killed
+		if !retry {
+			m.waitErr = err
+		}
 		m.mu.Unlock()
 		wg.Wait()
 		events, jerr := j.finish()
+		if retry {
+			m.mu.Lock()
+			m.retry = false
+			m.console, m.conn, m.booted, m.exitCode, m.panicked = nil, nil, 0, -1, false
+			m.guestOut.Reset()
+			m.signals = map[string]bool{}
+			m.mu.Unlock()
+			err := m.launch(attempt + 1)
+			if err == nil {
+				return
+			}
+			m.mu.Lock()
+			m.waitErr = fmt.Errorf("boot again: %w", err)
+			m.mu.Unlock()
+		}
 		m.mu.Lock()
 		m.events = events
 		if jerr != nil && m.waitErr == nil {
@@ -456,9 +518,10 @@ func (m *Machine) reproduce() string {
 func (m *Machine) Kill() {
 	m.mu.Lock()
 	m.killed = true
+	cmd := m.cmd
 	m.mu.Unlock()
-	if m.cmd != nil && m.cmd.Process != nil {
-		m.cmd.Process.Kill()
+	if cmd != nil && cmd.Process != nil {
+		cmd.Process.Kill()
 	}
 }
 

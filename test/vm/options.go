@@ -25,6 +25,9 @@ type config struct {
 	files      map[string]string
 	env        map[string]string
 	nics       []nic
+	// hangFirstBoot makes the first boot's init stop before the tests
+	// (a self-test of the boot watchdog).
+	hangFirstBoot bool
 }
 
 type nic struct {
@@ -139,3 +142,7 @@ func (c *config) validate() error {
 	}
 	return nil
 }
+
+// withHangFirstBoot makes the guest's first boot hang in init, as a guest
+// stuck in early boot would: the harness's own test of its boot watchdog.
+func withHangFirstBoot() Option { return func(c *config) { c.hangFirstBoot = true } }

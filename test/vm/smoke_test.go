@@ -25,6 +25,14 @@ func TestVMSmoke(t *testing.T) {
 	vm.RunGuestTests(t, vm.WithTestRun("^TestSmoke"), vm.WithIscsid())
 }
 
+// TestVMBootRetry: a guest whose init never starts its tests is killed at
+// the boot deadline (half the timeout here) and booted once more, and its
+// tests then run. Without the retry this guest hangs until its timeout.
+func TestVMBootRetry(t *testing.T) {
+	t.Parallel()
+	vm.RunGuestTests(t, vm.WithTestRun("^TestSmokeGuestBasics$"), vm.WithTimeout(50*time.Second), vm.WithHangFirstBoot())
+}
+
 func TestSmokeGuestBasics(t *testing.T) {
 	vm.RequireGuest(t)
 	if os.Getuid() != 0 {

@@ -1,0 +1,4 @@
+package vm
+
+// WithHangFirstBoot exports withHangFirstBoot to the package's tests.
+var WithHangFirstBoot = withHangFirstBoot
