@@ -148,9 +148,13 @@ ip link set lo up
 prepare
 
 if [ "$BERTH_VM_UDEV" = 1 ]; then
+	# Each step says when it starts: a guest stuck here shows where.
+	say "starting systemd-udevd"
 	/usr/lib/systemd/systemd-udevd --daemon || fail "systemd-udevd did not start"
+	say "udevadm trigger"
 	udevadm trigger --type=subsystems --action=add
 	udevadm trigger --type=devices --action=add
+	say "udevadm settle"
 	udevadm settle --timeout=30 || fail "udevadm settle timed out"
 fi
 if [ "$BERTH_VM_ISCSID" = 1 ]; then
