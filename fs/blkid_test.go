@@ -140,3 +140,22 @@ func TestFarSpans(t *testing.T) {
 		}
 	}
 }
+
+func TestLibblkidVersion(t *testing.T) {
+	for out, want := range map[string][2]int{
+		"blkid from util-linux 2.38.1  (libblkid 2.38.1, 04-Aug-2022)\n":  {2, 38},
+		"blkid from util-linux 2.41.5  (libblkid 2.41.5, 20-Mar-2025)":    {2, 41},
+		"blkid from util-linux 2.42-rc1  (libblkid 2.42-rc1, 1-Jan-2026)": {2, 42},
+		"blkid from util-linux 2.40  (libblkid 2.40.0, 27-Mar-2024)":      {2, 40},
+	} {
+		got, ok := libblkidVersion(out)
+		if !ok || got != want {
+			t.Errorf("%q: %v %v, want %v", out, got, ok, want)
+		}
+	}
+	for _, out := range []string{"", "BusyBox v1.36.1 multi-call binary.", "blkid (libblkid x.y)"} {
+		if v, ok := libblkidVersion(out); ok {
+			t.Errorf("%q: %v, want not understood", out, v)
+		}
+	}
+}

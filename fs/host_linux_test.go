@@ -890,6 +890,11 @@ func TestHostProbeFastPath(t *testing.T) {
 	writeAt(t, file, 3*mib, []byte("data outside every window"))
 	dev := attachLoop(t, file)
 	ctx := context.Background()
+	// The fast path needs to know the node's libblkid, which it learns
+	// from blkid once per process.
+	if !blkidAudited() {
+		t.Fatal("this host's libblkid is newer than the one the far windows were checked against")
+	}
 
 	dirs := toolDirs
 	toolDirs = []string{t.TempDir()}

@@ -15,9 +15,6 @@ import (
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
-// headSize is how much of the device Probe reads itself.
-const headSize = 1 << 20
-
 // mkfsTimeout bounds one mkfs run.
 const mkfsTimeout = 10 * time.Minute
 
@@ -59,7 +56,7 @@ func Probe(ctx context.Context, devPath string) (Signature, error) {
 			ch <- blkidResult{out, err}
 		}()
 	}
-	if blkidOnly(f) {
+	if blkidOnly(f) || !blkidAudited() {
 		startBlkid()
 	}
 	e, endsErr := readEnds(f, devPath, size, func() {
@@ -169,7 +166,16 @@ func blkidOnly(f *os.File) bool {
 		return false
 	}
 	const scsiCDROMMajor = 11 // sr, <linux/major.h>
-	return unix.Major(st.Rdev) == scsiCDROMMajor || isZoned(f)
+	return unix.Major(st.Rdev) == scsiCDROMMajor || isCDROM(f) || isZoned(f)
+}
+
+// cdromGetCapability is CDROM_GET_CAPABILITY in <linux/cdrom.h>: it
+// succeeds on any CD-ROM driver, which is how libblkid tells one.
+const cdromGetCapability = 0x5331
+
+func isCDROM(f *os.File) bool {
+	_, err := unix.IoctlGetInt(int(f.Fd()), cdromGetCapability)
+	return err == nil
 }
 
 // blkGetZoneSz is BLKGETZONESZ, _IOR(0x12, 132, __u32) in

@@ -1,18 +1,30 @@
 package fs
 
+import (
+	"context"
+	"strconv"
+	"strings"
+	"sync"
+)
+
 // Probe decides that a device is blank without running blkid when every
 // byte where a libblkid prober needs a match is zero. No superblock or
 // partition-table prober of libblkid matches all-zero bytes: each is
 // gated by a non-zero magic, or by non-zero fields or counts, before it
 // reads anything else. The gates lie in the first and the last MiB of
 // the device, which Probe reads anyway, and in the few far windows
-// below. A device with any non-zero byte in them is probed by blkid.
+// below. A device with any non-zero byte in them is probed by blkid, and
+// so is every device when the node's libblkid is newer than the one the
+// windows were checked against (auditedBlkid).
 //
 // Three kinds of device move gates elsewhere and are always probed by
 // blkid: zoned devices (btrfs looks for a superblock at the start of
 // zone 1) and CD-ROMs (iso9660 and udf look past the last session's
 // offset). A partition is not one of them: blkid reports the parent's
 // partition entry for it, which is not a signature on the partition.
+
+// headSize is how much of each end of the device Probe reads itself.
+const headSize = 1 << 20
 
 // blockAlign is the alignment of every read Probe does: O_DIRECT needs
 // the logical block size, and no device has one larger than a page.
@@ -70,4 +82,49 @@ func farSpans(size, head, tail int64) [][2]int64 {
 		out = append(out, [2]int64{start, end})
 	}
 	return out
+}
+
+// auditedBlkid is the newest libblkid whose probers farWindows was checked
+// against. With a newer one, which may look in new places, Probe always
+// runs blkid.
+var auditedBlkid = [2]int{2, 41}
+
+// blkidAudited reports whether the node's blkid is built on a libblkid no
+// newer than auditedBlkid. It asks blkid once per process; a blkid that
+// cannot tell is not trusted.
+var blkidAudited = sync.OnceValue(func() bool {
+	out, err := runTool(context.Background(), "blkid", "--version")
+	if err != nil {
+		return false
+	}
+	v, ok := libblkidVersion(string(out))
+	return ok && (v[0] < auditedBlkid[0] || v[0] == auditedBlkid[0] && v[1] <= auditedBlkid[1])
+})
+
+// libblkidVersion reads the library version from `blkid --version`:
+// "blkid from util-linux 2.38.1  (libblkid 2.38.1, 04-Aug-2022)".
+func libblkidVersion(out string) ([2]int, bool) {
+	_, rest, ok := strings.Cut(out, "(libblkid ")
+	if !ok {
+		return [2]int{}, false
+	}
+	ver, _, _ := strings.Cut(rest, ",")
+	parts := strings.SplitN(strings.TrimSpace(ver), ".", 3)
+	if len(parts) < 2 {
+		return [2]int{}, false
+	}
+	major, err1 := strconv.Atoi(parts[0])
+	minor, err2 := strconv.Atoi(leadingDigits(parts[1])) // "41-rc1"
+	if err1 != nil || err2 != nil {
+		return [2]int{}, false
+	}
+	return [2]int{major, minor}, true
+}
+
+func leadingDigits(s string) string {
+	i := 0
+	for i < len(s) && s[i] >= '0' && s[i] <= '9' {
+		i++
+	}
+	return s[:i]
 }
