@@ -13,8 +13,9 @@
 //     itself, in open-iscsi's layout and under its database lock: the
 //     node.* settings of iscsid.conf (which iscsiadm copies into every new
 //     record), the target, portal and interface, and the settings of step
-//     2, in one 0600 file. Otherwise, and before open-iscsi has made its
-//     record directory, iscsiadm creates the record.
+//     2, in one 0600 file. Otherwise, before open-iscsi has made its
+//     record directory, and when berth cannot see iscsid.conf, iscsiadm
+//     creates the record.
 //  2. The record holds node.startup = manual, node.session.scan = manual,
 //     the session parameters and the CHAP credentials; a record iscsiadm
 //     created is edited in place under the lock. Credentials never travel

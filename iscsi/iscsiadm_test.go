@@ -329,7 +329,10 @@ func TestLoginFailureRemovesWrittenRecord(t *testing.T) {
 		fr := &fakeRunner{fail: map[string]int{"--login": code}}
 		tr := testTransport(t, fr)
 		fr.nodes = tr.db.nodes
-		tr.db.conf = filepath.Join(t.TempDir(), "none")
+		tr.db.conf = filepath.Join(t.TempDir(), "iscsid.conf")
+		if err := os.WriteFile(tr.db.conf, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
 		if err := os.MkdirAll(tr.db.nodes, 0o755); err != nil {
 			t.Fatal(err)
 		}

@@ -349,7 +349,8 @@ func confNodeSettings(path string) ([]setting, error) {
 // interface, then set. It replaces the records of the same target, portal
 // and iface. The file is written under open-iscsi's database lock with
 // mode 0600 from the start. ErrNotFound when the node record directory
-// does not exist yet: only iscsiadm knows where it is created.
+// does not exist yet (only iscsiadm knows where it is created) or berth
+// cannot see iscsid.conf.
 func (db *recordDB) createNodeRecord(ctx context.Context, target, address string, port, tpgt int, set []setting) (string, error) {
 	dir, err := db.nodeDir()
 	if err != nil {
@@ -361,6 +362,11 @@ func (db *recordDB) createNodeRecord(ctx context.Context, target, address string
 	conf := db.conf
 	if conf == "" {
 		conf = defaultConfFile
+	}
+	// Without the configuration iscsiadm reads, berth cannot give the
+	// record its defaults: iscsiadm must create it.
+	if _, err := os.Stat(conf); err != nil {
+		return "", fmt.Errorf("open-iscsi configuration %s: %w: %w", conf, err, errdefs.ErrNotFound)
 	}
 	defaults, err := confNodeSettings(conf)
 	if err != nil {

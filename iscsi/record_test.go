@@ -206,6 +206,12 @@ func TestCreateNodeRecord(t *testing.T) {
 	if _, err := db.createNodeRecord(ctx, testIQN, "10.0.0.1", 3260, -1, set); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("without a node record directory: %v, want ErrNotFound", err)
 	}
+	if err := os.MkdirAll(db.nodes, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.createNodeRecord(ctx, testIQN, "10.0.0.1", 3260, -1, set); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("without iscsid.conf: %v, want ErrNotFound", err)
+	}
 	if err := os.WriteFile(db.conf, []byte(sampleConf), 0o644); err != nil {
 		t.Fatal(err)
 	}
