@@ -2,6 +2,7 @@ package iscsi
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"os"
 	"os/exec"
@@ -31,7 +32,6 @@ func TestGuestISCSINodeRecordMatchesIscsiadm(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	const byTool, byBerth, portal = "iqn.2026-01.io.berth:record-tool", "iqn.2026-01.io.berth:record-berth", "127.0.0.1:3260"
 	iscsiadm := func(args ...string) string {
 		t.Helper()
 		out, err := exec.Command("iscsiadm", args...).CombinedOutput()
@@ -40,36 +40,46 @@ func TestGuestISCSINodeRecordMatchesIscsiadm(t *testing.T) {
 		}
 		return string(out)
 	}
-	t.Cleanup(func() {
-		for _, iqn := range []string{byTool, byBerth} {
-			exec.Command("iscsiadm", "-m", "node", "-o", "delete", "-T", iqn).Run()
-		}
-	})
-	iscsiadm("-m", "node", "-o", "new", "-T", byTool, "-p", portal)
 	set := []setting{{"node.startup", "manual"}, {"node.session.scan", "manual"}, {ParamReplacementTimeout, "20"}}
-	for _, s := range set {
-		iscsiadm("-m", "node", "-T", byTool, "-p", portal, "-o", "update", "-n", s.name, "-v", s.value)
-	}
-	if _, err := (&recordDB{}).createNodeRecord(context.Background(), byBerth, "127.0.0.1", 3260, -1, set); err != nil {
-		t.Fatal(err)
-	}
+	for i, tc := range []struct {
+		portal, address string
+		tpgt            int
+	}{
+		{"127.0.0.1:3260", "127.0.0.1", -1},
+		{"127.0.0.1:3260,1", "127.0.0.1", 1},
+		{"[::1]:3260", "::1", -1},
+	} {
+		byTool, byBerth := fmt.Sprintf("iqn.2026-01.io.berth:record-tool-%d", i), fmt.Sprintf("iqn.2026-01.io.berth:record-berth-%d", i)
+		t.Cleanup(func() {
+			for _, iqn := range []string{byTool, byBerth} {
+				exec.Command("iscsiadm", "-m", "node", "-o", "delete", "-T", iqn).Run()
+			}
+		})
+		iscsiadm("-m", "node", "-o", "new", "-T", byTool, "-p", tc.portal)
+		for _, s := range set {
+			iscsiadm("-m", "node", "-T", byTool, "-p", tc.portal, "-o", "update", "-n", s.name, "-v", s.value)
+		}
+		if _, err := (&recordDB{}).createNodeRecord(context.Background(), byBerth, tc.address, 3260, tc.tpgt, set); err != nil {
+			t.Fatal(err)
+		}
 
-	tool := parseRecord([]byte(iscsiadm("-m", "node", "-T", byTool, "-p", portal)))
-	berth := parseRecord([]byte(iscsiadm("-m", "node", "-T", byBerth, "-p", portal)))
-	if berth["node.name"] != byBerth || tool["node.session.cmds_max"] != "64" {
-		t.Fatalf("records not read back: berth node.name %q, iscsiadm cmds_max %q", berth["node.name"], tool["node.session.cmds_max"])
-	}
-	delete(tool, "node.name")
-	delete(berth, "node.name")
-	for _, k := range slices.Sorted(maps.Keys(tool)) {
-		if tool[k] != berth[k] {
-			t.Errorf("%s: iscsiadm's record has %q, berth's %q", k, tool[k], berth[k])
+		tool := parseRecord([]byte(iscsiadm("-m", "node", "-T", byTool, "-p", tc.portal)))
+		berth := parseRecord([]byte(iscsiadm("-m", "node", "-T", byBerth, "-p", tc.portal)))
+		if berth["node.name"] != byBerth || tool["node.session.cmds_max"] != "64" {
+			t.Fatalf("%s: records not read back: berth node.name %q, iscsiadm cmds_max %q", tc.portal, berth["node.name"], tool["node.session.cmds_max"])
 		}
-	}
-	for k := range berth {
-		if _, ok := tool[k]; !ok {
-			t.Errorf("%s: only in berth's record", k)
+		delete(tool, "node.name")
+		delete(berth, "node.name")
+		for _, k := range slices.Sorted(maps.Keys(tool)) {
+			if tool[k] != berth[k] {
+				t.Errorf("%s: %s: iscsiadm's record has %q, berth's %q", tc.portal, k, tool[k], berth[k])
+			}
 		}
+		for k := range berth {
+			if _, ok := tool[k]; !ok {
+				t.Errorf("%s: %s: only in berth's record", tc.portal, k)
+			}
+		}
+		t.Logf("%s: %d fields compared", tc.portal, len(tool))
 	}
-	t.Logf("%d fields compared", len(tool))
 }
