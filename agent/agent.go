@@ -283,28 +283,35 @@ func (a *Agent) Volumes(ctx context.Context) []VolumeStatus {
 	recs := a.state.list()
 	out := make([]VolumeStatus, 0, len(recs))
 	for _, r := range recs {
-		c := a.condition(ctx, r)
+		t := a.recordedTarget(r)
+		c := a.conditionOf(ctx, r, t)
 		out = append(out, VolumeStatus{
 			ID: r.VolumeID, Transport: r.Transport, Staged: r.Staged,
 			Abnormal: c.Abnormal, Message: c.Message, Targets: len(r.Publishes),
-			Paths: a.pathStates(ctx, r),
+			Paths: a.pathStates(ctx, r, t),
 		})
 	}
 	return out
 }
 
-// pathStates asks the volume's target for its paths, when it reports
-// them; nil otherwise or when it cannot tell.
-func (a *Agent) pathStates(ctx context.Context, r *volumeRecord) map[string]int {
-	if !r.Staged {
-		return nil
-	}
+// recordedTarget parses a record's target from its stored volume_context
+// (without secrets); nil when its transport is gone or it does not parse.
+func (a *Agent) recordedTarget(r *volumeRecord) Target {
 	tr, ok := a.transports[r.Transport]
 	if !ok {
 		return nil
 	}
 	t, err := tr.Parse(r.Context, nil)
 	if err != nil {
+		return nil
+	}
+	return t
+}
+
+// pathStates asks the volume's target for its paths, when it reports
+// them; nil otherwise or when it cannot tell.
+func (a *Agent) pathStates(ctx context.Context, r *volumeRecord, t Target) map[string]int {
+	if !r.Staged || t == nil {
 		return nil
 	}
 	pr, ok := t.(PathReporter)

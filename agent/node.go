@@ -784,14 +784,18 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 // connection, then whether the device is still the one staged and the
 // staging mount is in place.
 func (a *Agent) condition(ctx context.Context, rec *volumeRecord) *csi.VolumeCondition {
+	return a.conditionOf(ctx, rec, a.recordedTarget(rec))
+}
+
+// conditionOf is condition with the record's target already parsed (nil
+// when it does not parse).
+func (a *Agent) conditionOf(ctx context.Context, rec *volumeRecord, t Target) *csi.VolumeCondition {
 	if !rec.Staged || rec.Device == nil {
 		return &csi.VolumeCondition{Abnormal: true, Message: "staging did not complete; the CO retries NodeStageVolume or calls NodeUnstageVolume"}
 	}
-	if tr, ok := a.transports[rec.Transport]; ok {
-		if t, err := tr.Parse(rec.Context, nil); err == nil {
-			if abnormal, msg := t.Health(ctx); abnormal {
-				return &csi.VolumeCondition{Abnormal: true, Message: msg}
-			}
+	if t != nil {
+		if abnormal, msg := t.Health(ctx); abnormal {
+			return &csi.VolumeCondition{Abnormal: true, Message: msg}
 		}
 	}
 	if a.recordedDevice(rec.Device) == nil {

@@ -16,9 +16,11 @@ type pathTransport struct {
 	*fakeTransport
 	states map[string]int
 	err    error
+	parses int
 }
 
 func (pt *pathTransport) Parse(vc, s map[string]string) (Target, error) {
+	pt.parses++
 	t, err := pt.fakeTransport.Parse(vc, s)
 	if err != nil {
 		return nil, err
@@ -57,9 +59,13 @@ func TestVolumesReportPathStates(t *testing.T) {
 	if err != nil {
 		t.Fatalf("stage: %v", err)
 	}
+	pt.parses = 0
 	vs := a.Volumes(ctx)
 	if len(vs) != 1 || !maps.Equal(vs[0].Paths, pt.states) {
 		t.Fatalf("Volumes: %+v, want paths %v", vs, pt.states)
+	}
+	if pt.parses != 1 {
+		t.Errorf("Volumes parsed the volume's target %d times, want once", pt.parses)
 	}
 
 	// A target that cannot tell reports no paths rather than stale ones.
