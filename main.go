@@ -71,6 +71,7 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "probe-checks", EnvVars: []string{"BERTH_PROBE_CHECKS"}, Usage: "transports whose node checks (berth doctor) Probe runs: comma-separated iscsi, nvmeof, file (empty: none)"},
 			&cli.StringFlag{Name: "iscsiadm", Value: "iscsiadm", EnvVars: []string{"BERTH_ISCSIADM"}, Usage: "iscsiadm executable, or a wrapper that runs the host's iscsiadm (containers)"},
 			&cli.StringFlag{Name: "multipathd", Value: "multipathd", EnvVars: []string{"BERTH_MULTIPATHD"}, Usage: "multipathd executable, or a wrapper that runs the host's multipathd (containers)"},
+			&cli.StringFlag{Name: "iscsi-node-dir", EnvVars: []string{"BERTH_ISCSI_NODE_DIR"}, Usage: "open-iscsi's node record directory, where its iscsiadm keeps records (empty: /etc/iscsi/nodes or else /var/lib/iscsi/nodes, the first that exists)"},
 			&cli.IntFlag{Name: "iscsi-replacement-timeout", Value: -1, EnvVars: []string{"BERTH_ISCSI_REPLACEMENT_TIMEOUT"}, Usage: "node.session.timeo.replacement_timeout for new iSCSI sessions, seconds (-1: open-iscsi's default)"},
 			&cli.IntFlag{Name: "iscsi-login-timeout", Value: -1, EnvVars: []string{"BERTH_ISCSI_LOGIN_TIMEOUT"}, Usage: "node.conn[0].timeo.login_timeout for new iSCSI sessions, seconds (-1: open-iscsi's default)"},
 			&cli.IntFlag{Name: "iscsi-login-retry-max", Value: -1, EnvVars: []string{"BERTH_ISCSI_LOGIN_RETRY_MAX"}, Usage: "node.session.initial_login_retry_max for new iSCSI sessions (-1: open-iscsi's default)"},
@@ -185,6 +186,7 @@ func serve(c *cli.Context) error {
 	iscsiOpts := iscsi.Options{
 		Iscsiadm:   c.String("iscsiadm"),
 		Multipathd: c.String("multipathd"),
+		NodeDir:    c.String("iscsi-node-dir"),
 		Params:     map[string]int{},
 	}
 	for flag, param := range map[string]string{

@@ -404,7 +404,7 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 	if !native {
 		files, err := t.db.nodeRecordFiles(v.IQN, p.IP, p.Port, v.Iface)
 		if err != nil {
-			return fmt.Errorf("iscsiadm created the node record of %s at %s, but berth cannot find it (set the node record directory if open-iscsi keeps it elsewhere): %w", v.IQN, p, err)
+			return fmt.Errorf("iscsiadm created the node record of %s at %s, but berth cannot find it (name open-iscsi's record directory with --iscsi-node-dir): %w", v.IQN, p, err)
 		}
 		if err := t.db.update(ctx, files, t.recordSettings(v)); err != nil {
 			return err
@@ -413,7 +413,7 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 	_, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeLogin(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...)
 	if native && exitCode(err) == ISCSI_ERR_NO_OBJS_FOUND {
 		dir, _ := t.db.nodeDir()
-		return fmt.Errorf("log in to %s at %s: iscsiadm found no node record, though berth wrote it in %s: this iscsiadm keeps its records elsewhere (both /etc/iscsi/nodes and /var/lib/iscsi/nodes exist?): %w",
+		return fmt.Errorf("log in to %s at %s: iscsiadm found no node record, though berth wrote it in %s: this iscsiadm keeps its records elsewhere: name its directory with --iscsi-node-dir: %w",
 			v.IQN, p, dir, errdefs.ErrUnavailable)
 	}
 	if err != nil && exitCode(err) != ISCSI_ERR_SESS_EXISTS {

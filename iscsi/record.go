@@ -162,7 +162,7 @@ func (db *recordDB) nodeDir() (string, error) {
 			return d, nil
 		}
 	}
-	return "", unavailable("no open-iscsi node record directory (%s): is open-iscsi installed, and /etc/iscsi and /var/lib/iscsi mounted from the host?", strings.Join(defaultNodeDirs, ", "))
+	return "", unavailable("no open-iscsi node record directory (%s): is open-iscsi installed, and /etc/iscsi and /var/lib/iscsi mounted from the host? (--iscsi-node-dir names it)", strings.Join(defaultNodeDirs, ", "))
 }
 
 // sendTargetsDir finds the discovery record directory, next to the node
