@@ -21,8 +21,10 @@ const mkfsTimeout = 10 * time.Minute
 // Probe reports what the device holds. It reads the first and the last
 // MiB of the device itself and the few places beyond them where libblkid
 // looks for signatures (see farWindows). When every one of those bytes
-// is zero, the device is blank: no signature blkid knows can be there
-// (zoned devices and CD-ROMs always go to blkid).
+// is zero, the device is blank: no signature blkid knows can be there.
+// (Zoned devices and CD-ROMs always go to blkid, and so does every device
+// when the node's libblkid is newer than the one farWindows was checked
+// against.)
 // Otherwise it runs `blkid -p -o export`: low-level probing of
 // superblocks (all usages: filesystem, raid, crypto, other) and
 // partition tables, without the blkid cache. When blkid finds nothing, a

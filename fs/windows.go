@@ -5,6 +5,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 )
 
 // Probe decides that a device is blank without running blkid when every
@@ -93,7 +94,9 @@ var auditedBlkid = [2]int{2, 41}
 // newer than auditedBlkid. It asks blkid once per process; a blkid that
 // cannot tell is not trusted.
 var blkidAudited = sync.OnceValue(func() bool {
-	out, err := runTool(context.Background(), "blkid", "--version")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	out, err := runTool(ctx, "blkid", "--version")
 	if err != nil {
 		return false
 	}
