@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -109,22 +108,7 @@ func TestGuestSystemdUnits(t *testing.T) {
 		}
 		unit.WriteString(line + "\n")
 	}
-	dir := "/run/systemd/system"
-	if err := os.WriteFile(filepath.Join(dir, "berth.service"), unit.Bytes(), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(dir, "berth.socket"), socketUnit, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	systemctl(t, "daemon-reload")
-	systemctl(t, "start", "berth.socket")
-	t.Cleanup(func() {
-		exec.Command("systemctl", "stop", "berth.service", "berth.socket").Run()
-		if t.Failed() {
-			out, _ := exec.Command("journalctl", "--no-pager", "-n", "60", "-u", "berth.service", "-u", "berth.socket").CombinedOutput()
-			t.Logf("journal:\n%s", out)
-		}
-	})
+	startUnits(t, unit.Bytes())
 	if p := unitProps(t, "berth.service"); p["ActiveState"] != "inactive" {
 		t.Fatalf("berth.service started before any connection: %v", p)
 	}

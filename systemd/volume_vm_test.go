@@ -184,7 +184,15 @@ func installBerth(t *testing.T) string {
 	if bytes.Equal(service, serviceUnit) {
 		t.Fatalf("berth.service does not start %s", bin)
 	}
-	sock := unitValues(t, socketUnit, "ListenStream")[0]
+	return startUnits(t, service)
+}
+
+// startUnits installs service (a variant of the shipped berth.service)
+// and the shipped berth.socket as runtime units, starts the socket and
+// returns its path. Cleanup stops both and, when the test failed, logs
+// their journal.
+func startUnits(t *testing.T, service []byte) string {
+	t.Helper()
 	dir := "/run/systemd/system"
 	if err := os.WriteFile(filepath.Join(dir, "berth.service"), service, 0o644); err != nil {
 		t.Fatal(err)
@@ -201,7 +209,7 @@ func installBerth(t *testing.T) string {
 			t.Logf("journal:\n%s", out)
 		}
 	})
-	return sock
+	return unitValues(t, socketUnit, "ListenStream")[0]
 }
 
 // hostMounts checks, in PID 1's mount table (the host's namespace), which
