@@ -20,7 +20,6 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/berth-csi/berth/agent"
-	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/iscsi"
 	"github.com/berth-csi/berth/test/csitest"
 	"github.com/berth-csi/berth/test/vm"
@@ -184,11 +183,7 @@ func TestBenchGuestISCSI(t *testing.T) {
 	node := startAgent(t, logger)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	l, err := devices.NewListener()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
+	l := csitest.Listener(t)
 	tr, err := iscsi.New(iscsi.Options{Listener: l, Logger: logger})
 	if err != nil {
 		t.Fatal(err)

@@ -17,7 +17,6 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
-	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/nvmeof"
 	"github.com/berth-csi/berth/test/csitest"
 	"github.com/berth-csi/berth/test/vm"
@@ -170,11 +169,7 @@ func TestBenchNVMeoFStage(t *testing.T) {
 	singleSteps := steps.Summary()
 	// The attach alone: Target.Attach (connect, uevent, verified device)
 	// against the connect write and a device poll.
-	l, err := devices.NewListener()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
+	l := csitest.Listener(t)
 	tr, err := nvmeof.NewTransport(nvmeof.Options{Listener: l, Logger: logger})
 	if err != nil {
 		t.Fatal(err)
