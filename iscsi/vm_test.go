@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -413,10 +414,7 @@ func TestGuestISCSICHAP(t *testing.T) {
 
 			// Wrong password: a clear authentication error, well before
 			// any timeout, nothing left behind.
-			bad := map[string]string{}
-			for k, v := range sec {
-				bad[k] = v
-			}
+			bad := maps.Clone(sec)
 			bad[SecretSessionPassword] = "Wrong-Password-1"
 			start := time.Now()
 			_, err = target(t, tr, vctx(lt, 0, "sessionCHAPAuth", "true"), bad).Attach(ctx)
@@ -470,10 +468,7 @@ func TestGuestISCSIDiscoveryCHAP(t *testing.T) {
 			}
 			assertDetached(t, lt.IQN)
 
-			bad := map[string]string{}
-			for k, v := range sec {
-				bad[k] = v
-			}
+			bad := maps.Clone(sec)
 			bad[SecretDiscoveryPassword] = "Wrong-Disc-Pass"
 			_, err = target(t, tr, vctx(lt, 0, "discoveryCHAPAuth", "true"), bad).Attach(ctx)
 			if !errors.Is(err, errdefs.ErrPermissionDenied) || !strings.Contains(err.Error(), "authentication") {
