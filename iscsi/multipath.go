@@ -44,15 +44,8 @@ func (t *Transport) mapOf(pds []*pathDevice) *devices.Device {
 		if pd.dev == nil {
 			continue
 		}
-		holders, err := devices.Holders(pd.dev.Name)
-		if err != nil {
-			continue
-		}
-		for _, h := range holders {
-			d, err := devices.Lookup(h)
-			if err == nil && d.ID.Kind == devices.KindDM && strings.HasPrefix(d.ID.WWID, "mpath-") {
-				return d
-			}
+		if dm, err := devices.MultipathMap(pd.dev.Name); err == nil {
+			return dm
 		}
 	}
 	return nil

@@ -123,6 +123,17 @@ func recordKey(line string) (string, bool) {
 // winning as in open-iscsi.
 func parseRecord(rec []byte) map[string]string {
 	m := map[string]string{}
+	for _, s := range recordLines(rec) {
+		m[s.name] = s.value
+	}
+	return m
+}
+
+// recordLines returns the "name = value" lines of a record or of
+// iscsid.conf in order, values trimmed; comments and other lines are
+// skipped.
+func recordLines(rec []byte) []setting {
+	var set []setting
 	for _, line := range strings.Split(string(rec), "\n") {
 		line = strings.TrimSpace(line)
 		name, ok := recordKey(line)
@@ -133,9 +144,9 @@ func parseRecord(rec []byte) map[string]string {
 		if !strings.HasPrefix(rest, "=") {
 			continue
 		}
-		m[name] = strings.TrimSpace(rest[1:])
+		set = append(set, setting{name, strings.TrimSpace(rest[1:])})
 	}
-	return m
+	return set
 }
 
 // recordDB is open-iscsi's record database on the node.
@@ -249,24 +260,10 @@ func rewriteFile(path string, edit func([]byte) ([]byte, error)) error {
 	if err != nil {
 		return fmt.Errorf("record %s: %w", path, err)
 	}
-	f, err := os.OpenFile(path, os.O_WRONLY, 0o600)
-	if err != nil {
+	if err := writeRecord(path, b); err != nil {
 		return fmt.Errorf("write record %s: %w", path, err)
 	}
-	defer f.Close()
-	if err := f.Chmod(0o600); err != nil {
-		return fmt.Errorf("write record %s: %w", path, err)
-	}
-	if err := f.Truncate(0); err != nil {
-		return fmt.Errorf("write record %s: %w", path, err)
-	}
-	if _, err := f.WriteAt(b, 0); err != nil {
-		return fmt.Errorf("write record %s: %w", path, err)
-	}
-	if err := f.Sync(); err != nil {
-		return fmt.Errorf("write record %s: %w", path, err)
-	}
-	return f.Close()
+	return nil
 }
 
 // lock takes open-iscsi's database lock the way iscsiadm does: a hard link
@@ -326,18 +323,9 @@ func confNodeSettings(path string) ([]setting, error) {
 		return nil, fmt.Errorf("read open-iscsi configuration: %w", err)
 	}
 	var set []setting
-	for _, line := range strings.Split(string(b), "\n") {
-		line = strings.TrimSpace(line)
-		name, ok := recordKey(line)
-		if !ok || !strings.HasPrefix(name, "node.") {
-			continue
-		}
-		rest := strings.TrimLeft(line[len(name):], " \t")
-		if !strings.HasPrefix(rest, "=") {
-			continue
-		}
-		if v := strings.TrimSpace(rest[1:]); v != "" && !strings.ContainsRune(v, 0) {
-			set = append(set, setting{name, v})
+	for _, st := range recordLines(b) {
+		if strings.HasPrefix(st.name, "node.") && st.value != "" && !strings.ContainsRune(st.value, 0) {
+			set = append(set, st)
 		}
 	}
 	return set, nil
@@ -415,11 +403,8 @@ func (db *recordDB) createNodeRecord(ctx context.Context, target, address string
 		return "", err
 	}
 	for _, f := range old {
-		if err := os.Remove(f); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		if err := removeRecord(f, dir); err != nil {
 			return "", fmt.Errorf("replace node record %s: %w", f, err)
-		}
-		if f != portal {
-			os.Remove(filepath.Dir(f)) // the portal group directory, when empty
 		}
 	}
 	if err := os.MkdirAll(filepath.Dir(file), 0o700); err != nil {
@@ -433,7 +418,8 @@ func (db *recordDB) createNodeRecord(ctx context.Context, target, address string
 	return file, nil
 }
 
-// writeRecord writes a new record file, mode 0600 before any content.
+// writeRecord writes a record file, new or not, mode 0600 before any
+// content.
 func writeRecord(file string, rec []byte) error {
 	f, err := os.OpenFile(file, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
 	if err != nil {

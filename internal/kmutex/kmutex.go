@@ -51,10 +51,3 @@ func (k *KeyedMutex) Lock(ctx context.Context, key string) (unlock func(), err e
 		return nil, ctx.Err()
 	}
 }
-
-// len reports how many keys are held or waited for.
-func (k *KeyedMutex) len() int {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	return len(k.m)
-}

@@ -81,3 +81,10 @@ func TestWaitEndsWithContext(t *testing.T) {
 	}
 	again()
 }
+
+// len reports how many keys are held or waited for.
+func (k *KeyedMutex) len() int {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return len(k.m)
+}
