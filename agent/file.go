@@ -129,7 +129,7 @@ func (f *fileTarget) Attach(ctx context.Context) (*devices.Device, error) {
 func (f *fileTarget) Detach(ctx context.Context) error {
 	d, err := devices.FindLoop(f.path)
 	if errors.Is(err, errdefs.ErrNotFound) {
-		d, err = findDeletedLoop(f.path)
+		d, err = devices.FindDeletedLoop(f.path)
 	}
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return nil
@@ -137,38 +137,9 @@ func (f *fileTarget) Detach(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if f.t.listener == nil {
-		return devices.DetachLoop(d)
-	}
 	// udev's probe after the unmount may hold the device for a moment;
 	// wait for its last close by event instead of answering busy.
 	return devices.DetachLoopContext(ctx, f.t.listener, d)
-}
-
-// deletedSuffix is what the kernel appends to a loop device's
-// backing_file once the file is unlinked.
-const deletedSuffix = " (deleted)"
-
-// findDeletedLoop returns the loop device whose backing file was path
-// and has been deleted.
-func findDeletedLoop(path string) (*devices.Device, error) {
-	entries, err := os.ReadDir("/sys/class/block")
-	if err != nil {
-		return nil, fmt.Errorf("list block devices: %w", err)
-	}
-	for _, e := range entries {
-		if !strings.HasPrefix(e.Name(), "loop") {
-			continue
-		}
-		d, err := devices.Lookup(e.Name())
-		if err != nil {
-			continue // gone meanwhile, or not a configured loop device
-		}
-		if d.ID.BackingFile == path+deletedSuffix {
-			return d, nil
-		}
-	}
-	return nil, fmt.Errorf("loop device of deleted %s: %w", path, errdefs.ErrNotFound)
 }
 
 // Expand makes the loop device take the image file's current size.

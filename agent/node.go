@@ -475,10 +475,8 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		}
 		if mounted {
 			if vcap.Block {
-				if d := n.a.recordedDevice(rec.Device); d != nil {
-					if err := n.syncDeviceReadOnly(rec, d); err != nil {
-						return nil, err
-					}
+				if err := n.syncRecordedReadOnly(rec); err != nil {
+					return nil, err
 				}
 			}
 			return &csi.NodePublishVolumeResponse{}, nil
@@ -618,10 +616,8 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		// A retry after the publish record went but the read-only flag
 		// could not follow it finishes that.
 		if ok && rec.AccessType == "block" {
-			if d := n.a.recordedDevice(rec.Device); d != nil {
-				if err := n.syncDeviceReadOnly(rec, d); err != nil {
-					return nil, err
-				}
+			if err := n.syncRecordedReadOnly(rec); err != nil {
+				return nil, err
 			}
 		}
 		return &csi.NodeUnpublishVolumeResponse{}, nil
@@ -637,10 +633,8 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	}
 	delete(rec.Publishes, target)
 	if rec.AccessType == "block" {
-		if d := n.a.recordedDevice(rec.Device); d != nil {
-			if err := n.syncDeviceReadOnly(rec, d); err != nil {
-				return nil, err
-			}
+		if err := n.syncRecordedReadOnly(rec); err != nil {
+			return nil, err
 		}
 	}
 	if err := n.a.state.put(rec); err != nil {
@@ -683,6 +677,19 @@ func (r *volumeRecord) wantDeviceReadOnly() bool {
 // berth set is recorded before setting the flag and forgotten only after
 // clearing it, so that a crash in between leaves a record from which a
 // retried call, or the unstage, clears it. rec is saved when it changes.
+// syncRecordedReadOnly is syncDeviceReadOnly for the volume's recorded
+// device, when it is still there. With no read-only publish wanted and
+// the flag not set there is nothing to do, and the device is not read.
+func (n *nodeServer) syncRecordedReadOnly(rec *volumeRecord) error {
+	if !rec.wantDeviceReadOnly() && !rec.DeviceReadOnly {
+		return nil
+	}
+	if d := n.a.recordedDevice(rec.Device); d != nil {
+		return n.syncDeviceReadOnly(rec, d)
+	}
+	return nil
+}
+
 func (n *nodeServer) syncDeviceReadOnly(rec *volumeRecord, dev *devices.Device) error {
 	if !rec.wantDeviceReadOnly() {
 		if !rec.DeviceReadOnly {

@@ -43,6 +43,9 @@ func AttachLoop(context.Context, *Listener, string, bool) (*Device, error) {
 // FindLoop is only supported on Linux.
 func FindLoop(string) (*Device, error) { return nil, errUnsupported }
 
+// FindDeletedLoop is only supported on Linux.
+func FindDeletedLoop(string) (*Device, error) { return nil, errUnsupported }
+
 // DetachLoop is only supported on Linux.
 func DetachLoop(*Device) error { return errUnsupported }
 

@@ -221,10 +221,22 @@ func openLoop(name string) (*os.File, error) {
 // FindLoop returns the loop device backed by file, or an error wrapping
 // errdefs.ErrNotFound.
 func FindLoop(file string) (*Device, error) {
-	path := canonicalFile(file)
+	return findLoopBacking(canonicalFile(file))
+}
+
+// FindDeletedLoop returns the loop device whose backing file was path and
+// has been deleted since: the kernel then reports it as
+// "<path> (deleted)". path is taken as it is.
+func FindDeletedLoop(path string) (*Device, error) {
+	return findLoopBacking(path + " (deleted)")
+}
+
+// findLoopBacking returns the loop device whose backing_file reads
+// backing.
+func findLoopBacking(backing string) (*Device, error) {
 	var found *Device
-	err := scanBlock(KindLoop, loopMatcher{file: path}, func(d *Device) bool {
-		if d.ID.Kind == KindLoop && d.ID.BackingFile == path {
+	err := scanBlock(KindLoop, loopMatcher{file: backing}, func(d *Device) bool {
+		if d.ID.Kind == KindLoop && d.ID.BackingFile == backing {
 			found = d
 			return true
 		}
@@ -234,7 +246,7 @@ func FindLoop(file string) (*Device, error) {
 		return nil, err
 	}
 	if found == nil {
-		return nil, fmt.Errorf("loop device backed by %s: %w", path, errdefs.ErrNotFound)
+		return nil, fmt.Errorf("loop device backed by %s: %w", backing, errdefs.ErrNotFound)
 	}
 	return found, nil
 }
