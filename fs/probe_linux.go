@@ -58,7 +58,7 @@ func Probe(ctx context.Context, devPath string) (Signature, error) {
 			ch <- blkidResult{out, err}
 		}()
 	}
-	if blkidOnly(f) || !blkidAudited() {
+	if !blkidAudited() || blkidOnly(f) {
 		startBlkid()
 	}
 	e, endsErr := readEnds(f, devPath, size, func() {
@@ -134,10 +134,7 @@ var gptSignature = []byte("EFI PART")
 // dropped (BLKFLSBUF) first, so that later buffered readers see the
 // medium too.
 func openForProbe(path string) (*os.File, int64, error) {
-	f, err := openDevice(path, unix.O_RDONLY|unix.O_DIRECT)
-	if errors.Is(err, unix.EINVAL) {
-		f, err = openDevice(path, unix.O_RDONLY)
-	}
+	f, err := openDirect(path)
 	if err != nil {
 		return nil, 0, fmt.Errorf("probe %s: %w", path, err)
 	}
@@ -339,6 +336,16 @@ func readAtFull(f *os.File, buf []byte, off int64) (int, error) {
 	return n, nil
 }
 
+// openDirect opens path for reading with O_DIRECT, or without it where
+// the file does not allow it (tmpfs).
+func openDirect(path string) (*os.File, error) {
+	f, err := openDevice(path, unix.O_RDONLY|unix.O_DIRECT)
+	if errors.Is(err, unix.EINVAL) {
+		f, err = openDevice(path, unix.O_RDONLY)
+	}
+	return f, err
+}
+
 // openDevice opens a block device or file and names the sentinel for the
 // common failures.
 func openDevice(path string, flags int) (*os.File, error) {
@@ -455,10 +462,7 @@ var (
 func hasSuperblock(devPath, fsType string) (bool, error) {
 	// No BLKFLSBUF here: mkfs has synced, the read bypasses the cache,
 	// and the cached metadata mkfs wrote is what the mount reads next.
-	f, err := openDevice(devPath, unix.O_RDONLY|unix.O_DIRECT)
-	if errors.Is(err, unix.EINVAL) {
-		f, err = openDevice(devPath, unix.O_RDONLY)
-	}
+	f, err := openDirect(devPath)
 	if err != nil {
 		return false, fmt.Errorf("probe %s: %w", devPath, err)
 	}
