@@ -81,3 +81,18 @@ func SetDeviceReadOnly(devPath string, ro bool) error {
 func DeviceReadOnly(devPath string) (bool, error) {
 	return false, unsupported("read-only state of " + devPath)
 }
+
+// PathStat is only filled on Linux.
+type PathStat struct {
+	Major, Minor uint32
+	Ino          uint64
+	MountRoot    bool
+	MountID      uint64
+	FSType       string
+	Dir          bool
+}
+
+// StatPath is only supported on Linux.
+func StatPath(path string) (PathStat, error) {
+	return PathStat{}, unsupported("stat " + path)
+}
