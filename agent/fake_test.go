@@ -25,6 +25,9 @@ type fakeFS struct {
 
 var _ hostFS = (*fakeFS)(nil)
 
+// fakeRootIno is the inode of every fake filesystem's root.
+const fakeRootIno = 2
+
 func newFakeFS() *fakeFS {
 	return &fakeFS{mounts: make(map[string]mountEntry), nMount: make(map[string]int), ro: make(map[string]bool)}
 }
@@ -51,7 +54,7 @@ func (f *fakeFS) Mount(source, target, fsType string, _ uintptr, _ string) error
 	}
 	var maj, min int
 	fmt.Sscanf(filepath.Base(source), "fake%d-%d", &maj, &min)
-	f.mounts[target] = mountEntry{Major: maj, Minor: min, Source: source, FSType: fsType, Root: "/"}
+	f.mounts[target] = mountEntry{Major: maj, Minor: min, FSType: fsType, Ino: fakeRootIno}
 	f.nMount[target]++
 	return nil
 }
@@ -59,7 +62,13 @@ func (f *fakeFS) Mount(source, target, fsType string, _ uintptr, _ string) error
 func (f *fakeFS) BindMount(source, target string, _ bool, _ uintptr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.mounts[target] = mountEntry{Source: source}
+	// A bind shows what is at source: a mounted filesystem's root, or
+	// a device node.
+	m, ok := f.mounts[source]
+	if !ok {
+		fmt.Sscanf(filepath.Base(source), "fake%d-%d", &m.RdevMajor, &m.RdevMinor)
+	}
+	f.mounts[target] = m
 	f.nMount[target]++
 	return nil
 }

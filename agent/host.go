@@ -2,13 +2,15 @@ package agent
 
 import "context"
 
-// mountEntry is the part of a mountinfo line berth compares.
+// mountEntry describes the mount at a path, as the kernel reports it for
+// the path itself (no mount table is read).
 type mountEntry struct {
-	Major, Minor int
-	Root         string // path inside the source filesystem ("/" for a device mount)
-	Source       string
-	FSType       string
-	Options      string // per-mount options ("rw,relatime")
+	Major, Minor int // the mounted filesystem's device
+	// RdevMajor and RdevMinor are the device of a device node bound at
+	// the path (a raw block publish).
+	RdevMajor, RdevMinor int
+	Ino                  uint64 // inode at the path
+	FSType               string
 }
 
 // fsStats is what NodeGetVolumeStats reports for a mounted filesystem.
@@ -31,7 +33,8 @@ type hostFS interface {
 	BindMount(source, target string, readOnly bool, flags uintptr) error
 	Unmount(target string) error
 	IsMountPoint(path string) (bool, error)
-	// MountInfo describes the mount at path; errdefs.ErrNotFound if none.
+	// MountInfo describes the mount at path; errdefs.ErrNotFound if
+	// path is not the root of a mount.
 	MountInfo(path string) (mountEntry, error)
 	Resize(ctx context.Context, devPath, mountPath, fsType string) error
 	Stats(path string) (fsStats, error)

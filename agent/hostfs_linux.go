@@ -2,8 +2,10 @@ package agent
 
 import (
 	"context"
+	"fmt"
 
 	"github.com/berth-csi/berth/fs"
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // realFS is hostFS on package fs.
@@ -40,11 +42,18 @@ func (realFS) Unmount(target string) error { return fs.Unmount(target) }
 func (realFS) IsMountPoint(path string) (bool, error) { return fs.IsMountPoint(path) }
 
 func (realFS) MountInfo(path string) (mountEntry, error) {
-	m, err := fs.MountInfo(path)
+	st, err := fs.StatPath(path)
 	if err != nil {
 		return mountEntry{}, err
 	}
-	return mountEntry{Major: m.Major, Minor: m.Minor, Root: m.Root, Source: m.Source, FSType: m.FSType, Options: m.Options}, nil
+	if !st.MountRoot {
+		return mountEntry{}, fmt.Errorf("%s: nothing is mounted there: %w", path, errdefs.ErrNotFound)
+	}
+	return mountEntry{
+		Major: int(st.Major), Minor: int(st.Minor),
+		RdevMajor: int(st.RdevMajor), RdevMinor: int(st.RdevMinor),
+		Ino: st.Ino, FSType: st.FSType,
+	}, nil
 }
 
 func (realFS) Resize(ctx context.Context, devPath, mountPath, fsType string) error {

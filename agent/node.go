@@ -66,11 +66,6 @@ func stagingDir(p string) error {
 	return nil
 }
 
-// sameDevice reports whether a mount is of the recorded device.
-func sameDevice(m mountEntry, d *deviceRecord) bool {
-	return d != nil && uint32(m.Major) == d.Major && uint32(m.Minor) == d.Minor
-}
-
 func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (_ *csi.NodeStageVolumeResponse, retErr error) {
 	defer func() { retErr = toStatus(retErr, req.GetSecrets()) }()
 	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
@@ -148,13 +143,17 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if wasStaged && !vcap.Block {
 		m, err := n.a.host.MountInfo(staging)
 		switch {
-		case err == nil && sameDevice(m, rec.Device):
-			if m.FSType != rec.FsType {
-				return nil, precondition("staging_target_path %q: mounted as %s, the volume was staged as %s", staging, m.FSType, rec.FsType)
+		case err == nil:
+			if err := checkStagingEntry(rec, m); err != nil {
+				return nil, err
+			}
+			// The mount alone does not say the device is alive: a
+			// lost controller or a removed LUN leaves a filesystem
+			// whose every I/O fails.
+			if n.a.recordedDevice(rec.Device) == nil {
+				return nil, precondition("volume %q: its device %s is gone (target lost or LUN removed) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", id, rec.Device.Path, staging)
 			}
 			return &csi.NodeStageVolumeResponse{}, nil
-		case err == nil:
-			return nil, precondition("staging_target_path %q: holds a mount of %s (%d:%d), not of the volume's device %s", staging, m.Source, m.Major, m.Minor, rec.Device.Path)
 		case !errors.Is(err, errdefs.ErrNotFound):
 			return nil, err
 		}
@@ -222,8 +221,12 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	switch {
 	case err == nil && sameDevice(m, rec.Device):
 		// A previous attempt mounted it and crashed before recording.
+		if err := checkStagingEntry(rec, m); err != nil {
+			return nil, err
+		}
+		rec.StagingRootIno = m.Ino
 	case err == nil:
-		return nil, precondition("staging_target_path %q: holds a mount of %s (%d:%d), not of the volume's device %s", staging, m.Source, m.Major, m.Minor, dev.Path)
+		return nil, precondition("staging_target_path %q: holds a mount of device %d:%d (%s), not of the volume's device %s", staging, m.Major, m.Minor, m.FSType, dev.Path)
 	case !errors.Is(err, errdefs.ErrNotFound):
 		return nil, err
 	default:
@@ -256,6 +259,16 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		}
 		mounted = true
 		took.mark("mount")
+		root, err := n.a.host.MountInfo(staging)
+		if err != nil {
+			return nil, fmt.Errorf("staging_target_path %q: check the new mount: %w", staging, err)
+		}
+		if !sameDevice(root, rec.Device) {
+			return nil, fmt.Errorf("staging_target_path %q: after mounting %s it shows device %d:%d", staging, dev.Path, root.Major, root.Minor)
+		}
+		// The inode of the filesystem's root: later checks tell the
+		// volume's root from a directory inside it by it.
+		rec.StagingRootIno = root.Ino
 	}
 	// A mounted volume's device is recorded with the finished stage:
 	// undoing an interrupted one needs only the staging path and the
@@ -463,14 +476,21 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if owner, ok := n.a.state.pathOwner(target); ok && owner != id {
 		return nil, alreadyExists("target_path %q: in use by volume %q", target, owner)
 	}
+	if !vcap.Block {
+		// Binding a staging path that lost its mount would publish a
+		// directory of the node's root filesystem.
+		if err := n.a.checkStagingMount(rec); err != nil {
+			return nil, err
+		}
+	}
 	want := publishRecord{ReadOnly: readOnly, Mode: vcap.Mode.String(), MountFlags: vcap.MountFlags}
 	if have, ok := rec.Publishes[target]; ok {
 		if have.ReadOnly != want.ReadOnly || have.Mode != want.Mode || !slices.Equal(have.MountFlags, want.MountFlags) {
 			return nil, alreadyExists("volume %q: published at %q with readonly=%t mode=%s mount_flags=%q; the request has readonly=%t mode=%s mount_flags=%q",
 				id, target, have.ReadOnly, have.Mode, have.MountFlags, want.ReadOnly, want.Mode, want.MountFlags)
 		}
-		mounted, err := n.a.host.IsMountPoint(target)
-		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		mounted, err := n.a.checkPublished(rec, target)
+		if err != nil {
 			return nil, err
 		}
 		if mounted {
@@ -768,12 +788,22 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 		resp.Usage = []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}
 		return resp, nil
 	}
-	mounted, err := n.a.host.IsMountPoint(p)
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return nil, err
+	// Usage is read only from a path that shows the volume: a lost
+	// mount would report the node's root filesystem.
+	if p == rec.StagingPath {
+		err = n.a.checkStagingMount(rec)
+	} else {
+		var mounted bool
+		mounted, err = n.a.checkPublished(rec, p)
+		if err == nil && !mounted {
+			err = precondition("volume %q: %s is not mounted", id, p)
+		}
 	}
-	if !mounted {
-		cond.Abnormal, cond.Message = true, fmt.Sprintf("%s is not mounted", p)
+	if err != nil {
+		if !errors.Is(err, errdefs.ErrFailedPrecondition) {
+			return nil, err
+		}
+		cond.Abnormal, cond.Message = true, err.Error()
 		return resp, nil
 	}
 	st, err := n.a.host.Stats(p)
@@ -809,9 +839,8 @@ func (a *Agent) conditionOf(ctx context.Context, rec *volumeRecord, t Target) *c
 		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("device %s is gone or changed since stage", rec.Device.Path)}
 	}
 	if rec.AccessType != "block" {
-		m, err := a.host.MountInfo(rec.StagingPath)
-		if err != nil || !sameDevice(m, rec.Device) {
-			return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("staging path %s no longer has the volume's filesystem mounted", rec.StagingPath)}
+		if err := a.checkStagingMount(rec); err != nil {
+			return &csi.VolumeCondition{Abnormal: true, Message: err.Error()}
 		}
 	}
 	return &csi.VolumeCondition{Abnormal: false, Message: "volume is attached and mounted"}
@@ -861,6 +890,12 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	}
 	if n.a.recordedDevice(rec.Device) == nil {
 		return nil, precondition("volume %q: its device %s is gone or changed since stage; unstage and stage again", id, rec.Device.Path)
+	}
+	if rec.AccessType != "block" {
+		// The filesystem is grown through its staging mount.
+		if err := n.a.checkStagingMount(rec); err != nil {
+			return nil, err
+		}
 	}
 	var size int64
 	if se, ok := target.(sizedExpander); ok && required > 0 {

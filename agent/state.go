@@ -62,6 +62,9 @@ type volumeRecord struct {
 	MountFlags  []string          `json:"mountFlags,omitempty"`
 	Mode        string            `json:"mode"`
 	StagingPath string            `json:"stagingPath"`
+	// StagingRootIno is the inode of the filesystem's root as the staging
+	// mount showed it at stage (0 in records of older versions).
+	StagingRootIno uint64 `json:"stagingRootIno,omitempty"`
 	// Staged is set once NodeStageVolume completed; a record with Staged
 	// false is a stage that was interrupted.
 	Staged    bool                     `json:"staged"`

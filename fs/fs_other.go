@@ -84,12 +84,13 @@ func DeviceReadOnly(devPath string) (bool, error) {
 
 // PathStat is only filled on Linux.
 type PathStat struct {
-	Major, Minor uint32
-	Ino          uint64
-	MountRoot    bool
-	MountID      uint64
-	FSType       string
-	Dir          bool
+	Major, Minor         uint32
+	RdevMajor, RdevMinor uint32
+	Ino                  uint64
+	MountRoot            bool
+	MountID              uint64
+	FSType               string
+	Dir                  bool
 }
 
 // StatPath is only supported on Linux.

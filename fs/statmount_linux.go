@@ -18,11 +18,14 @@ import (
 // node has.
 type PathStat struct {
 	Major, Minor uint32 // st_dev
-	Ino          uint64
-	MountRoot    bool
-	MountID      uint64 // 0 when the kernel does not report it (Linux < 5.8)
-	FSType       string // "ext4", "xfs", or the statfs magic in hex
-	Dir          bool
+	// RdevMajor and RdevMinor are the device a device node stands for
+	// (st_rdev); zero for other files.
+	RdevMajor, RdevMinor uint32
+	Ino                  uint64
+	MountRoot            bool
+	MountID              uint64 // 0 when the kernel does not report it (Linux < 5.8)
+	FSType               string // "ext4", "xfs", or the statfs magic in hex
+	Dir                  bool
 }
 
 // statfs magic numbers of the filesystems berth names.
@@ -84,6 +87,8 @@ func StatFd(fd int) (PathStat, error) {
 	st := PathStat{
 		Major:     stx.Dev_major,
 		Minor:     stx.Dev_minor,
+		RdevMajor: stx.Rdev_major,
+		RdevMinor: stx.Rdev_minor,
 		Ino:       stx.Ino,
 		MountRoot: stx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT != 0 && stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0,
 		Dir:       stx.Mode&unix.S_IFMT == unix.S_IFDIR,

@@ -1,0 +1,92 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// The checks below decide whether a path shows the volume, from what the
+// kernel reports for the path itself: the device of the filesystem
+// mounted there, the inode at the path and the device a device node
+// stands for. "Something is mounted there" is not enough: a staging
+// mount lost behind berth's back leaves a directory of the node's root
+// filesystem, and a bind of it would take a pod's writes.
+
+// sameDevice reports whether a mount is of the recorded device.
+func sameDevice(m mountEntry, d *deviceRecord) bool {
+	return d != nil && uint32(m.Major) == d.Major && uint32(m.Minor) == d.Minor
+}
+
+// isVolumeRoot reports whether m is the root of the volume's filesystem:
+// the recorded device and, when it was recorded, the inode the staging
+// mount showed at stage (a bind of a directory inside the volume has the
+// same device but another inode).
+func isVolumeRoot(m mountEntry, rec *volumeRecord) bool {
+	return sameDevice(m, rec.Device) && (rec.StagingRootIno == 0 || m.Ino == rec.StagingRootIno)
+}
+
+// checkStagingMount checks that the staging path of a staged mount volume
+// is the root of a mount of the volume's device with the recorded
+// filesystem type. A lost or foreign mount is FAILED_PRECONDITION: the CO
+// calls NodeStageVolume again, which mounts it back.
+func (a *Agent) checkStagingMount(rec *volumeRecord) error {
+	staging := rec.StagingPath
+	m, err := a.host.MountInfo(staging)
+	switch {
+	case errors.Is(err, errdefs.ErrNotFound):
+		return precondition("volume %q: nothing is mounted at its staging path %q (unmounted behind berth's back?); NodeStageVolume mounts it again", rec.VolumeID, staging)
+	case err != nil:
+		return fmt.Errorf("volume %q: check staging path %q: %w", rec.VolumeID, staging, err)
+	}
+	return checkStagingEntry(rec, m)
+}
+
+// checkStagingEntry is checkStagingMount for an entry already read.
+func checkStagingEntry(rec *volumeRecord, m mountEntry) error {
+	staging := rec.StagingPath
+	switch {
+	case !sameDevice(m, rec.Device):
+		return precondition("volume %q: staging path %q holds a mount of device %d:%d (%s), not of the volume's device %s (%d:%d)",
+			rec.VolumeID, staging, m.Major, m.Minor, m.FSType, rec.Device.Path, rec.Device.Major, rec.Device.Minor)
+	case !isVolumeRoot(m, rec):
+		return precondition("volume %q: staging path %q shows a directory inside the volume's filesystem (inode %d), not its root (inode %d)",
+			rec.VolumeID, staging, m.Ino, rec.StagingRootIno)
+	case m.FSType != rec.FsType:
+		return precondition("volume %q: staging path %q is mounted as %s, the volume was staged as %s", rec.VolumeID, staging, m.FSType, rec.FsType)
+	}
+	return nil
+}
+
+// checkPublished checks that a publish target shows the volume: for a
+// mount volume the root of its filesystem, for a raw block volume a bind
+// of its device node. nil, false means nothing is mounted there.
+func (a *Agent) checkPublished(rec *volumeRecord, target string) (mounted bool, err error) {
+	m, err := a.host.MountInfo(target)
+	switch {
+	case errors.Is(err, errdefs.ErrNotFound):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("volume %q: check target_path %q: %w", rec.VolumeID, target, err)
+	}
+	d := rec.Device
+	if rec.AccessType == "block" {
+		if d == nil || uint32(m.RdevMajor) != d.Major || uint32(m.RdevMinor) != d.Minor {
+			return true, precondition("volume %q: target_path %q holds a mount that is not the volume's device node %s; unmount it (NodeUnpublishVolume does) and publish again", rec.VolumeID, target, d.pathOrNone())
+		}
+		return true, nil
+	}
+	if !isVolumeRoot(m, rec) {
+		return true, precondition("volume %q: target_path %q holds a mount of device %d:%d inode %d, not the volume's filesystem (%s); unmount it (NodeUnpublishVolume does) and publish again",
+			rec.VolumeID, target, m.Major, m.Minor, m.Ino, d.pathOrNone())
+	}
+	return true, nil
+}
+
+func (d *deviceRecord) pathOrNone() string {
+	if d == nil {
+		return "none recorded"
+	}
+	return d.Path
+}
