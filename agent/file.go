@@ -114,6 +114,10 @@ func (f *fileTarget) check() error {
 	return nil
 }
 
+// Preflight checks that the image is there and reached without
+// symbolic links.
+func (f *fileTarget) Preflight(context.Context) error { return f.check() }
+
 // Attach attaches the image to a loop device, or returns the loop device
 // that already backs it.
 func (f *fileTarget) Attach(ctx context.Context) (*devices.Device, error) {

@@ -106,6 +106,13 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	took := newStepTimer()
 
 	rec, known := n.a.state.get(id)
+	if !known || !rec.Staged {
+		// Before the intent record: a node that cannot attach the
+		// target at all keeps nothing that would need unstaging.
+		if err := target.Preflight(ctx); err != nil {
+			return nil, err
+		}
+	}
 	if known {
 		if err := compatibleStage(rec, staging, tr.Name(), target.Key(), vcap); err != nil {
 			return nil, err
