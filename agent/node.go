@@ -842,8 +842,12 @@ func (a *Agent) conditionOf(ctx context.Context, rec *volumeRecord, t Target) *c
 			return &csi.VolumeCondition{Abnormal: true, Message: msg}
 		}
 	}
-	if a.recordedDevice(rec.Device) == nil {
+	d := a.recordedDevice(rec.Device)
+	if d == nil {
 		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("device %s is gone or changed since stage", rec.Device.Path)}
+	}
+	if rec.Device.Size > 0 && d.Size < rec.Device.Size {
+		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("device %s shrank from %d to %d bytes: the volume's end is gone", d.Path, rec.Device.Size, d.Size)}
 	}
 	if rec.AccessType != "block" {
 		if err := a.checkStagingMount(rec); err != nil {
@@ -912,6 +916,11 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	}
 	if err != nil {
 		return nil, err
+	}
+	if rec.Device.Size > 0 && size < rec.Device.Size {
+		// The storage shrank (a LUN or namespace resized on the target):
+		// the filesystem is not touched, the operator has to look.
+		return nil, precondition("volume %q: device %s shrank from %d to %d bytes; berth never shrinks a filesystem or grows it into a smaller device: restore the storage's size", id, rec.Device.Path, rec.Device.Size, size)
 	}
 	if required > size {
 		return nil, fmt.Errorf("volume %q: device %s holds %d bytes after a rescan, %d are required; grow the storage first: %w", id, rec.Device.Path, size, required, errdefs.ErrOutOfRange)
