@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"os"
 	"slices"
+	"strings"
 	"syscall"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -261,7 +262,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		if err != nil {
 			return nil, err
 		}
-		if err := n.a.host.Mount(dev.Path, staging, vcap.FsType, flags, data); err != nil {
+		if err := n.a.host.Mount(dev.Path, staging, vcap.FsType, flags, xfsNoUUID(vcap.FsType, data)); err != nil {
 			return nil, err
 		}
 		mounted = true
@@ -287,6 +288,22 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	took.mark("record")
 	log.InfoContext(ctx, "staged", slog.String("fs_type", vcap.FsType), took.attr())
 	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// xfsNoUUID adds nouuid to the mount data of an xfs filesystem. xfs
+// refuses to mount a second filesystem with a UUID already mounted, which
+// is what a clone or a restored snapshot of a staged volume has. Its
+// purpose, never mounting the same storage twice, berth serves by
+// identity instead: one storage object stages as one volume only, and a
+// device is checked against every staged one.
+func xfsNoUUID(fsType, data string) string {
+	if fsType != "xfs" || slices.Contains(strings.Split(data, ","), "nouuid") {
+		return data
+	}
+	if data == "" {
+		return "nouuid"
+	}
+	return data + ",nouuid"
 }
 
 // compatibleStage checks a repeated stage against the recorded one.
