@@ -13,6 +13,8 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/descriptorpb"
+
+	"github.com/berth-csi/berth/internal/failpoint"
 )
 
 const strippedValue = "***stripped***"
@@ -187,6 +189,7 @@ func newStepTimer() *stepTimer {
 
 // mark ends the step called name.
 func (s *stepTimer) mark(name string) {
+	failpoint.Hit("step." + name)
 	now := time.Now()
 	s.steps = append(s.steps, slog.String(name, now.Sub(s.last).Round(time.Microsecond).String()))
 	s.last = now

@@ -13,6 +13,8 @@ import (
 	"slices"
 	"strings"
 	"sync"
+
+	"github.com/berth-csi/berth/internal/failpoint"
 )
 
 // stateVersion is written into every record; a newer agent can migrate.
@@ -222,6 +224,7 @@ func (s *store) put(r *volumeRecord) error {
 	s.mu.Lock()
 	s.vols[r.VolumeID] = r.clone()
 	s.mu.Unlock()
+	failpoint.Hit("state.put")
 	return nil
 }
 
@@ -237,6 +240,7 @@ func (s *store) remove(id string) error {
 	s.mu.Lock()
 	delete(s.vols, id)
 	s.mu.Unlock()
+	failpoint.Hit("state.remove")
 	return nil
 }
 
@@ -260,6 +264,7 @@ func writeFileAtomic(dir, name string, b []byte) (retErr error) {
 	if err := f.Close(); err != nil {
 		return err
 	}
+	failpoint.Hit("state.written")
 	if err := os.Rename(f.Name(), filepath.Join(dir, name)); err != nil {
 		return err
 	}

@@ -1,0 +1,497 @@
+package reliability
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+)
+
+const mib = 1 << 20
+
+// A lifecycle is the RPCs kubelet sends for one volume, in order, with
+// the test's own work (writing data, growing the image) between them.
+type lifecycle struct {
+	name   string
+	fsType string // "" for a raw block volume
+	size   int64
+	expand bool
+}
+
+func lifecycles(t *testing.T) []lifecycle {
+	ls := []lifecycle{
+		{name: "xfs", fsType: "xfs", size: 300 * mib, expand: true},
+		{name: "block", size: 64 * mib, expand: true},
+		// ext4 grows online only with CAP_SYS_RESOURCE, which root on
+		// some hosts lacks (the VM suites cover it).
+		{name: "ext4", fsType: "ext4", size: 64 * mib, expand: hasCapSysResource()},
+	}
+	return ls
+}
+
+// env is one berth process tree's world: a file root, a state directory,
+// staging and target paths, all below a temporary directory.
+type env struct {
+	t        *testing.T
+	bin      string
+	dir      string
+	root     string
+	state    string
+	sock     string
+	staging  string
+	target   string
+	lc       lifecycle
+	cmd      *exec.Cmd
+	logs     *bytes.Buffer
+	node     csi.NodeClient
+	conn     *grpc.ClientConn
+	crashes  int
+	uuid     string
+	payload  []byte
+	attempts int
+}
+
+func newEnv(t *testing.T, bin string, lc lifecycle) *env {
+	dir := t.TempDir()
+	e := &env{t: t, bin: bin, dir: dir, root: filepath.Join(dir, "images"), state: filepath.Join(dir, "state"),
+		sock: filepath.Join(dir, "csi.sock"), staging: filepath.Join(dir, "staging"), target: filepath.Join(dir, "pod", "vol"), lc: lc}
+	for _, d := range []string{e.root, e.staging, filepath.Dir(e.target)} {
+		if err := os.MkdirAll(d, 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f, err := os.Create(filepath.Join(e.root, "vol.img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Truncate(lc.size); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	t.Cleanup(e.cleanup)
+	return e
+}
+
+// start runs berth; env adds the failpoint variables of this run.
+func (e *env) start(extraEnv ...string) {
+	t := e.t
+	e.logs = &bytes.Buffer{}
+	cmd := exec.Command(e.bin, "serve", "--endpoint", "unix://"+e.sock, "--node-id", "crash-node",
+		"--state-dir", e.state, "--file-root", e.root, "--transports", "", "--log-format", "text", "--log-level", "debug")
+	cmd.Env = append(os.Environ(), extraEnv...)
+	cmd.Stdout, cmd.Stderr = e.logs, e.logs
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	e.cmd = cmd
+	conn, err := grpc.NewClient("unix://"+e.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.conn, e.node = conn, csi.NewNodeClient(conn)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	id := csi.NewIdentityClient(conn)
+	for {
+		r, err := id.Probe(ctx, &csi.ProbeRequest{}, grpc.WaitForReady(true))
+		if err == nil && r.GetReady().GetValue() {
+			return
+		}
+		if ctx.Err() != nil || e.exited() {
+			t.Fatalf("berth not ready: %v\n%s", err, e.logs)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (e *env) exited() bool {
+	return e.cmd.ProcessState != nil
+}
+
+// stop ends berth with SIGTERM, as systemd or kubelet would.
+func (e *env) stop() {
+	if e.cmd == nil {
+		return
+	}
+	e.conn.Close()
+	if e.cmd.ProcessState == nil {
+		_ = e.cmd.Process.Signal(syscall.SIGTERM)
+		_ = e.cmd.Wait()
+	}
+	e.cmd = nil
+}
+
+// killed reports whether berth died of SIGKILL (a failpoint), waiting for
+// it to be reaped.
+func (e *env) killed() bool {
+	done := make(chan error, 1)
+	go func() { done <- e.cmd.Wait() }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		return false
+	}
+	ws, ok := e.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
+}
+
+func (e *env) capability() *csi.VolumeCapability {
+	mode := &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}
+	if e.lc.fsType == "" {
+		return &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}}, AccessMode: mode}
+	}
+	return &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: e.lc.fsType}}, AccessMode: mode}
+}
+
+// call sends one RPC as kubelet does: until it succeeds. A berth that died
+// of its failpoint is started again (without one) and the RPC retried; any
+// other failure fails the test.
+func (e *env) call(name string, rpc func(ctx context.Context) error) {
+	t := e.t
+	for try := 0; ; try++ {
+		if try > 10 {
+			t.Fatalf("%s: no success after %d tries\n%s", name, try, e.logs)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+		err := rpc(ctx)
+		cancel()
+		e.attempts++
+		if err == nil {
+			return
+		}
+		if status.Code(err) == codes.Unavailable && e.killed() {
+			e.crashes++
+			e.conn.Close()
+			e.start()
+			continue
+		}
+		t.Fatalf("%s: %v\nberth log:\n%s", name, err, e.logs)
+	}
+}
+
+func (e *env) vctx() map[string]string { return map[string]string{"file": "vol.img"} }
+
+func (e *env) stage() {
+	e.call("NodeStageVolume", func(ctx context.Context) error {
+		_, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "vol", StagingTargetPath: e.staging, VolumeCapability: e.capability(), VolumeContext: e.vctx()})
+		return err
+	})
+}
+
+func (e *env) publish() {
+	e.call("NodePublishVolume", func(ctx context.Context) error {
+		_, err := e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "vol", StagingTargetPath: e.staging, TargetPath: e.target, VolumeCapability: e.capability(), VolumeContext: e.vctx()})
+		return err
+	})
+}
+
+func (e *env) unpublish() {
+	e.call("NodeUnpublishVolume", func(ctx context.Context) error {
+		_, err := e.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "vol", TargetPath: e.target})
+		return err
+	})
+}
+
+func (e *env) unstage() {
+	e.call("NodeUnstageVolume", func(ctx context.Context) error {
+		_, err := e.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "vol", StagingTargetPath: e.staging})
+		return err
+	})
+}
+
+func (e *env) expandVolume() {
+	img := filepath.Join(e.root, "vol.img")
+	if err := os.Truncate(img, 2*e.lc.size); err != nil {
+		e.t.Fatal(err)
+	}
+	path := e.target
+	e.call("NodeExpandVolume", func(ctx context.Context) error {
+		r, err := e.node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: "vol", VolumePath: path, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * e.lc.size}, VolumeCapability: e.capability()})
+		if err == nil && r.GetCapacityBytes() < 2*e.lc.size {
+			return fmt.Errorf("expand: capacity %d, want %d", r.GetCapacityBytes(), 2*e.lc.size)
+		}
+		return err
+	})
+}
+
+// write puts the payload on the volume through the pod's path and makes
+// it durable.
+func (e *env) write() {
+	e.payload = []byte(fmt.Sprintf("data written at %s\n", time.Now().Format(time.RFC3339Nano)))
+	if e.lc.fsType == "" {
+		f, err := os.OpenFile(e.target, os.O_WRONLY, 0)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		defer f.Close()
+		if _, err := f.WriteAt(e.payload, 1*mib); err != nil {
+			e.t.Fatal(err)
+		}
+		if err := f.Sync(); err != nil {
+			e.t.Fatal(err)
+		}
+		return
+	}
+	p := filepath.Join(e.target, "data")
+	if err := os.WriteFile(p, e.payload, 0o644); err != nil {
+		e.t.Fatal(err)
+	}
+	f, err := os.Open(p)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Sync(); err != nil {
+		e.t.Fatal(err)
+	}
+	e.uuid = e.fsUUID()
+}
+
+// check reads the payload back through the pod's path.
+func (e *env) check(when string) {
+	var got []byte
+	if e.lc.fsType == "" {
+		f, err := os.Open(e.target)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		defer f.Close()
+		got = make([]byte, len(e.payload))
+		if _, err := f.ReadAt(got, 1*mib); err != nil {
+			e.t.Fatal(err)
+		}
+	} else {
+		var err error
+		if got, err = os.ReadFile(filepath.Join(e.target, "data")); err != nil {
+			e.t.Fatalf("%s: %v", when, err)
+		}
+		if u := e.fsUUID(); u != e.uuid {
+			e.t.Fatalf("%s: filesystem UUID %s, was %s: the volume was formatted again", when, u, e.uuid)
+		}
+	}
+	if !bytes.Equal(got, e.payload) {
+		e.t.Fatalf("%s: data %q, want %q", when, got, e.payload)
+	}
+}
+
+func (e *env) fsUUID() string {
+	out, err := exec.Command("findmnt", "-n", "-o", "UUID", "--target", e.target).Output()
+	if err != nil {
+		e.t.Fatalf("findmnt %s: %v", e.target, err)
+	}
+	return strings.TrimSpace(string(out))
+}
+
+// run is the whole lifecycle: stage, publish, write, expand, unpublish,
+// unstage, then stage and publish again to read the data back, and tear
+// down.
+func (e *env) run() {
+	e.stage()
+	e.publish()
+	e.write()
+	if e.lc.expand {
+		e.expandVolume()
+	}
+	e.check("after expand")
+	e.unpublish()
+	e.unstage()
+	e.stage()
+	e.publish()
+	e.check("after unstage and stage")
+	e.unpublish()
+	e.unstage()
+}
+
+// leftovers lists what the lifecycle left on the host: mounts below the
+// test directory, loop devices of its image, state records and
+// temporary files, the pod's path.
+func (e *env) leftovers() []string {
+	var out []string
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], e.dir+"/") {
+			out = append(out, "mount "+f[4])
+		}
+	}
+	img := filepath.Join(e.root, "vol.img")
+	entries, _ := os.ReadDir("/sys/block")
+	for _, en := range entries {
+		bf, err := os.ReadFile(filepath.Join("/sys/block", en.Name(), "loop", "backing_file"))
+		if err == nil && strings.HasPrefix(strings.TrimSpace(string(bf)), img) {
+			out = append(out, "loop device "+en.Name())
+		}
+	}
+	states, _ := os.ReadDir(filepath.Join(e.state, "volumes"))
+	for _, s := range states {
+		out = append(out, "state file "+s.Name())
+	}
+	if _, err := os.Lstat(e.target); err == nil {
+		out = append(out, "target path "+e.target)
+	}
+	return out
+}
+
+func (e *env) cleanup() {
+	e.stop()
+	b, _ := os.ReadFile("/proc/self/mountinfo")
+	var mounts []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], e.dir+"/") {
+			mounts = append(mounts, f[4])
+		}
+	}
+	for i := len(mounts) - 1; i >= 0; i-- {
+		_ = unix.Unmount(mounts[i], unix.MNT_DETACH)
+	}
+	img := filepath.Join(e.root, "vol.img")
+	entries, _ := os.ReadDir("/sys/block")
+	for _, en := range entries {
+		bf, err := os.ReadFile(filepath.Join("/sys/block", en.Name(), "loop", "backing_file"))
+		if err == nil && strings.HasPrefix(strings.TrimSpace(string(bf)), img) {
+			_ = exec.Command("losetup", "-d", "/dev/"+en.Name()).Run()
+		}
+	}
+}
+
+type hit struct {
+	n    int
+	name string
+}
+
+func readTrace(t *testing.T, p string) []hit {
+	f, err := os.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	var hits []hit
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		n, name, ok := strings.Cut(sc.Text(), " ")
+		if !ok {
+			t.Fatalf("trace line %q", sc.Text())
+		}
+		i, err := strconv.Atoi(n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		hits = append(hits, hit{i, name})
+	}
+	return hits
+}
+
+func hasCapSysResource() bool {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
+			caps, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+			return err == nil && caps&(1<<24) != 0
+		}
+	}
+	return false
+}
+
+var errNoBinary = errors.New("no failpoint binary")
+
+// failpointBinary builds berth with failpoints (or takes
+// BERTH_FAILPOINT_BIN).
+func failpointBinary(t *testing.T) string {
+	if b := os.Getenv("BERTH_FAILPOINT_BIN"); b != "" {
+		return b
+	}
+	out := filepath.Join(t.TempDir(), "berth-failpoints")
+	cmd := exec.Command("go", "build", "-tags", "failpoints", "-o", out, ".")
+	cmd.Dir = "../.."
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if b, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("build berth with failpoints: %v\n%s", err, b)
+	}
+	return out
+}
+
+func requireRoot(t *testing.T) {
+	if os.Geteuid() == 0 {
+		return
+	}
+	if os.Getenv("BERTH_CI") == "1" {
+		t.Fatal("BERTH_CI=1: the crash suite needs root (loop devices, mounts)")
+	}
+	t.Skip("needs root (loop devices, mounts)")
+}
+
+// TestCrashAtEveryStep kills berth at every step boundary of a volume's
+// whole life, one boundary per run, restarts it and retries the RPC as
+// kubelet would. Each run must converge: every RPC succeeds in the end,
+// the data written before the crash reads back, the filesystem is the
+// one first made (never formatted again), and nothing is left behind.
+func TestCrashAtEveryStep(t *testing.T) {
+	requireRoot(t)
+	bin := failpointBinary(t)
+	reached := map[string]bool{}
+	var table []string
+	for _, lc := range lifecycles(t) {
+		t.Run(lc.name, func(t *testing.T) {
+			e := newEnv(t, bin, lc)
+			trace := filepath.Join(e.dir, "trace")
+			e.start("BERTH_FAILPOINT_TRACE=" + trace)
+			e.run()
+			e.stop()
+			if left := e.leftovers(); len(left) > 0 {
+				t.Fatalf("the lifecycle without crashes left %q", left)
+			}
+			hits := readTrace(t, trace)
+			if len(hits) == 0 {
+				t.Fatal("no boundary traced: is the binary built with -tags failpoints?")
+			}
+			converged, retries := 0, 0
+			for _, h := range hits {
+				reached[h.name] = true
+				t.Run(fmt.Sprintf("%03d-%s", h.n, h.name), func(t *testing.T) {
+					e := newEnv(t, bin, lc)
+					e.start(fmt.Sprintf("BERTH_FAILPOINT_AT=%d", h.n))
+					e.run()
+					e.stop()
+					if e.crashes != 1 {
+						t.Fatalf("berth was killed %d times, want once (at boundary %d, %s)", e.crashes, h.n, h.name)
+					}
+					if left := e.leftovers(); len(left) > 0 {
+						t.Fatalf("after a crash at boundary %d (%s): left %q", h.n, h.name, left)
+					}
+					converged++
+					retries += e.attempts
+				})
+			}
+			table = append(table, fmt.Sprintf("| file/%s | %d | %d | %d | 0 | 0 |", lc.name, len(hits), converged, retries))
+		})
+	}
+	if t.Failed() {
+		return
+	}
+	t.Run("every boundary is covered", func(t *testing.T) {
+		for _, name := range sourceBoundaries(t) {
+			if !reached[name] {
+				t.Errorf("step boundary %q is in the code but no crash test reaches it: extend the lifecycle", name)
+			}
+		}
+	})
+	fmt.Printf("\n| lifecycle | crash points | converged | RPC attempts | bytes lost | leaks |\n|---|---|---|---|---|---|\n%s\n", strings.Join(table, "\n"))
+}
