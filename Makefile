@@ -5,7 +5,8 @@ GO        ?= go
 GOFLAGS   ?=
 BIN       ?= bin/berth
 VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-LDFLAGS   := -s -w -X main.version=$(VERSION)
+COMMIT    ?= $(shell git rev-parse HEAD 2>/dev/null)
+LDFLAGS   := -s -w -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 PREFIX    ?= /usr/local
 
 .PHONY: all build deps test unit-test sanity-test manifest-test vm-test vm-image bench demo install clean fuzz

@@ -6,8 +6,11 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"os/signal"
+	"runtime"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"syscall"
@@ -24,8 +27,14 @@ import (
 	"github.com/berth-csi/berth/systemd"
 )
 
-// version is set at build time: -ldflags '-X main.version=...'.
-var version = "dev"
+// version and commit are set at build time:
+// -ldflags '-X main.version=... -X main.commit=...'.
+var (
+	version = "dev"
+	commit  = ""
+)
+
+const csiSpecModule = "github.com/container-storage-interface/spec"
 
 func main() {
 	app := &cli.App{
@@ -37,18 +46,63 @@ func main() {
 			doctor.Command(),
 			{
 				Name:  "version",
-				Usage: "print the version",
+				Usage: "print the version, commit, Go version and CSI spec version",
 				Action: func(c *cli.Context) error {
-					fmt.Fprintln(c.App.Writer, version)
+					fmt.Fprint(c.App.Writer, versionText())
 					return nil
 				},
 			},
+		},
+		// Without commands matching, the app's action runs: an argument
+		// is a command that does not exist.
+		Action: func(c *cli.Context) error {
+			if c.NArg() == 0 {
+				return cli.ShowAppHelp(c)
+			}
+			cli.HelpPrinter(c.App.ErrWriter, cli.AppHelpTemplate, c.App)
+			return fmt.Errorf("unknown command %q (see the commands above)", c.Args().First())
 		},
 	}
 	if err := app.Run(os.Args); err != nil {
 		fmt.Fprintln(os.Stderr, "berth:", err)
 		os.Exit(1)
 	}
+}
+
+// versionText describes this build: version, commit, the Go release that
+// built it and the version of the CSI spec it serves.
+func versionText() string {
+	rev, csiSpec := commit, "unknown"
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		for _, d := range bi.Deps {
+			if d.Path == csiSpecModule {
+				if d.Replace != nil {
+					d = d.Replace
+				}
+				csiSpec = d.Version
+			}
+		}
+		if rev == "" {
+			dirty := ""
+			for _, s := range bi.Settings {
+				switch s.Key {
+				case "vcs.revision":
+					rev = s.Value
+				case "vcs.modified":
+					if s.Value == "true" {
+						dirty = "-dirty"
+					}
+				}
+			}
+			if rev != "" {
+				rev += dirty
+			}
+		}
+	}
+	if rev == "" {
+		rev = "unknown"
+	}
+	return fmt.Sprintf("version:  %s\ncommit:   %s\ngo:       %s\ncsi spec: %s\n", version, rev, runtime.Version(), csiSpec)
 }
 
 func serveCommand() *cli.Command {
@@ -115,6 +169,11 @@ func parseTopology(kvs []string) (map[string]string, error) {
 }
 
 func serve(c *cli.Context) error {
+	// berth mounts, formats and attaches devices: as another user it would
+	// start, answer Probe, and fail every volume.
+	if euid := os.Geteuid(); euid != 0 {
+		return fmt.Errorf("berth serve must run as root (it mounts filesystems, formats and attaches block devices); running as uid %d", euid)
+	}
 	log, err := newLogger(c.String("log-format"), c.String("log-level"))
 	if err != nil {
 		return err
@@ -127,6 +186,12 @@ func serve(c *cli.Context) error {
 	socket, err := agent.SocketPath(c.String("endpoint"))
 	if err != nil {
 		return err
+	}
+	metricsAddr := c.String("metrics-address")
+	if metricsAddr != "" {
+		if err := metrics.CheckAddress(metricsAddr); err != nil {
+			return fmt.Errorf("--metrics-address %q: %w", metricsAddr, err)
+		}
 	}
 	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
@@ -159,7 +224,7 @@ func serve(c *cli.Context) error {
 	// Metrics read the agent's volume table, which exists once New ran.
 	var a *agent.Agent
 	var m *metrics.Metrics
-	if addr := c.String("metrics-address"); addr != "" {
+	if metricsAddr != "" {
 		m = metrics.New(cfg.DriverName, func(ctx context.Context) []metrics.Volume {
 			if a == nil {
 				return nil
@@ -207,20 +272,37 @@ func serve(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
+	if len(ts) == 0 && cfg.FileRoot == "" {
+		return fmt.Errorf("no transport enabled: --transports is empty and --file-root is not set; berth would have no volume to serve")
+	}
 	cfg.Transports = ts
 
+	// New locks the state directory before it reads it: a second berth on
+	// it stops here, before it binds anything.
 	a, err = agent.New(cfg)
 	if err != nil {
 		return err
 	}
-	lis, err := systemd.Listener(socket)
-	if err == nil && lis == nil {
-		lis, err = agent.Listen(c.String("endpoint"))
+	var metricsLis net.Listener
+	if m != nil {
+		if metricsLis, err = metrics.Listen(metricsAddr); err != nil {
+			a.Close()
+			return fmt.Errorf("--metrics-address %q: %w", metricsAddr, err)
+		}
 	}
+	lis, activated, err := csiListener(c.String("endpoint"), socket)
 	if err != nil {
+		if metricsLis != nil {
+			metricsLis.Close()
+		}
 		a.Close()
 		return err
 	}
+	attrs := []any{slog.String("csi_endpoint", socket), slog.Bool("socket_activated", activated)}
+	if metricsLis != nil {
+		attrs = append(attrs, slog.String("metrics_address", metricsLis.Addr().String()))
+	}
+	log.Info("listening", append(attrs, slog.Int("pid", os.Getpid()))...)
 
 	var wg sync.WaitGroup
 	defer wg.Wait()
@@ -230,7 +312,7 @@ func serve(c *cli.Context) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := m.ListenAndServe(bgCtx, c.String("metrics-address")); err != nil {
+			if err := m.Serve(bgCtx, metricsLis); err != nil {
 				log.Error("metrics server stopped", slog.String("error", err.Error()))
 			}
 		}()
@@ -243,6 +325,26 @@ func serve(c *cli.Context) error {
 		}
 	}()
 	return a.Serve(ctx, lis)
+}
+
+// csiListener returns the socket systemd passed (socket activation) or
+// else creates the endpoint's socket. Either way it holds the endpoint's
+// lock, so a second berth on the endpoint is refused and names this one.
+func csiListener(endpoint, socket string) (lis net.Listener, activated bool, err error) {
+	lis, err = systemd.Listener(socket)
+	if err != nil {
+		return nil, false, err
+	}
+	if lis == nil {
+		lis, err = agent.Listen(endpoint)
+		return lis, false, err
+	}
+	locked, err := agent.LockListener(lis, socket)
+	if err != nil {
+		lis.Close()
+		return nil, false, err
+	}
+	return locked, true, nil
 }
 
 // networkTransports builds the transports named in a comma-separated list.

@@ -17,6 +17,7 @@ import (
 	"log/slog"
 	"maps"
 	"net"
+	"os"
 	"path/filepath"
 	"regexp"
 	"sort"
@@ -89,6 +90,7 @@ type Agent struct {
 	transports  map[string]Transport
 	listener    *devices.Listener
 	ownListener bool
+	stateLock   *pidLock
 	ready       atomic.Bool
 
 	// verify re-checks that a device name still means the device found
@@ -104,9 +106,11 @@ var (
 	topologyValRe = regexp.MustCompile(`^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$`)
 )
 
-// New checks cfg, loads the state of every volume from cfg.StateDir and
-// opens the uevent listener.
-func New(cfg Config) (*Agent, error) {
+// New checks cfg, locks cfg.StateDir, loads the state of every volume
+// from it and opens the uevent listener. The lock (StateDir/lock) keeps a
+// second agent from staging the same volumes; it is held until Close, and
+// a second New on the directory fails, naming the holder's pid.
+func New(cfg Config) (_ *Agent, retErr error) {
 	if cfg.DriverName == "" {
 		cfg.DriverName = DefaultDriverName
 	}
@@ -144,6 +148,16 @@ func New(cfg Config) (*Agent, error) {
 		verify:     (*devices.Device).Verify,
 		lookup:     devices.Lookup,
 	}
+	lock, err := lockStateDir(cfg.StateDir)
+	if err != nil {
+		return nil, err
+	}
+	a.stateLock = lock
+	defer func() {
+		if retErr != nil {
+			a.Close()
+		}
+	}()
 	st, err := openStore(filepath.Join(cfg.StateDir, "volumes"))
 	if err != nil {
 		return nil, err
@@ -160,14 +174,12 @@ func New(cfg Config) (*Agent, error) {
 	if cfg.FileRoot != "" {
 		ft, err := NewFileTransport(cfg.FileRoot, a.listener)
 		if err != nil {
-			a.Close()
 			return nil, err
 		}
 		ts = append([]Transport{ft}, ts...)
 	}
 	for _, t := range ts {
 		if _, dup := a.transports[t.Name()]; dup {
-			a.Close()
 			return nil, fmt.Errorf("transport %q: enabled twice", t.Name())
 		}
 		a.transports[t.Name()] = t
@@ -185,14 +197,31 @@ func (a *Agent) transportNames() []string {
 	return names
 }
 
-// Close releases what New opened. Serve calls it on return.
+// Close releases what New opened, the state directory's lock last.
+// Serve calls it on return.
 func (a *Agent) Close() error {
+	var err error
 	if a.ownListener && a.listener != nil {
-		err := a.listener.Close()
+		err = a.listener.Close()
 		a.listener = nil
-		return err
 	}
-	return nil
+	if a.stateLock != nil {
+		err = errors.Join(err, a.stateLock.Close())
+	}
+	return err
+}
+
+// lockStateDir creates dir and takes its lock.
+func lockStateDir(dir string) (*pidLock, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("create state directory: %w", err)
+	}
+	l, err := lockPID(filepath.Join(dir, "lock"))
+	var locked *lockedError
+	if errors.As(err, &locked) {
+		return nil, fmt.Errorf("state directory %s is in use by another berth: %w; stop it, or give each berth its own state directory", dir, err)
+	}
+	return l, err
 }
 
 // Server returns a gRPC server with the Identity and Node services

@@ -714,16 +714,20 @@ func TestListen(t *testing.T) {
 	if fi.Mode().Perm() != 0o660 {
 		t.Fatalf("socket mode %v, want 0660", fi.Mode().Perm())
 	}
-	if _, err := Listen(h.endpoint); err == nil || !strings.Contains(err.Error(), "another server") {
-		t.Fatalf("Listen on a live socket: %v", err)
+	if _, err := Listen(h.endpoint); err == nil || !strings.Contains(err.Error(), "in use by another berth") {
+		t.Fatalf("Listen on a live berth's socket: %v", err)
 	}
 	h.stop()
 	h.stop = nil
-	// A stale socket file is replaced.
-	stale, err := net.Listen("unix", path)
-	must(t, "stale listen", err)
-	stale.(*net.UnixListener).SetUnlinkOnClose(false)
-	stale.Close()
+	// A server that holds no endpoint lock keeps its socket too.
+	other, err := net.Listen("unix", path)
+	must(t, "other server's listen", err)
+	other.(*net.UnixListener).SetUnlinkOnClose(false)
+	if _, err := Listen(h.endpoint); err == nil || !strings.Contains(err.Error(), "another server") {
+		t.Fatalf("Listen on another server's live socket: %v", err)
+	}
+	// Once it is gone, its socket file is stale and replaced.
+	other.Close()
 	l, err := Listen(h.endpoint)
 	must(t, "Listen over a stale socket", err)
 	l.Close()

@@ -32,12 +32,16 @@ func SocketPath(endpoint string) (string, error) {
 	return p, nil
 }
 
-// Listen creates the unix socket of endpoint with mode 0660. A stale
-// socket left by a crashed agent is replaced; if another server answers
-// on it, Listen refuses rather than steal its socket. The socket file is
-// bound under a temporary name and renamed into place, so it never
-// exists with a wider mode.
-func Listen(endpoint string) (net.Listener, error) {
+// Listen creates the unix socket of endpoint with mode 0660. It first
+// takes the endpoint's lock, a file beside the socket (csi.sock.lock),
+// held until the listener is closed: a second berth on the endpoint is
+// refused, naming the holder's pid, before it looks at the socket. A
+// stale socket left by a crashed agent is replaced; if another server
+// (not a berth, or one without the lock) answers on it, Listen refuses
+// rather than steal its socket. The socket file is bound under a
+// temporary name and renamed into place, so it never exists with a wider
+// mode.
+func Listen(endpoint string) (_ net.Listener, retErr error) {
 	path, err := SocketPath(endpoint)
 	if err != nil {
 		return nil, err
@@ -46,6 +50,15 @@ func Listen(endpoint string) (net.Listener, error) {
 	if err := os.MkdirAll(dir, 0o750); err != nil {
 		return nil, fmt.Errorf("create socket directory: %w", err)
 	}
+	lock, err := lockEndpoint(path)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if retErr != nil {
+			lock.Close()
+		}
+	}()
 	fi, err := os.Lstat(path)
 	switch {
 	case err == nil && fi.Mode().Type() != fs.ModeSocket:
@@ -70,24 +83,67 @@ func Listen(endpoint string) (net.Listener, error) {
 	}
 	ul := l.(*net.UnixListener)
 	ul.SetUnlinkOnClose(false)
-	if err := os.Chmod(tmp, 0o660); err != nil {
+	fail := func(err error) (net.Listener, error) {
 		ul.Close()
 		os.Remove(tmp)
-		return nil, fmt.Errorf("set mode of socket %s: %w", path, err)
+		return nil, err
+	}
+	if err := os.Chmod(tmp, 0o660); err != nil {
+		return fail(fmt.Errorf("set mode of socket %s: %w", path, err))
+	}
+	// The rename keeps the inode: Close compares it to tell this
+	// listener's socket file from one another server put at the path.
+	created, err := os.Lstat(tmp)
+	if err != nil {
+		return fail(fmt.Errorf("stat socket %s: %w", path, err))
 	}
 	if err := os.Rename(tmp, path); err != nil {
-		ul.Close()
-		os.Remove(tmp)
-		return nil, fmt.Errorf("move socket into place at %s: %w", path, err)
+		return fail(fmt.Errorf("move socket into place at %s: %w", path, err))
 	}
-	return &unixListener{UnixListener: ul, path: path}, nil
+	return &unixListener{UnixListener: ul, path: path, file: created, lock: lock}, nil
 }
 
-// unixListener removes its socket file when closed. Addr reports the
-// final path, not the temporary one it was bound under.
+// LockListener takes the endpoint lock (see Listen) for a listener berth
+// did not create, one systemd passed (socket activation), so that a
+// second berth asked to listen on the same path is refused and names this
+// process. Closing the returned listener closes l and releases the lock;
+// the socket file belongs to the socket unit and stays.
+func LockListener(l net.Listener, path string) (net.Listener, error) {
+	lock, err := lockEndpoint(path)
+	if err != nil {
+		return nil, err
+	}
+	return &lockedListener{Listener: l, lock: lock}, nil
+}
+
+func lockEndpoint(path string) (*pidLock, error) {
+	l, err := lockPID(path + ".lock")
+	var locked *lockedError
+	if errors.As(err, &locked) {
+		return nil, fmt.Errorf("endpoint %s is in use by another berth: %w; stop it first", path, err)
+	}
+	return l, err
+}
+
+type lockedListener struct {
+	net.Listener
+	lock *pidLock
+}
+
+func (l *lockedListener) Close() error {
+	err := l.Listener.Close()
+	l.lock.Close()
+	return err
+}
+
+// unixListener removes its socket file when closed, if the file at the
+// path is still the one it created, then releases the endpoint lock.
+// Addr reports the final path, not the temporary one it was bound under.
 type unixListener struct {
 	*net.UnixListener
 	path string
+	file os.FileInfo // the socket file as created
+	lock *pidLock
 	once sync.Once
 }
 
@@ -95,6 +151,11 @@ func (l *unixListener) Addr() net.Addr { return &net.UnixAddr{Name: l.path, Net:
 
 func (l *unixListener) Close() error {
 	err := l.UnixListener.Close()
-	l.once.Do(func() { os.Remove(l.path) })
+	l.once.Do(func() {
+		if fi, err := os.Lstat(l.path); err == nil && os.SameFile(fi, l.file) {
+			os.Remove(l.path)
+		}
+		l.lock.Close()
+	})
 	return err
 }

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -91,13 +92,28 @@ func (m *Metrics) Handler() http.Handler {
 	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{Registry: m.reg})
 }
 
-// ListenAndServe serves /metrics on address (host:port) until ctx ends.
-func (m *Metrics) ListenAndServe(ctx context.Context, address string) error {
-	l, err := net.Listen("tcp", address)
-	if err != nil {
-		return fmt.Errorf("metrics: listen on %s: %w", address, err)
+// CheckAddress checks that address is host:port with a numeric port, the
+// form Listen takes. The host may be empty (all addresses) and the port 0
+// (a free port).
+func CheckAddress(address string) error {
+	_, port, err := net.SplitHostPort(address)
+	if err == nil {
+		_, err = strconv.ParseUint(port, 10, 16)
 	}
-	return m.Serve(ctx, l)
+	if err != nil {
+		return fmt.Errorf("want host:port with a numeric port, such as :9810 or 127.0.0.1:9810")
+	}
+	return nil
+}
+
+// Listen binds the TCP address (host:port, see CheckAddress) /metrics is
+// to be served on, so that a bad or busy address fails at start, not
+// once serving.
+func Listen(address string) (net.Listener, error) {
+	if err := CheckAddress(address); err != nil {
+		return nil, err
+	}
+	return net.Listen("tcp", address)
 }
 
 // Serve serves /metrics on l until ctx ends; it closes l.

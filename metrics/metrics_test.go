@@ -150,3 +150,22 @@ func TestMetricsOverGRPCAndHTTP(t *testing.T) {
 		t.Error("pvc-b still exported after it left the volume table")
 	}
 }
+
+// A bad or busy --metrics-address fails when bound, before berth serves.
+func TestListenChecksAddress(t *testing.T) {
+	for _, bad := range []string{"9810", "", "127.0.0.1", "127.0.0.1:http", ":65536", ":-1", "[::1]"} {
+		if l, err := Listen(bad); err == nil {
+			l.Close()
+			t.Errorf("Listen(%q) accepted", bad)
+		}
+	}
+	l, err := Listen("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	if busy, err := Listen(l.Addr().String()); err == nil {
+		busy.Close()
+		t.Errorf("Listen on the busy %s accepted", l.Addr())
+	}
+}
