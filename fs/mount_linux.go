@@ -125,13 +125,18 @@ func mountFlagsOf(path string) (uintptr, error) {
 	if err := unix.Statfs(path, &st); err != nil {
 		return 0, err
 	}
+	return statfsFlags(st), nil
+}
+
+// statfsFlags returns the per-mount flags statfs reports.
+func statfsFlags(st unix.Statfs_t) uintptr {
 	var ms uintptr
 	for _, m := range statfsToMS {
 		if uintptr(st.Flags)&m.st != 0 {
 			ms |= m.ms
 		}
 	}
-	return ms, nil
+	return ms
 }
 
 // BindMount bind-mounts source on target. Per-mount flags (ro, nosuid,
