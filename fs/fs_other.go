@@ -91,6 +91,7 @@ type PathStat struct {
 	MountID              uint64
 	FSType               string
 	Dir                  bool
+	Regular              bool
 }
 
 // StatPath is only supported on Linux.
