@@ -210,6 +210,7 @@ func (t *fakeTarget) Attach(ctx context.Context) (*devices.Device, error) {
 	return t.dev(), nil
 }
 
+func (t *fakeTarget) Preflight(context.Context) error       { return nil }
 func (t *fakeTarget) Detach(context.Context) error          { return nil }
 func (t *fakeTarget) Expand(context.Context) (int64, error) { return 1 << 20, nil }
 func (t *fakeTarget) Health(context.Context) (bool, string) { return false, "" }

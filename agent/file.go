@@ -114,6 +114,10 @@ func (f *fileTarget) check() error {
 	return nil
 }
 
+// Preflight checks that the image is there and reached without
+// symbolic links.
+func (f *fileTarget) Preflight(context.Context) error { return f.check() }
+
 // Attach attaches the image to a loop device, or returns the loop device
 // that already backs it.
 func (f *fileTarget) Attach(ctx context.Context) (*devices.Device, error) {
@@ -151,6 +155,15 @@ func (f *fileTarget) Expand(ctx context.Context) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
+	// LOOP_SET_CAPACITY takes whatever size the image has now, smaller
+	// too: a filesystem mounted on the device would lose its end.
+	fi, err := os.Stat(f.path)
+	if err != nil {
+		return 0, fmt.Errorf("image file %s: %w", f.path, err)
+	}
+	if fi.Size() < d.Size {
+		return 0, precondition("image file %s: holds %d bytes, less than its loop device %s (%d bytes); berth never shrinks a device under its data: restore the image's size", f.path, fi.Size(), d.Path, d.Size)
+	}
 	return devices.RefreshLoopCapacity(ctx, d)
 }
 
@@ -159,8 +172,12 @@ func (f *fileTarget) Health(context.Context) (bool, string) {
 	if _, err := os.Stat(f.path); err != nil {
 		return true, fmt.Sprintf("image file %s: %v", f.path, err)
 	}
-	if _, err := devices.FindLoop(f.path); err != nil {
+	d, err := devices.FindLoop(f.path)
+	if err != nil {
 		return true, fmt.Sprintf("image file %s: no loop device: %v", f.path, err)
+	}
+	if fi, err := os.Stat(f.path); err == nil && fi.Size() < d.Size {
+		return true, fmt.Sprintf("image file %s: holds %d bytes, less than its loop device %s (%d bytes): the volume's end is gone", f.path, fi.Size(), d.Path, d.Size)
 	}
 	return false, ""
 }

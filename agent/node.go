@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
@@ -120,6 +121,13 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	took := newStepTimer()
 
 	rec, known := n.a.state.get(id)
+	if !known || !rec.Staged {
+		// Before the intent record: a node that cannot attach the
+		// target at all keeps nothing that would need unstaging.
+		if err := target.Preflight(ctx); err != nil {
+			return nil, err
+		}
+	}
 	if known {
 		if err := compatibleStage(rec, staging, tr.Name(), target.Key(), vcap); err != nil {
 			return nil, err
@@ -274,7 +282,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		if err != nil {
 			return nil, err
 		}
-		if err := n.a.host.Mount(dev.Path, sh, vcap.FsType, flags, data); err != nil {
+		if err := n.a.host.Mount(dev.Path, sh, vcap.FsType, flags, xfsNoUUID(vcap.FsType, data)); err != nil {
 			return nil, err
 		}
 		mounted = true
@@ -300,6 +308,22 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	took.mark("record")
 	log.InfoContext(ctx, "staged", slog.String("fs_type", vcap.FsType), took.attr())
 	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// xfsNoUUID adds nouuid to the mount data of an xfs filesystem. xfs
+// refuses to mount a second filesystem with a UUID already mounted, which
+// is what a clone or a restored snapshot of a staged volume has. Its
+// purpose, never mounting the same storage twice, berth serves by
+// identity instead: one storage object stages as one volume only, and a
+// device is checked against every staged one.
+func xfsNoUUID(fsType, data string) string {
+	if fsType != "xfs" || slices.Contains(strings.Split(data, ","), "nouuid") {
+		return data
+	}
+	if data == "" {
+		return "nouuid"
+	}
+	return data + ",nouuid"
 }
 
 // compatibleStage checks a repeated stage against the recorded one.
@@ -890,8 +914,12 @@ func (a *Agent) conditionOf(ctx context.Context, rec *volumeRecord, t Target) *c
 			return &csi.VolumeCondition{Abnormal: true, Message: msg}
 		}
 	}
-	if a.recordedDevice(rec.Device) == nil {
+	d := a.recordedDevice(rec.Device)
+	if d == nil {
 		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("device %s is gone or changed since stage", rec.Device.Path)}
+	}
+	if rec.Device.Size > 0 && d.Size < rec.Device.Size {
+		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("device %s shrank from %d to %d bytes: the volume's end is gone", d.Path, rec.Device.Size, d.Size)}
 	}
 	if rec.AccessType != "block" {
 		if err := a.checkStagingMount(rec); err != nil {
@@ -960,6 +988,11 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	}
 	if err != nil {
 		return nil, err
+	}
+	if rec.Device.Size > 0 && size < rec.Device.Size {
+		// The storage shrank (a LUN or namespace resized on the target):
+		// the filesystem is not touched, the operator has to look.
+		return nil, precondition("volume %q: device %s shrank from %d to %d bytes; berth never shrinks a filesystem or grows it into a smaller device: restore the storage's size", id, rec.Device.Path, rec.Device.Size, size)
 	}
 	if required > size {
 		return nil, fmt.Errorf("volume %q: device %s holds %d bytes after a rescan, %d are required; grow the storage first: %w", id, rec.Device.Path, size, required, errdefs.ErrOutOfRange)

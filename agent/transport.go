@@ -27,6 +27,12 @@ type Target interface {
 	// Key is the canonical identity of the volume behind the target:
 	// equal keys mean the same storage.
 	Key() string
+	// Preflight checks, without changing anything on the node, what
+	// Attach needs from it (kernel modules, tools, the image file).
+	// NodeStageVolume calls it before it records the volume, so that a
+	// node that cannot attach the target refuses the stage with nothing
+	// left behind for NodeUnstageVolume to clear.
+	Preflight(ctx context.Context) error
 	// Attach connects the target and returns its verified block device.
 	// It is idempotent: an attached target returns its device.
 	Attach(ctx context.Context) (*devices.Device, error)

@@ -17,6 +17,15 @@ import (
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
+// Preflight checks the secrets the volume needs, the iscsi_tcp module
+// and the initiator name, changing nothing.
+func (tg *Target) Preflight(context.Context) error {
+	if err := tg.v.CheckSecrets(); err != nil {
+		return err
+	}
+	return tg.t.preflight(tg.v)
+}
+
 // Attach logs in to the volume's portals, scans in exactly its LUN and
 // returns the verified device: the multipath map over all paths when the
 // volume is multipathed, the disk itself otherwise. It is idempotent: an
@@ -687,6 +696,13 @@ func (t *Transport) logout(ctx context.Context, v *Volume, p path, sess *Session
 }
 
 func (t *Transport) deleteRecord(ctx context.Context, v *Volume, p path) error {
+	// Where the record directory is visible and holds no record of the
+	// portal there is nothing to delete, and iscsiadm is not asked: a
+	// stage that failed before its login (iscsi_tcp not loaded, say)
+	// must unstage on a node where iscsiadm is missing too.
+	if _, err := t.db.nodeRecordFiles(v.IQN, p.IP, p.Port, v.Iface); errors.Is(err, errdefs.ErrNotFound) {
+		return nil
+	}
 	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeDelete(v.IQN, p.IP, p.Port, v.Iface)...); err != nil {
 		if c := exitCode(err); c == ISCSI_ERR_NO_OBJS_FOUND || c == ISCSI_ERR_SESS_NOT_FOUND {
 			return nil

@@ -346,3 +346,25 @@ func TestLoginFailureRemovesWrittenRecord(t *testing.T) {
 		}
 	}
 }
+
+// TestDetachNeverAttached: a volume whose stage failed before any login
+// (iscsi_tcp not loaded, say) has no session and no node record; its
+// Detach succeeds without iscsiadm, which may be missing on such a node.
+func TestDetachNeverAttached(t *testing.T) {
+	v, err := ParseVolume(ctxWith(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fr := &fakeRunner{fail: map[string]int{"": ISCSI_ERR_INTERNAL}}
+	tr := testTransport(t, fr)
+	fr.nodes = tr.db.nodes
+	if err := os.MkdirAll(tr.db.nodes, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := (&Target{t: tr, v: v}).Detach(context.Background()); err != nil {
+		t.Fatalf("Detach of a target never logged in to: %v", err)
+	}
+	if len(fr.argv) != 0 {
+		t.Fatalf("Detach ran iscsiadm with nothing to undo: %q", fr.argv)
+	}
+}

@@ -4,9 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"net"
 	"net/netip"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -182,6 +184,18 @@ type pathResult struct {
 	ctrl    string // controller name
 	created bool
 	err     error
+}
+
+// Preflight checks that the kernel's fabrics interface is there (the
+// nvme-fabrics module is loaded), changing nothing.
+func (g *Target) Preflight(context.Context) error {
+	if g.t.opts.Listener == nil {
+		return fmt.Errorf("attach %s: the transport has no device listener: %w", g.Key(), errdefs.ErrFailedPrecondition)
+	}
+	if _, err := os.Stat(g.t.opts.FabricsDevice); errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("attach %s: %s does not exist: the nvme-fabrics module is not loaded (modprobe nvme-tcp, and add it to /etc/modules-load.d): %w", g.Key(), g.t.opts.FabricsDevice, errdefs.ErrUnavailable)
+	}
+	return nil
 }
 
 // Attach connects every path of the volume that has no live (or
