@@ -222,8 +222,9 @@ func (h *Handle) Empty() (bool, error) {
 	return false, err
 }
 
-// MountAt mounts the filesystem on source at the directory target, as
-// Mount does for a path.
+// MountAt mounts the filesystem on source at the directory target with
+// mount(2) on /proc/self/fd/N: the kernel mounts on what the descriptor
+// refers to.
 func MountAt(source string, target *Handle, fsType string, flags uintptr, data string) error {
 	if err := checkPath("mount source", source); err != nil {
 		return err
@@ -241,10 +242,10 @@ func MountAt(source string, target *Handle, fsType string, flags uintptr, data s
 }
 
 // BindMountAt bind-mounts what source refers to (the root of a mount, a
-// directory or a device node) on target, as BindMount does for paths.
-// target must come from OpenAt: the per-mount flags are set through a
-// descriptor of the new mount, opened at target's name and checked to
-// show source.
+// directory or a device node) on target, both through /proc/self/fd/N.
+// target must come from OpenAt: the per-mount flags (see BindMount) are
+// set through a descriptor of the new mount, opened at target's name and
+// checked to show source; if that fails, the bind is undone.
 func BindMountAt(source, target *Handle, readOnly bool, flags uintptr) (retErr error) {
 	if extra := flags &^ (perMountFlags | superblockFlags); extra != 0 {
 		return fmt.Errorf("bind mount %s on %s: flags %#x cannot be set on a bind mount: %w", source.path, target.path, extra, errdefs.ErrInvalidArgument)
@@ -291,7 +292,7 @@ func BindMountAt(source, target *Handle, readOnly bool, flags uintptr) (retErr e
 	if flags == 0 {
 		return nil
 	}
-	inherited, err := mountFlagsOfFd(m.fd)
+	inherited, err := mountFlagsOf(m.fd)
 	if err != nil {
 		return fmt.Errorf("bind mount %s on %s: statfs: %w", source.path, target.path, err)
 	}
@@ -303,7 +304,7 @@ func BindMountAt(source, target *Handle, readOnly bool, flags uintptr) (retErr e
 		return &MountError{Op: "remount", Source: source.path, Target: target.path, Flags: remount, Err: err}
 	}
 	if readOnly {
-		ro, err := mountFlagsOfFd(m.fd)
+		ro, err := mountFlagsOf(m.fd)
 		if err != nil {
 			return fmt.Errorf("bind mount %s on %s: statfs: %w", source.path, target.path, err)
 		}
@@ -389,8 +390,8 @@ func unmountTop(dir *Handle, name string, check func(PathStat) error) (done bool
 	return false, nil
 }
 
-// mountFlagsOfFd is mountFlagsOf for a descriptor.
-func mountFlagsOfFd(fd int) (uintptr, error) {
+// mountFlagsOf returns the per-mount flags of the mount fd is in.
+func mountFlagsOf(fd int) (uintptr, error) {
 	var st unix.Statfs_t
 	if err := unix.Fstatfs(fd, &st); err != nil {
 		return 0, err
