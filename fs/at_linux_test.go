@@ -248,3 +248,30 @@ func TestHostBindMountAt(t *testing.T) {
 		t.Fatal("bind still mounted")
 	}
 }
+
+// Why UnmountAt unmounts at a name in the held directory and not through
+// a descriptor of the mount itself: umount2 on /proc/self/fd/N with
+// UMOUNT_NOFOLLOW looks at the link (EINVAL), and without it the open
+// descriptor keeps the mount busy (EBUSY). Neither unmounts anything.
+func TestHostUnmountThroughMountDescriptor(t *testing.T) {
+	needRoot(t)
+	x := filepath.Join(t.TempDir(), "x")
+	if err := os.Mkdir(x, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	tmpfs(t, x)
+	h, err := OpenPath(x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	if err := unix.Unmount(h.procPath(), unix.UMOUNT_NOFOLLOW); !errors.Is(err, unix.EINVAL) {
+		t.Errorf("umount2(/proc/self/fd/N, UMOUNT_NOFOLLOW) = %v, want EINVAL", err)
+	}
+	if err := unix.Unmount(h.procPath(), 0); !errors.Is(err, unix.EBUSY) {
+		t.Errorf("umount2(/proc/self/fd/N) with N open = %v, want EBUSY", err)
+	}
+	if ok, err := IsMountPoint(x); err != nil || !ok {
+		t.Fatalf("IsMountPoint = %v, %v; want still mounted", ok, err)
+	}
+}
