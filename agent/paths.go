@@ -68,8 +68,6 @@ func removeTarget(p *heldPath) error {
 	switch {
 	case err == nil, errors.Is(err, iofs.ErrNotExist):
 		return nil
-	case errors.Is(err, errdefs.ErrInvalidArgument):
-		return fmt.Errorf("remove target_path %q: %w", p.path, err)
 	case errors.Is(err, syscall.ENOTEMPTY), errors.Is(err, syscall.EBUSY):
 		// Files below an unmounted target were written into the
 		// directory itself (the mount was gone), or something is still
