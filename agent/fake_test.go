@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/fs"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -20,7 +21,8 @@ type fakeFS struct {
 	mounts map[string]mountEntry
 	nMount map[string]int // mount calls per target
 	ro     map[string]bool
-	roErr  error // returned by SetDeviceReadOnly(_, true) when set
+	roErr  error  // returned by SetDeviceReadOnly(_, true) when set
+	devDir string // where OpenDeviceNode makes its stand-ins
 }
 
 var _ hostFS = (*fakeFS)(nil)
@@ -46,55 +48,73 @@ func (f *fakeFS) ParseMountOptions(opts []string) (uintptr, string, error) {
 func (f *fakeFS) EnsureFilesystem(context.Context, string, string) (bool, error) { return true, nil }
 func (f *fakeFS) Fsck(context.Context, string, string) error                     { return nil }
 
-func (f *fakeFS) Mount(source, target, fsType string, _ uintptr, _ string) error {
+func (f *fakeFS) Mount(source string, target *fs.Handle, fsType string, _ uintptr, _ string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if _, ok := f.mounts[target]; ok {
-		f.nMount[target]++ // stacked: the bug the locks prevent
+	p := target.Path()
+	if _, ok := f.mounts[p]; ok {
+		f.nMount[p]++ // stacked: the bug the locks prevent
 	}
 	var maj, min int
 	fmt.Sscanf(filepath.Base(source), "fake%d-%d", &maj, &min)
-	f.mounts[target] = mountEntry{Major: maj, Minor: min, FSType: fsType, Ino: fakeRootIno}
-	f.nMount[target]++
+	f.mounts[p] = mountEntry{Major: maj, Minor: min, FSType: fsType, Ino: fakeRootIno}
+	f.nMount[p]++
 	return nil
 }
 
-func (f *fakeFS) BindMount(source, target string, _ bool, _ uintptr) error {
+func (f *fakeFS) BindMount(source, target *fs.Handle, _ bool, _ uintptr) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	// A bind shows what is at source: a mounted filesystem's root, or
 	// a device node.
-	m, ok := f.mounts[source]
+	m, ok := f.mounts[source.Path()]
 	if !ok {
-		fmt.Sscanf(filepath.Base(source), "fake%d-%d", &m.RdevMajor, &m.RdevMinor)
+		fmt.Sscanf(filepath.Base(source.Path()), "fake%d-%d", &m.RdevMajor, &m.RdevMinor)
 	}
-	f.mounts[target] = m
-	f.nMount[target]++
+	f.mounts[target.Path()] = m
+	f.nMount[target.Path()]++
 	return nil
 }
 
-func (f *fakeFS) Unmount(target string) error {
+func (f *fakeFS) Unmount(dir *fs.Handle, name string, check func(mountEntry) error) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	delete(f.mounts, target)
+	p := filepath.Join(dir.Path(), name)
+	if m, ok := f.mounts[p]; ok && check != nil {
+		if err := check(m); err != nil {
+			return err
+		}
+	}
+	delete(f.mounts, p)
 	return nil
 }
 
-func (f *fakeFS) IsMountPoint(p string) (bool, error) {
+// OpenDeviceNode opens a stand-in file for the device node, made on
+// first use in a directory of the test.
+func (f *fakeFS) OpenDeviceNode(path string, _, _ uint32) (*fs.Handle, error) {
+	p := filepath.Join(f.devDir, filepath.Base(path))
+	if err := os.WriteFile(p, nil, 0o600); err != nil {
+		return nil, err
+	}
+	return fs.OpenPath(p)
+}
+
+func (f *fakeFS) MountInfo(h *fs.Handle) (mountEntry, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	m, ok := f.mounts[h.Path()]
+	if !ok {
+		return mountEntry{}, fmt.Errorf("mount at %s: %w", h.Path(), errdefs.ErrNotFound)
+	}
+	return m, nil
+}
+
+// mounted reports whether the fake has a mount at p.
+func (f *fakeFS) mounted(p string) bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	_, ok := f.mounts[p]
-	return ok, nil
-}
-
-func (f *fakeFS) MountInfo(p string) (mountEntry, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	m, ok := f.mounts[p]
-	if !ok {
-		return mountEntry{}, fmt.Errorf("mount at %s: %w", p, errdefs.ErrNotFound)
-	}
-	return m, nil
+	return ok
 }
 
 func (f *fakeFS) Resize(context.Context, string, string, string) error { return nil }
@@ -203,6 +223,7 @@ func newFakeAgent(t *testing.T) (*Agent, *fakeFS, *fakeTransport) {
 		t.Fatal(err)
 	}
 	host, tr := newFakeFS(), newFakeTransport()
+	host.devDir = t.TempDir()
 	a := &Agent{
 		cfg:        Config{NodeID: "fake-node", DriverName: DefaultDriverName},
 		log:        slog.New(slog.NewTextHandler(testWriter{t}, nil)),

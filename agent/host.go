@@ -1,6 +1,10 @@
 package agent
 
-import "context"
+import (
+	"context"
+
+	"github.com/berth-csi/berth/fs"
+)
 
 // mountEntry describes the mount at a path, as the kernel reports it for
 // the path itself (no mount table is read).
@@ -29,13 +33,23 @@ type hostFS interface {
 	// that holds anything else (errdefs.ErrFailedPrecondition).
 	EnsureFilesystem(ctx context.Context, devPath, fsType string) (formatted bool, err error)
 	Fsck(ctx context.Context, devPath, fsType string) error
-	Mount(source, target, fsType string, flags uintptr, data string) error
-	BindMount(source, target string, readOnly bool, flags uintptr) error
-	Unmount(target string) error
-	IsMountPoint(path string) (bool, error)
-	// MountInfo describes the mount at path; errdefs.ErrNotFound if
-	// path is not the root of a mount.
-	MountInfo(path string) (mountEntry, error)
+	// Mount, BindMount, Unmount and MountInfo act on paths already
+	// opened (fs.Handle: resolved once, no symlinks), never on names,
+	// so that a path swapped after it was checked cannot redirect them.
+	Mount(source string, target *fs.Handle, fsType string, flags uintptr, data string) error
+	// BindMount binds source on target; target comes from OpenAt.
+	BindMount(source, target *fs.Handle, readOnly bool, flags uintptr) error
+	// Unmount unmounts what is mounted at name in dir, each mount only
+	// after check accepted it (fs.UnmountAt): a refused mount on top is
+	// the error, nothing unmounted.
+	Unmount(dir *fs.Handle, name string, check func(mountEntry) error) error
+	// OpenDeviceNode opens a device node (no symlinks on the way) and
+	// checks that it stands for major:minor: a raw block publish binds
+	// what was opened.
+	OpenDeviceNode(path string, major, minor uint32) (*fs.Handle, error)
+	// MountInfo describes the mount whose root h is;
+	// errdefs.ErrNotFound if h is not the root of a mount.
+	MountInfo(h *fs.Handle) (mountEntry, error)
 	Resize(ctx context.Context, devPath, mountPath, fsType string) error
 	Stats(path string) (fsStats, error)
 	BlockDeviceSize(devPath string) (int64, error)

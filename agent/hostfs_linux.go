@@ -29,31 +29,56 @@ func (realFS) Fsck(ctx context.Context, devPath, fsType string) error {
 	return fs.Fsck(ctx, devPath, fsType)
 }
 
-func (realFS) Mount(source, target, fsType string, flags uintptr, data string) error {
-	return fs.Mount(source, target, fsType, flags, data)
+func (realFS) Mount(source string, target *fs.Handle, fsType string, flags uintptr, data string) error {
+	return fs.MountAt(source, target, fsType, flags, data)
 }
 
-func (realFS) BindMount(source, target string, readOnly bool, flags uintptr) error {
-	return fs.BindMount(source, target, readOnly, flags)
+func (realFS) BindMount(source, target *fs.Handle, readOnly bool, flags uintptr) error {
+	return fs.BindMountAt(source, target, readOnly, flags)
 }
 
-func (realFS) Unmount(target string) error { return fs.Unmount(target) }
+func (realFS) Unmount(dir *fs.Handle, name string, check func(mountEntry) error) error {
+	return fs.UnmountAt(dir, name, func(st fs.PathStat) error {
+		if check == nil {
+			return nil
+		}
+		return check(mountEntryOf(st))
+	})
+}
 
-func (realFS) IsMountPoint(path string) (bool, error) { return fs.IsMountPoint(path) }
+func (realFS) OpenDeviceNode(path string, major, minor uint32) (*fs.Handle, error) {
+	h, err := fs.OpenPath(path)
+	if err != nil {
+		return nil, fmt.Errorf("open device node: %w", err)
+	}
+	st, err := h.Stat()
+	if err == nil && (st.RdevMajor != major || st.RdevMinor != minor) {
+		err = fmt.Errorf("device node %s stands for device %d:%d, not %d:%d: %w", path, st.RdevMajor, st.RdevMinor, major, minor, errdefs.ErrFailedPrecondition)
+	}
+	if err != nil {
+		h.Close()
+		return nil, err
+	}
+	return h, nil
+}
 
-func (realFS) MountInfo(path string) (mountEntry, error) {
-	st, err := fs.StatPath(path)
+func (realFS) MountInfo(h *fs.Handle) (mountEntry, error) {
+	st, err := h.Stat()
 	if err != nil {
 		return mountEntry{}, err
 	}
 	if !st.MountRoot {
-		return mountEntry{}, fmt.Errorf("%s: nothing is mounted there: %w", path, errdefs.ErrNotFound)
+		return mountEntry{}, fmt.Errorf("%s: nothing is mounted there: %w", h.Path(), errdefs.ErrNotFound)
 	}
+	return mountEntryOf(st), nil
+}
+
+func mountEntryOf(st fs.PathStat) mountEntry {
 	return mountEntry{
 		Major: int(st.Major), Minor: int(st.Minor),
 		RdevMajor: int(st.RdevMajor), RdevMinor: int(st.RdevMinor),
 		Ino: st.Ino, FSType: st.FSType,
-	}, nil
+	}
 }
 
 func (realFS) Resize(ctx context.Context, devPath, mountPath, fsType string) error {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/berth-csi/berth/fs"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -32,21 +33,20 @@ func isVolumeRoot(m mountEntry, rec *volumeRecord) bool {
 // filesystem type. A lost or foreign mount is FAILED_PRECONDITION: the CO
 // calls NodeStageVolume again, which mounts it back.
 func (a *Agent) checkStagingMount(rec *volumeRecord) error {
-	staging := rec.StagingPath
-	m, err := a.host.MountInfo(staging)
-	switch {
-	case errors.Is(err, errdefs.ErrNotFound):
-		return precondition("volume %q: nothing is mounted at its staging path %q (unmounted behind berth's back?); NodeStageVolume mounts it again", rec.VolumeID, staging)
-	case err != nil:
-		return fmt.Errorf("volume %q: check staging path %q: %w", rec.VolumeID, staging, err)
+	h, err := a.openStagingMount(rec)
+	if err != nil {
+		return err
 	}
-	return checkStagingEntry(rec, m)
+	return h.Close()
 }
 
 // checkStagingEntry is checkStagingMount for an entry already read.
 func checkStagingEntry(rec *volumeRecord, m mountEntry) error {
 	staging := rec.StagingPath
 	switch {
+	case rec.Device == nil:
+		return precondition("volume %q: staging path %q holds a mount of device %d:%d (%s), and no device is recorded for the volume (its stage did not finish)",
+			rec.VolumeID, staging, m.Major, m.Minor, m.FSType)
 	case !sameDevice(m, rec.Device):
 		return precondition("volume %q: staging path %q holds a mount of device %d:%d (%s), not of the volume's device %s (%d:%d)",
 			rec.VolumeID, staging, m.Major, m.Minor, m.FSType, rec.Device.Path, rec.Device.Major, rec.Device.Minor)
@@ -61,27 +61,41 @@ func checkStagingEntry(rec *volumeRecord, m mountEntry) error {
 
 // checkPublished checks that a publish target shows the volume: for a
 // mount volume the root of its filesystem, for a raw block volume a bind
-// of its device node. nil, false means nothing is mounted there.
+// of its device node. nil, false means nothing is mounted there. The
+// target is opened without following symlinks.
 func (a *Agent) checkPublished(rec *volumeRecord, target string) (mounted bool, err error) {
-	m, err := a.host.MountInfo(target)
+	h, err := fs.OpenPath(target)
 	switch {
 	case errors.Is(err, errdefs.ErrNotFound):
 		return false, nil
 	case err != nil:
 		return false, fmt.Errorf("volume %q: check target_path %q: %w", rec.VolumeID, target, err)
 	}
+	defer h.Close()
+	m, err := a.host.MountInfo(h)
+	switch {
+	case errors.Is(err, errdefs.ErrNotFound):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("volume %q: check target_path %q: %w", rec.VolumeID, target, err)
+	}
+	return true, checkPublishedEntry(rec, target, m)
+}
+
+// checkPublishedEntry is checkPublished for an entry already read.
+func checkPublishedEntry(rec *volumeRecord, target string, m mountEntry) error {
 	d := rec.Device
 	if rec.AccessType == "block" {
 		if d == nil || uint32(m.RdevMajor) != d.Major || uint32(m.RdevMinor) != d.Minor {
-			return true, precondition("volume %q: target_path %q holds a mount that is not the volume's device node %s; unmount it (NodeUnpublishVolume does) and publish again", rec.VolumeID, target, d.pathOrNone())
+			return precondition("volume %q: target_path %q holds a mount that is not the volume's device node %s; unmount it (NodeUnpublishVolume does) and publish again", rec.VolumeID, target, d.pathOrNone())
 		}
-		return true, nil
+		return nil
 	}
 	if !isVolumeRoot(m, rec) {
-		return true, precondition("volume %q: target_path %q holds a mount of device %d:%d inode %d, not the volume's filesystem (%s); unmount it (NodeUnpublishVolume does) and publish again",
+		return precondition("volume %q: target_path %q holds a mount of device %d:%d inode %d, not the volume's filesystem (%s); unmount it (NodeUnpublishVolume does) and publish again",
 			rec.VolumeID, target, m.Major, m.Minor, m.Ino, d.pathOrNone())
 	}
-	return true, nil
+	return nil
 }
 
 func (d *deviceRecord) pathOrNone() string {

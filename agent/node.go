@@ -4,16 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"log/slog"
-	"os"
 	"slices"
 	"strings"
-	"syscall"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/berth-csi/berth/devices"
+	berthfs "github.com/berth-csi/berth/fs"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -53,18 +51,34 @@ func (n *nodeServer) mountOptions(c volumeCap, readOnly bool) (uintptr, string, 
 	return n.a.host.ParseMountOptions(opts)
 }
 
-// stagingDir checks that the staging path is an existing directory.
-func stagingDir(p string) error {
-	fi, err := os.Stat(p)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return notFound("staging_target_path %q: does not exist (the CO creates it)", p)
-	case err != nil:
-		return fmt.Errorf("staging_target_path %q: %w", p, err)
-	case !fi.IsDir():
-		return invalid("staging_target_path %q: not a directory", p)
+// openStaging resolves the staging path once (no symlink on the way, the
+// last element included) and checks that it is an existing directory.
+// The stage mounts on, and checks, what was opened here.
+func openStaging(p string) (*heldPath, *berthfs.Handle, error) {
+	sp, err := holdPath("staging_target_path", p)
+	if err != nil {
+		return nil, nil, err
 	}
-	return nil
+	h, err := sp.open()
+	if err == nil {
+		var st berthfs.PathStat
+		if st, err = h.Stat(); err == nil && !st.Dir {
+			err = invalid("staging_target_path %q: not a directory", p)
+		}
+		if err != nil {
+			h.Close()
+		}
+	}
+	switch {
+	case err == nil:
+		return sp, h, nil
+	case errors.Is(err, errdefs.ErrNotFound):
+		err = notFound("staging_target_path %q: does not exist (the CO creates it)", p)
+	case !errors.Is(err, errdefs.ErrInvalidArgument):
+		err = fmt.Errorf("staging_target_path %q: %w", p, err)
+	}
+	sp.close()
+	return nil, nil, err
 }
 
 func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (_ *csi.NodeStageVolumeResponse, retErr error) {
@@ -97,12 +111,12 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		return nil, err
 	}
 	defer unlock()
-	if err := checkPathResolves("staging_target_path", staging); err != nil {
+	sp, sh, err := openStaging(staging)
+	if err != nil {
 		return nil, err
 	}
-	if err := stagingDir(staging); err != nil {
-		return nil, err
-	}
+	defer sp.close()
+	defer sh.Close()
 	log := logFrom(ctx, n.a.log)
 	took := newStepTimer()
 
@@ -149,7 +163,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 
 	// Fast path of a repeated call: the staging mount is in place.
 	if wasStaged && !vcap.Block {
-		m, err := n.a.host.MountInfo(staging)
+		m, err := n.a.host.MountInfo(sh)
 		switch {
 		case err == nil:
 			if err := checkStagingEntry(rec, m); err != nil {
@@ -175,7 +189,13 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		}
 		var errs []error
 		if mounted {
-			errs = append(errs, n.a.host.Unmount(staging))
+			// Only the volume's own mount, the one made above.
+			errs = append(errs, n.a.host.Unmount(sp.dir, sp.name, func(m mountEntry) error {
+				if !sameDevice(m, rec.Device) {
+					return precondition("staging_target_path %q: shows device %d:%d, not the mount just made", staging, m.Major, m.Minor)
+				}
+				return nil
+			}))
 		}
 		if !wasStaged {
 			if err := target.Detach(context.WithoutCancel(ctx)); err != nil {
@@ -225,7 +245,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	}
 	took.mark("verify")
 
-	m, err := n.a.host.MountInfo(staging)
+	m, err := n.a.host.MountInfo(sh)
 	switch {
 	case err == nil && sameDevice(m, rec.Device):
 		// A previous attempt mounted it and crashed before recording.
@@ -262,12 +282,12 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		if err != nil {
 			return nil, err
 		}
-		if err := n.a.host.Mount(dev.Path, staging, vcap.FsType, flags, xfsNoUUID(vcap.FsType, data)); err != nil {
+		if err := n.a.host.Mount(dev.Path, sh, vcap.FsType, flags, xfsNoUUID(vcap.FsType, data)); err != nil {
 			return nil, err
 		}
 		mounted = true
 		took.mark("mount")
-		root, err := n.a.host.MountInfo(staging)
+		root, err := n.a.mountAt(sp)
 		if err != nil {
 			return nil, fmt.Errorf("staging_target_path %q: check the new mount: %w", staging, err)
 		}
@@ -383,25 +403,12 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	// pod is refused rather than torn out from under it; a publish record
 	// whose mount is gone is stale and dropped.
 	for target := range rec.Publishes {
-		mounted, err := n.a.host.IsMountPoint(target)
-		if err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return nil, fmt.Errorf("check publish target %q: %w", target, err)
-		}
-		if mounted {
-			return nil, precondition("volume %q: still published at %q; NodeUnpublishVolume first", id, target)
-		}
-		if err := removeTarget(target); err != nil {
-			// A stale record must not block the unstage the CO asks
-			// for; the path is left for the operator.
-			log.WarnContext(ctx, "stale publish target not removed", slog.String("target_path", target), slog.String("error", err.Error()))
-		}
-		delete(rec.Publishes, target)
-		if err := n.a.state.put(rec); err != nil {
+		if err := n.dropStalePublish(ctx, rec, target); err != nil {
 			return nil, err
 		}
 	}
 	if rec.AccessType != "block" {
-		if err := n.a.host.Unmount(staging); err != nil {
+		if err := n.unmountStaging(rec); err != nil {
 			return nil, err
 		}
 	}
@@ -435,20 +442,64 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	return &csi.NodeUnstageVolumeResponse{}, nil
 }
 
-// removeTarget removes a publish target berth created: an empty directory
-// or a file. A missing path is fine.
-func removeTarget(p string) error {
-	err := os.Remove(p)
+// dropStalePublish forgets a publish record at unstage. A target still
+// mounted is refused rather than torn out from under its pod; one whose
+// mount is gone is removed (if berth can) and its record dropped.
+func (n *nodeServer) dropStalePublish(ctx context.Context, rec *volumeRecord, target string) error {
+	tp, err := holdPath("target_path", target)
 	switch {
-	case err == nil, errors.Is(err, fs.ErrNotExist):
-		return nil
-	case errors.Is(err, syscall.ENOTEMPTY), errors.Is(err, syscall.EBUSY):
-		// Files below an unmounted target were written into the
-		// directory itself (the mount was gone), or something is still
-		// mounted there: berth does not delete data it did not create.
-		return precondition("remove target_path %q: %v; check what is inside or mounted there", p, err)
+	case errors.Is(err, errdefs.ErrNotFound):
+		// Its directory is gone, and whatever was mounted in it.
+	case err != nil:
+		// Through a symlink berth cannot tell whether the volume is
+		// still mounted there.
+		return fmt.Errorf("volume %q: check publish target: %w", rec.VolumeID, err)
+	default:
+		defer tp.close()
+		_, err := n.a.mountAt(tp)
+		switch {
+		case err == nil:
+			return precondition("volume %q: still published at %q; NodeUnpublishVolume first", rec.VolumeID, target)
+		case !errors.Is(err, errdefs.ErrNotFound):
+			return fmt.Errorf("check publish target %q: %w", target, err)
+		}
+		if err := removeTarget(tp); err != nil {
+			// A stale record must not block the unstage the CO asks
+			// for; the path is left for the operator.
+			logFrom(ctx, n.a.log).WarnContext(ctx, "stale publish target not removed", slog.String("target_path", target), slog.String("error", err.Error()))
+		}
 	}
-	return fmt.Errorf("remove target_path %q: %w", p, err)
+	delete(rec.Publishes, target)
+	return n.a.state.put(rec)
+}
+
+// unmountStaging unmounts the staging mount of a mount volume at unstage.
+// The staging path is opened again (no symlink on the way) and each
+// mount there is checked before it is unmounted: it must be the volume's
+// own (checkStagingEntry). Another volume's mount reached through a
+// swapped path, or put at the staging path, is refused and left alone. A
+// record without a device (a stage interrupted before it recorded one)
+// cannot say which mount is its own: any mount but one of another
+// recorded volume is taken as the one the interrupted stage made.
+func (n *nodeServer) unmountStaging(rec *volumeRecord) error {
+	sp, err := holdPath("staging_target_path", rec.StagingPath)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		// Nothing can be mounted in a directory that is gone.
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	defer sp.close()
+	return n.a.host.Unmount(sp.dir, sp.name, func(m mountEntry) error {
+		if rec.Device != nil {
+			return checkStagingEntry(rec, m)
+		}
+		if owner, ok := n.a.deviceOwner(m, rec.VolumeID); ok {
+			return precondition("volume %q: staging path %q shows device %d:%d of volume %q; refusing to unmount it", rec.VolumeID, rec.StagingPath, m.Major, m.Minor, owner)
+		}
+		return nil
+	})
 }
 
 func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (_ *csi.NodePublishVolumeResponse, retErr error) {
@@ -482,9 +533,11 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		return nil, err
 	}
 	defer unlock()
-	if err := checkPathResolves("target_path", target); err != nil {
+	tp, err := holdPath("target_path", target)
+	if err != nil {
 		return nil, err
 	}
+	defer tp.close()
 
 	rec, ok := n.a.state.get(id)
 	switch {
@@ -500,12 +553,18 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if owner, ok := n.a.state.pathOwner(target); ok && owner != id {
 		return nil, alreadyExists("target_path %q: in use by volume %q", target, owner)
 	}
+	if err := n.a.checkTargetOutsideStaging(tp); err != nil {
+		return nil, err
+	}
+	var source *berthfs.Handle
 	if !vcap.Block {
 		// Binding a staging path that lost its mount would publish a
-		// directory of the node's root filesystem.
-		if err := n.a.checkStagingMount(rec); err != nil {
+		// directory of the node's root filesystem. What is bound is
+		// the descriptor checked here.
+		if source, err = n.a.openStagingMount(rec); err != nil {
 			return nil, err
 		}
+		defer source.Close()
 	}
 	want := publishRecord{ReadOnly: readOnly, Mode: vcap.Mode.String(), MountFlags: vcap.MountFlags}
 	if have, ok := rec.Publishes[target]; ok {
@@ -513,7 +572,14 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 			return nil, alreadyExists("volume %q: published at %q with readonly=%t mode=%s mount_flags=%q; the request has readonly=%t mode=%s mount_flags=%q",
 				id, target, have.ReadOnly, have.Mode, have.MountFlags, want.ReadOnly, want.Mode, want.MountFlags)
 		}
-		mounted, err := n.a.checkPublished(rec, target)
+		m, err := n.a.mountAt(tp)
+		mounted := err == nil
+		switch {
+		case mounted:
+			err = checkPublishedEntry(rec, target, m)
+		case errors.Is(err, errdefs.ErrNotFound):
+			err = nil
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -533,12 +599,12 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 				return nil, precondition("volume %q: access mode SINGLE_NODE_SINGLE_WRITER allows one target and it is published at %q", id, other)
 			}
 		}
-		mounted, err := n.a.host.IsMountPoint(target)
-		if err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return nil, err
-		}
-		if mounted {
+		_, err := n.a.mountAt(tp)
+		switch {
+		case err == nil:
 			return nil, alreadyExists("target_path %q: already a mount point that berth did not make for volume %q", target, id)
+		case !errors.Is(err, errdefs.ErrNotFound):
+			return nil, err
 		}
 		rec.Publishes[target] = want
 		if err := n.a.state.put(rec); err != nil {
@@ -556,7 +622,7 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		}
 		var errs []error
 		if created {
-			errs = append(errs, removeTarget(target))
+			errs = append(errs, removeTarget(tp))
 		}
 		if errors.Join(errs...) == nil {
 			delete(rec.Publishes, target)
@@ -570,70 +636,37 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		}
 	}()
 
-	source := staging
 	if vcap.Block {
 		d := n.a.recordedDevice(rec.Device)
 		if d == nil {
 			return nil, precondition("volume %q: its device %s is gone or changed since stage; unstage and stage again", id, rec.Device.Path)
 		}
-		source = d.Path
-		created, err = createFile(target)
-		if err != nil {
+		if source, err = n.a.host.OpenDeviceNode(d.Path, d.Major, d.Minor); err != nil {
 			return nil, err
 		}
+		defer source.Close()
 		// A read-only bind mount does not stop writes through a device
 		// node: the block layer's flag must, before the pod sees it.
 		dev = d
-		if err := n.syncDeviceReadOnly(rec, d); err != nil {
-			return nil, err
-		}
-	} else {
-		created, err = createDir(target)
 	}
+	th, created, err := prepareTarget(tp, vcap.Block)
 	if err != nil {
 		return nil, err
+	}
+	defer th.Close()
+	if dev != nil {
+		if err := n.syncDeviceReadOnly(rec, dev); err != nil {
+			return nil, err
+		}
 	}
 	flags, _, err := n.mountOptions(vcap, false)
 	if err != nil {
 		return nil, err
 	}
-	if err := n.a.host.BindMount(source, target, readOnly, flags); err != nil {
+	if err := n.a.host.BindMount(source, th, readOnly, flags); err != nil {
 		return nil, err
 	}
 	return &csi.NodePublishVolumeResponse{}, nil
-}
-
-// createDir makes the target directory of a mount publish.
-func createDir(p string) (created bool, err error) {
-	err = os.Mkdir(p, 0o750)
-	if err == nil {
-		return true, nil
-	}
-	if errors.Is(err, fs.ErrExist) {
-		fi, serr := os.Lstat(p)
-		if serr == nil && fi.IsDir() {
-			return false, nil
-		}
-		return false, alreadyExists("target_path %q: exists and is not a directory", p)
-	}
-	return false, fmt.Errorf("create target_path %q: %w", p, err)
-}
-
-// createFile makes the target file of a block publish; the device node is
-// bind-mounted onto it, so its own mode never shows.
-func createFile(p string) (created bool, err error) {
-	f, err := os.OpenFile(p, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
-	if err == nil {
-		return true, f.Close()
-	}
-	if errors.Is(err, fs.ErrExist) {
-		fi, serr := os.Lstat(p)
-		if serr == nil && fi.Mode().IsRegular() {
-			return false, nil
-		}
-		return false, alreadyExists("target_path %q: exists and is not a regular file", p)
-	}
-	return false, fmt.Errorf("create target_path %q: %w", p, err)
 }
 
 func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (_ *csi.NodeUnpublishVolumeResponse, retErr error) {
@@ -646,16 +679,30 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	defer unlock()
 
 	rec, ok := n.a.state.get(id)
-	if _, published := rec.publishes()[target]; !ok || !published {
+	_, published := rec.publishes()[target]
+	tp, err := holdPath("target_path", target)
+	switch {
+	case errors.Is(err, errdefs.ErrNotFound):
+		// The target's directory is gone, and whatever was mounted in
+		// it.
+		tp = nil
+	case err != nil:
+		return nil, err
+	default:
+		defer tp.close()
+	}
+	if !ok || !published {
 		if owner, ok := n.a.state.pathOwner(target); ok && owner != id {
 			return nil, notFound("volume %q: not published at %q, which belongs to volume %q", id, target, owner)
 		}
-		mounted, err := n.a.host.IsMountPoint(target)
-		if err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return nil, err
-		}
-		if mounted {
-			return nil, notFound("volume %q: not published at %q; the mount there was not made by berth for this volume", id, target)
+		if tp != nil {
+			_, err := n.a.mountAt(tp)
+			switch {
+			case err == nil:
+				return nil, notFound("volume %q: not published at %q; the mount there was not made by berth for this volume", id, target)
+			case !errors.Is(err, errdefs.ErrNotFound):
+				return nil, err
+			}
 		}
 		// A retry after the publish record went but the read-only flag
 		// could not follow it finishes that.
@@ -666,14 +713,22 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		}
 		return &csi.NodeUnpublishVolumeResponse{}, nil
 	}
-	if err := checkPathResolves("target_path", target); err != nil && !errors.Is(err, errdefs.ErrNotFound) {
-		return nil, err
-	}
-	if err := n.a.host.Unmount(target); err != nil {
-		return nil, err
-	}
-	if err := removeTarget(target); err != nil {
-		return nil, err
+	if tp != nil {
+		// What is mounted at a recorded target is berth's bind, even
+		// a wrong one (made while the staging mount was lost), and is
+		// unmounted; never a mount of another volume berth knows.
+		err := n.a.host.Unmount(tp.dir, tp.name, func(m mountEntry) error {
+			if owner, ok := n.a.deviceOwner(m, id); ok {
+				return precondition("volume %q: target_path %q shows the device of volume %q; refusing to unmount it", id, target, owner)
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, err
+		}
+		if err := removeTarget(tp); err != nil {
+			return nil, err
+		}
 	}
 	delete(rec.Publishes, target)
 	if rec.AccessType == "block" {

@@ -190,7 +190,7 @@ func TestReadOnlyBlockPublishFailsClosed(t *testing.T) {
 	pub := &csi.NodePublishVolumeRequest{VolumeId: "v", StagingTargetPath: staging, TargetPath: target, VolumeCapability: c, VolumeContext: vctx, Readonly: true}
 	_, err = n.NodePublishVolume(ctx, pub)
 	wantCode(t, "read-only publish without BLKROSET", err, codes.PermissionDenied)
-	if ok, _ := host.IsMountPoint(target); ok {
+	if host.mounted(target) {
 		t.Fatal("a read-only publish that could not protect the device was mounted")
 	}
 	if _, err := os.Lstat(target); !errors.Is(err, os.ErrNotExist) {

@@ -1,10 +1,7 @@
 package agent
 
 import (
-	"errors"
 	"fmt"
-	"io/fs"
-	"os"
 	"path/filepath"
 	"slices"
 	"unicode/utf8"
@@ -76,30 +73,6 @@ func validatePath(field, p string) error {
 		return invalid("%s %q: not a clean path (want %q)", field, p, filepath.Clean(p))
 	case p == "/":
 		return invalid("%s: the root directory cannot be used", field)
-	}
-	return nil
-}
-
-// checkPathResolves makes sure a path names what it says: its parent
-// directory exists and contains no symbolic links, and the path itself,
-// if it exists, is not a symbolic link. A symlinked target path could
-// otherwise make berth mount over or remove a directory elsewhere on the
-// host. validatePath must have accepted p.
-func checkPathResolves(field, p string) error {
-	parent := filepath.Dir(p)
-	real, err := filepath.EvalSymlinks(parent)
-	if errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("%s %q: parent directory does not exist (the CO creates it): %w", field, p, errdefs.ErrNotFound)
-	}
-	if err != nil {
-		return invalid("%s %q: resolving parent directory: %v", field, p, err)
-	}
-	if real != parent {
-		return invalid("%s %q: parent directory resolves to %q through a symbolic link", field, p, real)
-	}
-	fi, err := os.Lstat(p)
-	if err == nil && fi.Mode()&fs.ModeSymlink != 0 {
-		return invalid("%s %q: is a symbolic link", field, p)
 	}
 	return nil
 }

@@ -51,7 +51,13 @@
 //
 // # Mounting
 //
-// Mounts, bind mounts and unmounts use mount(2) and umount2(2) directly.
+// Mounts, bind mounts and unmounts use mount(2) and umount2(2) directly,
+// on paths resolved once into a [Handle]: openat2(2) with
+// RESOLVE_NO_SYMLINKS opens the path (or its parent directory) as an
+// O_PATH descriptor, mkdir and create act relative to it, mount(2) takes
+// the target as /proc/self/fd/N, and [UnmountAt] checks each mount through
+// a descriptor before it unmounts it at its name in the held directory.
+// A symlink swapped into the path after the check redirects nothing.
 // Mount options come from users (CSI mount_flags) and pass through
 // [ParseMountOptions], an allowlist that refuses unknown options and
 // options that weaken data safety (nobarrier, norecovery, data=writeback,

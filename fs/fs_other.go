@@ -91,9 +91,63 @@ type PathStat struct {
 	MountID              uint64
 	FSType               string
 	Dir                  bool
+	Regular              bool
 }
 
 // StatPath is only supported on Linux.
 func StatPath(path string) (PathStat, error) {
 	return PathStat{}, unsupported("stat " + path)
+}
+
+// Handle is only usable on Linux.
+type Handle struct{ path string }
+
+// OpenPath is only supported on Linux.
+func OpenPath(path string) (*Handle, error) { return nil, unsupported("open " + path) }
+
+// OpenParent is only supported on Linux.
+func OpenParent(path string) (*Handle, string, error) {
+	return nil, "", unsupported("open parent of " + path)
+}
+
+// Path is the path h was opened as.
+func (h *Handle) Path() string { return h.path }
+
+// Close does nothing.
+func (h *Handle) Close() error { return nil }
+
+// Stat is only supported on Linux.
+func (h *Handle) Stat() (PathStat, error) { return PathStat{}, unsupported("stat " + h.path) }
+
+// OpenAt is only supported on Linux.
+func (h *Handle) OpenAt(name string) (*Handle, error) { return nil, unsupported("open " + name) }
+
+// Reopen is only supported on Linux.
+func (h *Handle) Reopen() (*Handle, error) { return nil, unsupported("open " + h.path) }
+
+// MkdirAt is only supported on Linux.
+func (h *Handle) MkdirAt(name string, mode uint32) error { return unsupported("mkdir " + name) }
+
+// CreateAt is only supported on Linux.
+func (h *Handle) CreateAt(name string, mode uint32) error { return unsupported("create " + name) }
+
+// RemoveAt is only supported on Linux.
+func (h *Handle) RemoveAt(name string) error { return unsupported("remove " + name) }
+
+// Empty is only supported on Linux.
+func (h *Handle) Empty() (bool, error) { return false, unsupported("read " + h.path) }
+
+// MountAt is only supported on Linux.
+func MountAt(source string, target *Handle, fsType string, flags uintptr, data string) error {
+	return unsupported("mount " + target.path)
+}
+
+// BindMountAt is only supported on Linux.
+func BindMountAt(source, target *Handle, readOnly bool, flags uintptr) error {
+	return unsupported("bind mount " + target.path)
+}
+
+// UnmountAt is only supported on Linux.
+func UnmountAt(dir *Handle, name string, check func(PathStat) error) error {
+	return unsupported("unmount " + name)
 }

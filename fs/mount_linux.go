@@ -80,24 +80,34 @@ func checkPath(what, p string) error {
 }
 
 // Mount mounts the filesystem on source at target with mount(2). flags and
-// data usually come from ParseMountOptions.
+// data usually come from ParseMountOptions. target is opened with
+// OpenParent and OpenAt: a symbolic link on the way is refused.
 func Mount(source, target, fsType string, flags uintptr, data string) error {
-	if err := checkPath("mount source", source); err != nil {
+	h, err := openTarget("mount target", target)
+	if err != nil {
 		return err
 	}
-	if err := checkPath("mount target", target); err != nil {
-		return err
+	defer h.dir.Close()
+	defer h.Close()
+	return MountAt(source, h, fsType, flags, data)
+}
+
+// openTarget opens path in its parent directory, both without following
+// symbolic links.
+func openTarget(what, path string) (*Handle, error) {
+	if err := checkPath(what, path); err != nil {
+		return nil, err
 	}
-	if fsType == "" {
-		return fmt.Errorf("mount %s on %s: no filesystem type: %w", source, target, errdefs.ErrInvalidArgument)
+	dir, name, err := OpenParent(path)
+	if err != nil {
+		return nil, err
 	}
-	if flags&(MS_BIND|MS_REMOUNT) != 0 {
-		return fmt.Errorf("mount %s on %s: bind and remount flags belong to BindMount: %w", source, target, errdefs.ErrInvalidArgument)
+	h, err := dir.OpenAt(name)
+	if err != nil {
+		dir.Close()
+		return nil, err
 	}
-	if err := unix.Mount(source, target, fsType, flags, data); err != nil {
-		return &MountError{Op: "mount", Source: source, Target: target, FsType: fsType, Flags: flags, Data: data, Err: err}
-	}
-	return nil
+	return h, nil
 }
 
 // superblockFlags are options of the filesystem, not of one mount:
@@ -119,104 +129,65 @@ var statfsToMS = []struct{ st, ms uintptr }{
 	{unix.ST_RELATIME, MS_RELATIME},
 }
 
-// mountFlagsOf returns the per-mount flags of the mount holding path.
-func mountFlagsOf(path string) (uintptr, error) {
-	var st unix.Statfs_t
-	if err := unix.Statfs(path, &st); err != nil {
-		return 0, err
-	}
+// statfsFlags returns the per-mount flags statfs reports.
+func statfsFlags(st unix.Statfs_t) uintptr {
 	var ms uintptr
 	for _, m := range statfsToMS {
 		if uintptr(st.Flags)&m.st != 0 {
 			ms |= m.ms
 		}
 	}
-	return ms, nil
+	return ms
 }
 
-// BindMount bind-mounts source on target. Per-mount flags (ro, nosuid,
-// nodev, noexec, atime flags; readOnly adds MS_RDONLY) are applied by a
-// second MS_REMOUNT|MS_BIND call, since the kernel ignores them on the
-// first; the remount keeps the flags the bind inherited from source. If
-// that step fails, the bind is undone so no writable mount is left
-// behind. A read-only bind is verified with statfs. Source may be a
-// device node (raw block volumes); note that a read-only mount does not
-// stop writes through a device node, the device itself must be set
-// read-only for that.
-func BindMount(source, target string, readOnly bool, flags uintptr) (retErr error) {
+// BindMount bind-mounts source on target (BindMountAt on both, opened
+// without following symbolic links). Per-mount flags (ro, nosuid, nodev,
+// noexec, atime flags; readOnly adds MS_RDONLY) are applied by a second
+// MS_REMOUNT|MS_BIND call, since the kernel ignores them on the first; the
+// remount keeps the flags the bind inherited from source. If that step
+// fails, the bind is undone so no writable mount is left behind. A
+// read-only bind is verified with statfs. Source may be a device node (raw
+// block volumes); note that a read-only mount does not stop writes
+// through a device node, the device itself must be set read-only for
+// that.
+func BindMount(source, target string, readOnly bool, flags uintptr) error {
 	if err := checkPath("bind source", source); err != nil {
 		return err
 	}
-	if err := checkPath("bind target", target); err != nil {
+	src, err := OpenPath(source)
+	if err != nil {
 		return err
 	}
-	if extra := flags &^ (perMountFlags | superblockFlags); extra != 0 {
-		return fmt.Errorf("bind mount %s on %s: flags %#x cannot be set on a bind mount: %w", source, target, extra, errdefs.ErrInvalidArgument)
-	}
-	// Superblock flags took effect when the filesystem was mounted and
-	// are shared by every bind of it.
-	flags &= perMountFlags
-	if readOnly {
-		flags |= MS_RDONLY
-	}
-	if err := unix.Mount(source, target, "", MS_BIND, ""); err != nil {
-		return &MountError{Op: "bind", Source: source, Target: target, Flags: MS_BIND, Err: err}
-	}
-	if flags == 0 {
-		return nil
-	}
-	defer func() {
-		if retErr != nil {
-			if err := unix.Unmount(target, unix.UMOUNT_NOFOLLOW); err != nil {
-				retErr = fmt.Errorf("%w; undoing the bind mount also failed: %w", retErr, &MountError{Op: "unmount", Target: target, Err: err})
-			}
-		}
-	}()
-	inherited, err := mountFlagsOf(target)
+	defer src.Close()
+	h, err := openTarget("bind target", target)
 	if err != nil {
-		return fmt.Errorf("bind mount %s on %s: statfs: %w", source, target, err)
+		return err
 	}
-	if flags&(MS_NOATIME|MS_RELATIME|MS_STRICTATIME) != 0 {
-		inherited &^= MS_NOATIME | MS_RELATIME | MS_STRICTATIME
-	}
-	remount := MS_REMOUNT | MS_BIND | inherited | flags
-	if err := unix.Mount("", target, "", remount, ""); err != nil {
-		return &MountError{Op: "remount", Source: source, Target: target, Flags: remount, Err: err}
-	}
-	if readOnly {
-		got, err := mountFlagsOf(target)
-		if err != nil {
-			return fmt.Errorf("bind mount %s on %s: statfs: %w", source, target, err)
-		}
-		if got&MS_RDONLY == 0 {
-			return fmt.Errorf("bind mount %s on %s: still writable after the read-only remount", source, target)
-		}
-	}
-	return nil
+	defer h.dir.Close()
+	defer h.Close()
+	return BindMountAt(src, h, readOnly, flags)
 }
 
 // maxStacked caps how many mounts stacked on one path Unmount removes.
 const maxStacked = 64
 
-// Unmount unmounts target with umount2(2), without following a symlink at
-// target, until nothing is mounted there (mounts stacked by earlier
-// retries go too). A target that is not mounted or does not exist is not
-// an error.
+// Unmount unmounts target (UnmountAt in its parent directory, opened
+// without following symbolic links) until nothing is mounted there
+// (mounts stacked by earlier retries go too). A target that is not
+// mounted or does not exist is not an error.
 func Unmount(target string) error {
 	if err := checkPath("unmount target", target); err != nil {
 		return err
 	}
-	for range maxStacked {
-		err := unix.Unmount(target, unix.UMOUNT_NOFOLLOW)
-		switch {
-		case err == nil:
-			continue
-		case errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOENT):
-			return nil
-		}
-		return &MountError{Op: "unmount", Target: target, Err: err}
+	dir, name, err := OpenParent(target)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return nil
 	}
-	return fmt.Errorf("unmount %s: more than %d mounts stacked on it: %w", target, maxStacked, errdefs.ErrFailedPrecondition)
+	if err != nil {
+		return err
+	}
+	defer dir.Close()
+	return UnmountAt(dir, name, nil)
 }
 
 // How IsMountPoint asks the kernel; chosen once.

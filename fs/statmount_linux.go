@@ -26,6 +26,7 @@ type PathStat struct {
 	MountID              uint64 // 0 when the kernel does not report it (Linux < 5.8)
 	FSType               string // "ext4", "xfs", or the statfs magic in hex
 	Dir                  bool
+	Regular              bool // a regular file
 }
 
 // statfs magic numbers of the filesystems berth names.
@@ -92,6 +93,7 @@ func StatFd(fd int) (PathStat, error) {
 		Ino:       stx.Ino,
 		MountRoot: stx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT != 0 && stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0,
 		Dir:       stx.Mode&unix.S_IFMT == unix.S_IFDIR,
+		Regular:   stx.Mode&unix.S_IFMT == unix.S_IFREG,
 	}
 	if stx.Mask&unix.STATX_MNT_ID != 0 {
 		st.MountID = stx.Mnt_id

@@ -1,0 +1,400 @@
+package fs
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/errdefs"
+)
+
+// Handle is a path resolved once into an O_PATH descriptor, without
+// following a symbolic link anywhere on the way. Everything done through
+// it (creating, mounting, unmounting, stat) acts on what was resolved,
+// whatever is renamed or swapped into the path afterwards: checking a path
+// by name and then mounting on the name lets a symlink put in between
+// redirect the mount (CVE-2021-25741).
+//
+// A Handle opened with OpenAt remembers its directory and name, so that
+// Reopen can look at what is at the name now: a mount made on a
+// directory hides it, and a descriptor of the directory stays below the
+// mount.
+type Handle struct {
+	fd   int
+	path string // what it was opened as, for messages
+	dir  *Handle
+	name string
+}
+
+// resolveHow is the openat2 resolution every Handle is opened with.
+const resolveHow = unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS
+
+func openErr(path string, err error) error {
+	err = &os.PathError{Op: "open", Path: path, Err: err}
+	switch {
+	case errors.Is(err, unix.ELOOP):
+		return fmt.Errorf("%w (a symbolic link on the way; berth does not follow them in paths it is given): %w", err, errdefs.ErrInvalidArgument)
+	case errors.Is(err, unix.ENOENT):
+		return fmt.Errorf("%w: %w", err, errdefs.ErrNotFound)
+	case errors.Is(err, unix.ENOTDIR):
+		return fmt.Errorf("%w (a component is not a directory): %w", err, errdefs.ErrInvalidArgument)
+	case errors.Is(err, unix.ENOSYS):
+		return fmt.Errorf("%w (openat2 needs Linux 5.6 or later): %w", err, errdefs.ErrUnsupported)
+	}
+	return err
+}
+
+// OpenPath opens an absolute path with openat2(RESOLVE_NO_SYMLINKS |
+// RESOLVE_NO_MAGICLINKS): a symbolic link in any component, the last
+// included, is an error wrapping errdefs.ErrInvalidArgument; a missing
+// path wraps errdefs.ErrNotFound. A path where something is mounted
+// opens the root of the mount on top.
+func OpenPath(path string) (*Handle, error) {
+	if err := checkPath("open", path); err != nil {
+		return nil, err
+	}
+	path = filepath.Clean(path)
+	fd, err := unix.Openat2(unix.AT_FDCWD, path, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: resolveHow})
+	if err != nil {
+		return nil, openErr(path, err)
+	}
+	return &Handle{fd: fd, path: path}, nil
+}
+
+// OpenParent opens the directory of path with OpenPath and returns it
+// with the last element of path.
+func OpenParent(path string) (dir *Handle, name string, err error) {
+	if err := checkPath("open", path); err != nil {
+		return nil, "", err
+	}
+	path = filepath.Clean(path)
+	if path == "/" {
+		return nil, "", fmt.Errorf("open parent of /: %w", errdefs.ErrInvalidArgument)
+	}
+	dir, err = OpenPath(filepath.Dir(path))
+	if err != nil {
+		return nil, "", err
+	}
+	st, err := dir.Stat()
+	if err == nil && !st.Dir {
+		err = fmt.Errorf("%s: not a directory: %w", dir.path, errdefs.ErrInvalidArgument)
+	}
+	if err != nil {
+		dir.Close()
+		return nil, "", err
+	}
+	return dir, filepath.Base(path), nil
+}
+
+// Path is the path h was opened as.
+func (h *Handle) Path() string { return h.path }
+
+// Close closes the descriptor. The directory of a Handle from OpenAt is
+// not closed with it.
+func (h *Handle) Close() error {
+	if h == nil || h.fd < 0 {
+		return nil
+	}
+	err := unix.Close(h.fd)
+	h.fd = -1
+	return err
+}
+
+// Stat describes what h refers to (see StatFd). Where statx does not
+// flag mount roots (Linux < 5.8), MountRoot of a Handle from OpenAt is
+// asked of openat2 instead, as IsMountPoint does.
+func (h *Handle) Stat() (PathStat, error) {
+	st, err := StatFd(h.fd)
+	if err != nil {
+		return PathStat{}, fmt.Errorf("stat %s: %w", h.path, err)
+	}
+	if !st.MountRoot && h.dir != nil && mountCheckMethod() != viaStatx {
+		fd, err := unix.Openat2(h.dir.fd, h.name, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: resolveHow | unix.RESOLVE_NO_XDEV})
+		switch {
+		case err == nil:
+			unix.Close(fd)
+		case errors.Is(err, unix.EXDEV):
+			st.MountRoot = true
+		default:
+			return PathStat{}, openErr(h.path, err)
+		}
+	}
+	return st, nil
+}
+
+// procPath names the descriptor for calls that take only a path
+// (mount(2), umount2(2)): the kernel resolves /proc/self/fd/N to the file
+// the descriptor refers to, not to a name.
+func (h *Handle) procPath() string { return "/proc/self/fd/" + strconv.Itoa(h.fd) }
+
+func checkName(name string) error {
+	if name == "" || name == "." || name == ".." || strings.ContainsAny(name, "/\x00") {
+		return fmt.Errorf("name %q: not a single path element: %w", name, errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
+
+func (h *Handle) child(name string) string { return filepath.Join(h.path, name) }
+
+// OpenAt opens name, one element, in directory h, following no symbolic
+// link (a symlink at name is an error wrapping ErrInvalidArgument).
+func (h *Handle) OpenAt(name string) (*Handle, error) {
+	if err := checkName(name); err != nil {
+		return nil, err
+	}
+	fd, err := unix.Openat2(h.fd, name, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: resolveHow | unix.RESOLVE_BENEATH})
+	if err != nil {
+		return nil, openErr(h.child(name), err)
+	}
+	return &Handle{fd: fd, path: h.child(name), dir: h, name: name}, nil
+}
+
+// Reopen opens again the name h was opened at (OpenAt only): after a
+// mount there, the root of the new mount.
+func (h *Handle) Reopen() (*Handle, error) {
+	if h.dir == nil {
+		return nil, fmt.Errorf("reopen %s: not opened in a directory: %w", h.path, errdefs.ErrInvalidArgument)
+	}
+	return h.dir.OpenAt(h.name)
+}
+
+// MkdirAt creates the directory name in h. An existing name is an error
+// wrapping fs.ErrExist.
+func (h *Handle) MkdirAt(name string, mode uint32) error {
+	if err := checkName(name); err != nil {
+		return err
+	}
+	if err := unix.Mkdirat(h.fd, name, mode); err != nil {
+		return &os.PathError{Op: "mkdir", Path: h.child(name), Err: err}
+	}
+	return nil
+}
+
+// CreateAt creates the empty regular file name in h (O_CREAT|O_EXCL,
+// which follows no symlink). An existing name is an error wrapping
+// fs.ErrExist.
+func (h *Handle) CreateAt(name string, mode uint32) error {
+	if err := checkName(name); err != nil {
+		return err
+	}
+	fd, err := unix.Openat(h.fd, name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, mode)
+	if err != nil {
+		return &os.PathError{Op: "create", Path: h.child(name), Err: err}
+	}
+	return unix.Close(fd)
+}
+
+// RemoveAt removes name in h: an empty directory or any other file. A
+// symbolic link is removed, never followed.
+func (h *Handle) RemoveAt(name string) error {
+	if err := checkName(name); err != nil {
+		return err
+	}
+	err := unix.Unlinkat(h.fd, name, 0)
+	if errors.Is(err, unix.EISDIR) {
+		err = unix.Unlinkat(h.fd, name, unix.AT_REMOVEDIR)
+	}
+	if err != nil {
+		return &os.PathError{Op: "remove", Path: h.child(name), Err: err}
+	}
+	return nil
+}
+
+// Empty reports whether the directory h holds no entries.
+func (h *Handle) Empty() (bool, error) {
+	// "." of an O_PATH descriptor opens the same directory for reading.
+	fd, err := unix.Openat(h.fd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return false, &os.PathError{Op: "open", Path: h.path, Err: err}
+	}
+	f := os.NewFile(uintptr(fd), h.path)
+	defer f.Close()
+	_, err = f.Readdirnames(1)
+	if errors.Is(err, io.EOF) {
+		return true, nil
+	}
+	return false, err
+}
+
+// MountAt mounts the filesystem on source at the directory target with
+// mount(2) on /proc/self/fd/N: the kernel mounts on what the descriptor
+// refers to.
+func MountAt(source string, target *Handle, fsType string, flags uintptr, data string) error {
+	if err := checkPath("mount source", source); err != nil {
+		return err
+	}
+	if fsType == "" {
+		return fmt.Errorf("mount %s on %s: no filesystem type: %w", source, target.path, errdefs.ErrInvalidArgument)
+	}
+	if flags&(MS_BIND|MS_REMOUNT) != 0 {
+		return fmt.Errorf("mount %s on %s: bind and remount flags belong to BindMountAt: %w", source, target.path, errdefs.ErrInvalidArgument)
+	}
+	if err := unix.Mount(source, target.procPath(), fsType, flags, data); err != nil {
+		return &MountError{Op: "mount", Source: source, Target: target.path, FsType: fsType, Flags: flags, Data: data, Err: err}
+	}
+	return nil
+}
+
+// BindMountAt bind-mounts what source refers to (the root of a mount, a
+// directory or a device node) on target, both through /proc/self/fd/N.
+// target must come from OpenAt: the per-mount flags (see BindMount) are
+// set through a descriptor of the new mount, opened at target's name and
+// checked to show source; if that fails, the bind is undone.
+func BindMountAt(source, target *Handle, readOnly bool, flags uintptr) (retErr error) {
+	if extra := flags &^ (perMountFlags | superblockFlags); extra != 0 {
+		return fmt.Errorf("bind mount %s on %s: flags %#x cannot be set on a bind mount: %w", source.path, target.path, extra, errdefs.ErrInvalidArgument)
+	}
+	if target.dir == nil {
+		return fmt.Errorf("bind mount %s on %s: target not opened in its directory: %w", source.path, target.path, errdefs.ErrInvalidArgument)
+	}
+	flags &= perMountFlags
+	if readOnly {
+		flags |= MS_RDONLY
+	}
+	src, err := source.Stat()
+	if err != nil {
+		return err
+	}
+	if err := unix.Mount(source.procPath(), target.procPath(), "", MS_BIND, ""); err != nil {
+		return &MountError{Op: "bind", Source: source.path, Target: target.path, Flags: MS_BIND, Err: err}
+	}
+	defer func() {
+		if retErr != nil {
+			if err := UnmountAt(target.dir, target.name, func(st PathStat) error {
+				if st.Major != src.Major || st.Minor != src.Minor || st.Ino != src.Ino {
+					return fmt.Errorf("%s shows device %d:%d inode %d, not the bind made: %w", target.path, st.Major, st.Minor, st.Ino, errdefs.ErrFailedPrecondition)
+				}
+				return nil
+			}); err != nil {
+				retErr = fmt.Errorf("%w; undoing the bind mount also failed: %w", retErr, err)
+			}
+		}
+	}()
+	m, err := target.Reopen()
+	if err != nil {
+		return fmt.Errorf("bind mount %s on %s: open the new mount: %w", source.path, target.path, err)
+	}
+	defer m.Close()
+	got, err := m.Stat()
+	if err != nil {
+		return err
+	}
+	if !got.MountRoot || got.Major != src.Major || got.Minor != src.Minor || got.Ino != src.Ino {
+		return fmt.Errorf("bind mount %s on %s: the target shows device %d:%d inode %d (mount root %t), not the source's %d:%d inode %d: %w",
+			source.path, target.path, got.Major, got.Minor, got.Ino, got.MountRoot, src.Major, src.Minor, src.Ino, errdefs.ErrFailedPrecondition)
+	}
+	if flags == 0 {
+		return nil
+	}
+	inherited, err := mountFlagsOf(m.fd)
+	if err != nil {
+		return fmt.Errorf("bind mount %s on %s: statfs: %w", source.path, target.path, err)
+	}
+	if flags&(MS_NOATIME|MS_RELATIME|MS_STRICTATIME) != 0 {
+		inherited &^= MS_NOATIME | MS_RELATIME | MS_STRICTATIME
+	}
+	remount := MS_REMOUNT | MS_BIND | inherited | flags
+	if err := unix.Mount("", m.procPath(), "", remount, ""); err != nil {
+		return &MountError{Op: "remount", Source: source.path, Target: target.path, Flags: remount, Err: err}
+	}
+	if readOnly {
+		ro, err := mountFlagsOf(m.fd)
+		if err != nil {
+			return fmt.Errorf("bind mount %s on %s: statfs: %w", source.path, target.path, err)
+		}
+		if ro&MS_RDONLY == 0 {
+			return fmt.Errorf("bind mount %s on %s: still writable after the read-only remount", source.path, target.path)
+		}
+	}
+	return nil
+}
+
+// UnmountAt unmounts what is mounted at name in directory dir, the mount
+// on top first, until nothing is mounted there. Each mount is opened
+// (without following a symlink at name), passed to check, and unmounted
+// at name relative to dir's descriptor, so what is unmounted is what
+// check saw, wherever the path of dir leads by now. If
+// check refuses the mount on top, its error is returned and nothing is
+// unmounted; if it refuses one further down (after berth's own were
+// unmounted), UnmountAt stops there and returns nil: that mount was there
+// before and is not berth's to remove. A missing name or nothing mounted
+// is not an error.
+func UnmountAt(dir *Handle, name string, check func(PathStat) error) error {
+	for i := range maxStacked {
+		done, err := unmountTop(dir, name, func(st PathStat) error {
+			if check == nil {
+				return nil
+			}
+			err := check(st)
+			if err != nil && i > 0 {
+				return errStop
+			}
+			return err
+		})
+		switch {
+		case errors.Is(err, errStop):
+			return nil
+		case err != nil:
+			return err
+		case done:
+			return nil
+		}
+	}
+	return fmt.Errorf("unmount %s: more than %d mounts stacked on it: %w", dir.child(name), maxStacked, errdefs.ErrFailedPrecondition)
+}
+
+var errStop = errors.New("stop")
+
+// unmountTop unmounts the mount on top at dir/name; done when nothing is
+// mounted there.
+func unmountTop(dir *Handle, name string, check func(PathStat) error) (done bool, err error) {
+	m, err := dir.OpenAt(name)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return true, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("unmount: %w", err)
+	}
+	st, err := m.Stat()
+	m.Close()
+	if err != nil {
+		return false, err
+	}
+	if !st.MountRoot {
+		return true, nil
+	}
+	if err := check(st); err != nil {
+		return false, err
+	}
+	// umount2 has no descriptor form, and a descriptor of the mount
+	// itself keeps it busy (EBUSY). The name is looked up in the
+	// directory's descriptor, so a symlink or rename higher up the path
+	// cannot redirect it; UMOUNT_NOFOLLOW refuses a symlink at the name;
+	// and a mount point cannot be renamed or removed while mounted, so
+	// the mount on top at the name is the one just checked unless
+	// something with the right to mount changed it.
+	err = unix.Unmount(dir.procPath()+"/"+name, unix.UMOUNT_NOFOLLOW)
+	if errors.Is(err, unix.EINVAL) {
+		// Unmounted meanwhile: look again.
+		return false, nil
+	}
+	if err != nil {
+		return false, &MountError{Op: "unmount", Target: m.path, Err: err}
+	}
+	return false, nil
+}
+
+// mountFlagsOf returns the per-mount flags of the mount fd is in.
+func mountFlagsOf(fd int) (uintptr, error) {
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(fd, &st); err != nil {
+		return 0, err
+	}
+	return statfsFlags(st), nil
+}
