@@ -135,7 +135,11 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	// before anything is attached, and a refusal undoes nothing (undoing
 	// would detach what the other volume uses).
 	if owner, ok := n.storageOwner(id, tr, target.Key(), ident); ok {
-		return nil, precondition("%s target %s (%s): the same storage is already staged on this node as volume %q; unstage it first", tr.Name(), target.Key(), ident, owner)
+		what := target.Key()
+		if ident != "" && ident != what {
+			what += " (" + ident + ")"
+		}
+		return nil, precondition("%s target %s: the same storage is already staged on this node as volume %q; unstage it first", tr.Name(), what, owner)
 	}
 	if !known {
 		if max := n.a.cfg.MaxVolumes; max > 0 && int64(n.a.state.count()) >= max {
