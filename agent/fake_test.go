@@ -151,12 +151,13 @@ type fakeTransport struct {
 	gates    map[string]chan struct{}
 	entered  chan string
 	attached map[string]int
+	detached map[string]int
 }
 
 var _ Transport = (*fakeTransport)(nil)
 
 func newFakeTransport() *fakeTransport {
-	return &fakeTransport{gates: make(map[string]chan struct{}), entered: make(chan string, 100), attached: make(map[string]int)}
+	return &fakeTransport{gates: make(map[string]chan struct{}), entered: make(chan string, 100), attached: make(map[string]int), detached: make(map[string]int)}
 }
 
 func (ft *fakeTransport) Name() string { return "fake" }
@@ -185,6 +186,8 @@ type fakeTarget struct {
 
 func (t *fakeTarget) Key() string { return t.key }
 
+func (t *fakeTarget) Identity() (string, error) { return "fake " + t.key, nil }
+
 func (t *fakeTarget) dev() *devices.Device {
 	var minor uint32
 	fmt.Sscanf(t.key, "%d", &minor)
@@ -210,8 +213,14 @@ func (t *fakeTarget) Attach(ctx context.Context) (*devices.Device, error) {
 	return t.dev(), nil
 }
 
-func (t *fakeTarget) Preflight(context.Context) error       { return nil }
-func (t *fakeTarget) Detach(context.Context) error          { return nil }
+func (t *fakeTarget) Preflight(context.Context) error { return nil }
+func (t *fakeTarget) Detach(context.Context) error {
+	t.ft.mu.Lock()
+	t.ft.detached[t.key]++
+	t.ft.mu.Unlock()
+	return nil
+}
+
 func (t *fakeTarget) Expand(context.Context) (int64, error) { return 1 << 20, nil }
 func (t *fakeTarget) Health(context.Context) (bool, string) { return false, "" }
 

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -90,6 +91,28 @@ type fileTarget struct {
 
 func (f *fileTarget) Key() string { return f.path }
 
+// Identity implements Target: the device and inode numbers of the image,
+// which every hard link to it shares. The path must reach the image
+// without symbolic links (see check), and its last element is not
+// followed either.
+func (f *fileTarget) Identity() (string, error) {
+	if err := f.check(); err != nil {
+		return "", err
+	}
+	fi, err := os.Lstat(f.path)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return "", fmt.Errorf("image file %s: %w", f.path, errdefs.ErrNotFound)
+		}
+		return "", fmt.Errorf("image file %s: %w", f.path, err)
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok || !fi.Mode().IsRegular() {
+		return "", invalid("image file %s: not a regular file", f.path)
+	}
+	return fmt.Sprintf("file inode %d on device %d", st.Ino, st.Dev), nil
+}
+
 // check makes sure the image exists, is a regular file and that the
 // path reaches it without symbolic links (which could lead out of the
 // root, or change what a volume is after it was staged).
@@ -127,9 +150,13 @@ func (f *fileTarget) Attach(ctx context.Context) (*devices.Device, error) {
 	return devices.AttachLoop(ctx, f.t.listener, f.path, false)
 }
 
-// Detach detaches the loop device of the image, if any. An image deleted
-// while attached is found under the name the kernel gives it then
-// ("<path> (deleted)"), so its loop device does not leak.
+// Detach detaches the loop device of the image, if any: the one that
+// shows exactly the image (devices.FindLoop), never a device attached to
+// it at an offset or with a size limit. An image deleted while attached
+// is found under the name the kernel gives it then ("<path> (deleted)")
+// and by berth's mark on the device, so its loop device does not leak.
+// The agent does not call Detach while another volume uses the image
+// (another name of it).
 func (f *fileTarget) Detach(ctx context.Context) error {
 	d, err := devices.FindLoop(f.path)
 	if errors.Is(err, errdefs.ErrNotFound) {

@@ -106,7 +106,19 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := n.a.locks.tryLock(volumeKey(id), pathKey(staging))
+	// The storage's identity, when it can be looked at now: an image that
+	// is gone fails the attach below with its own error.
+	ident, err := target.Identity()
+	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
+		return nil, err
+	}
+	// Two volumes naming one storage object are staged one at a time, so
+	// that the second finds the first's record.
+	locks := []string{volumeKey(id), pathKey(staging), storageKey(tr.Name(), target.Key())}
+	if ident != "" {
+		locks = append(locks, storageKey(tr.Name(), ident))
+	}
+	unlock, err := n.a.locks.tryLock(locks...)
 	if err != nil {
 		return nil, err
 	}
@@ -132,13 +144,21 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		if err := compatibleStage(rec, staging, tr.Name(), target.Key(), vcap); err != nil {
 			return nil, err
 		}
-	} else {
-		if owner, ok := n.a.state.pathOwner(staging); ok {
-			return nil, alreadyExists("staging_target_path %q: in use by volume %q", staging, owner)
+	} else if owner, ok := n.a.state.pathOwner(staging); ok {
+		return nil, alreadyExists("staging_target_path %q: in use by volume %q", staging, owner)
+	}
+	// One storage object is staged once per node: two volumes writing
+	// one filesystem through two devices corrupt it. This is checked
+	// before anything is attached, and a refusal undoes nothing (undoing
+	// would detach what the other volume uses).
+	if owner, ok := n.storageOwner(id, tr, target.Key(), ident); ok {
+		what := target.Key()
+		if ident != "" && ident != what {
+			what += " (" + ident + ")"
 		}
-		if owner, ok := n.a.state.targetOwner(tr.Name(), target.Key()); ok {
-			return nil, precondition("%s target %s: already staged on this node as volume %q", tr.Name(), target.Key(), owner)
-		}
+		return nil, precondition("%s target %s: the same storage is already staged on this node as volume %q; unstage it first", tr.Name(), what, owner)
+	}
+	if !known {
 		if max := n.a.cfg.MaxVolumes; max > 0 && int64(n.a.state.count()) >= max {
 			return nil, fmt.Errorf("node %s already has %d volumes, its limit (--max-volumes): %w", n.a.cfg.NodeID, max, errdefs.ErrResourceExhausted)
 		}
@@ -147,6 +167,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 			Transport:   tr.Name(),
 			Context:     withoutSecrets(vctx, req.GetSecrets()),
 			TargetKey:   target.Key(),
+			TargetID:    ident,
 			AccessType:  vcap.accessType(),
 			FsType:      vcap.FsType,
 			MountFlags:  vcap.MountFlags,
@@ -158,6 +179,9 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		if err := n.a.state.put(rec); err != nil {
 			return nil, err
 		}
+	}
+	if ident != "" {
+		rec.TargetID = ident
 	}
 	wasStaged := rec.Staged
 
@@ -198,7 +222,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 			}))
 		}
 		if !wasStaged {
-			if err := target.Detach(context.WithoutCancel(ctx)); err != nil {
+			if err := n.detach(context.WithoutCancel(ctx), rec, tr, target); err != nil {
 				errs = append(errs, fmt.Errorf("undo attach: %w", err))
 			} else if err := n.a.state.remove(id); err != nil {
 				errs = append(errs, err)
@@ -219,7 +243,15 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if wasStaged && rec.Device != nil && (rec.Device.Major != dev.Major || rec.Device.Minor != dev.Minor) {
 		log.InfoContext(ctx, "volume came back on another device", slog.String("old_device", rec.Device.Path))
 	}
+	// (In memory: the undo of a refusal below sees the device and leaves
+	// it to its owner.)
 	rec.Device = deviceRecordOf(dev)
+	// Names the identity check cannot tell apart (a LUN exported under
+	// two target names, a namespace given by NSID here and by UUID
+	// there) show once attached: the device is another volume's.
+	if owner, ok := n.deviceOwner(id, rec.Device); ok {
+		return nil, precondition("%s target %s: attached as %s, which is the device of volume %q, already staged on this node; unstage it first", tr.Name(), target.Key(), describeDevice(dev), owner)
+	}
 	if vcap.Block {
 		// Raw block: the device is published directly, nothing is
 		// mounted at the staging path. A stage repeated after a crash
@@ -326,6 +358,68 @@ func xfsNoUUID(fsType, data string) string {
 	return data + ",nouuid"
 }
 
+func storageKey(transport, key string) string { return fmt.Sprintf("%s storage %q", transport, key) }
+
+// storageOwner returns another volume staged (or being staged) on this
+// node from the same storage as the target with key and identity ident
+// ("" when it cannot be looked at): the same key, the same recorded
+// identity, or, since the device and inode numbers of an image may
+// change (a reboot, a record of an earlier version without identity),
+// the same identity looked at now.
+func (n *nodeServer) storageOwner(id string, tr Transport, key, ident string) (string, bool) {
+	for _, r := range n.a.state.list() {
+		if r.VolumeID == id || r.Transport != tr.Name() {
+			continue
+		}
+		if r.TargetKey == key || (ident != "" && r.TargetID == ident) {
+			return r.VolumeID, true
+		}
+		if ident == "" {
+			continue
+		}
+		t, err := tr.Parse(r.Context, nil)
+		if err != nil {
+			continue
+		}
+		if cur, err := t.Identity(); err == nil && cur == ident {
+			return r.VolumeID, true
+		}
+	}
+	return "", false
+}
+
+// deviceOwner returns another volume whose recorded device is the same
+// storage as d (see sameStorage).
+func (n *nodeServer) deviceOwner(id string, d *deviceRecord) (string, bool) {
+	for _, r := range n.a.state.list() {
+		if r.VolumeID != id && sameStorage(r.Device, d) {
+			return r.VolumeID, true
+		}
+	}
+	return "", false
+}
+
+// detach detaches the target of a volume's record, unless another volume
+// uses the same storage: its loop device, session or controller is then
+// that volume's too, and stays. This happens only with records written
+// before berth compared identities, or with an interrupted stage that was
+// refused on retry; the record is dropped either way.
+func (n *nodeServer) detach(ctx context.Context, rec *volumeRecord, tr Transport, target Target) error {
+	ident, err := target.Identity()
+	if err != nil {
+		ident = rec.TargetID // the image is gone: what it was
+	}
+	owner, shared := n.storageOwner(rec.VolumeID, tr, target.Key(), ident)
+	if !shared && rec.Device != nil {
+		owner, shared = n.deviceOwner(rec.VolumeID, rec.Device)
+	}
+	if shared {
+		logFrom(ctx, n.a.log).WarnContext(ctx, "not detaching: another volume uses the same storage", slog.String("other_volume_id", owner))
+		return nil
+	}
+	return target.Detach(ctx)
+}
+
 // compatibleStage checks a repeated stage against the recorded one.
 func compatibleStage(rec *volumeRecord, staging, transport, key string, c volumeCap) error {
 	id := rec.VolumeID
@@ -430,7 +524,7 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	if err != nil {
 		return nil, fmt.Errorf("volume %q: recorded volume_context: %w", id, err)
 	}
-	if err := target.Detach(ctx); err != nil {
+	if err := n.detach(ctx, rec, tr, target); err != nil {
 		return nil, err
 	}
 	if err := n.a.state.remove(id); err != nil {
@@ -495,7 +589,7 @@ func (n *nodeServer) unmountStaging(rec *volumeRecord) error {
 		if rec.Device != nil {
 			return checkStagingEntry(rec, m)
 		}
-		if owner, ok := n.a.deviceOwner(m, rec.VolumeID); ok {
+		if owner, ok := n.a.mountOwner(m, rec.VolumeID); ok {
 			return precondition("volume %q: staging path %q shows device %d:%d of volume %q; refusing to unmount it", rec.VolumeID, rec.StagingPath, m.Major, m.Minor, owner)
 		}
 		return nil
@@ -718,7 +812,7 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		// a wrong one (made while the staging mount was lost), and is
 		// unmounted; never a mount of another volume berth knows.
 		err := n.a.host.Unmount(tp.dir, tp.name, func(m mountEntry) error {
-			if owner, ok := n.a.deviceOwner(m, id); ok {
+			if owner, ok := n.a.mountOwner(m, id); ok {
 				return precondition("volume %q: target_path %q shows the device of volume %q; refusing to unmount it", id, target, owner)
 			}
 			return nil

@@ -165,16 +165,16 @@ func (a *Agent) checkTargetOutsideStaging(tp *heldPath) error {
 	if err != nil {
 		return fmt.Errorf("target_path %q: %w", target, err)
 	}
-	if owner, ok := a.deviceOwner(mountEntry{Major: int(st.Major), Minor: int(st.Minor)}, ""); ok {
+	if owner, ok := a.mountOwner(mountEntry{Major: int(st.Major), Minor: int(st.Minor)}, ""); ok {
 		return invalid("target_path %q: its directory is on the filesystem of volume %q", target, owner)
 	}
 	return nil
 }
 
-// deviceOwner returns another recorded volume whose device is that of m:
+// mountOwner returns another recorded volume whose device is that of m:
 // the filesystem of a mount volume, or the device node of a raw block
 // one.
-func (a *Agent) deviceOwner(m mountEntry, except string) (string, bool) {
+func (a *Agent) mountOwner(m mountEntry, except string) (string, bool) {
 	for _, r := range a.state.list() {
 		d := r.Device
 		if r.VolumeID == except || d == nil {

@@ -14,6 +14,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/failpoint"
 )
 
@@ -57,13 +58,17 @@ type volumeRecord struct {
 	Transport string `json:"transport"`
 	// Context is volume_context merged with publish_context. Secrets
 	// travel in their own request field and are never stored.
-	Context     map[string]string `json:"context"`
-	TargetKey   string            `json:"targetKey"`
-	AccessType  string            `json:"accessType"` // "mount" or "block"
-	FsType      string            `json:"fsType,omitempty"`
-	MountFlags  []string          `json:"mountFlags,omitempty"`
-	Mode        string            `json:"mode"`
-	StagingPath string            `json:"stagingPath"`
+	Context   map[string]string `json:"context"`
+	TargetKey string            `json:"targetKey"`
+	// TargetID is the identity of the storage (Target.Identity) when it
+	// was staged. Records of earlier versions have none; their storage
+	// is looked at again when needed.
+	TargetID    string   `json:"targetID,omitempty"`
+	AccessType  string   `json:"accessType"` // "mount" or "block"
+	FsType      string   `json:"fsType,omitempty"`
+	MountFlags  []string `json:"mountFlags,omitempty"`
+	Mode        string   `json:"mode"`
+	StagingPath string   `json:"stagingPath"`
 	// StagingRootIno is the inode of the filesystem's root as the staging
 	// mount showed it at stage (0 in records of older versions).
 	StagingRootIno uint64 `json:"stagingRootIno,omitempty"`
@@ -77,6 +82,32 @@ type volumeRecord struct {
 	// flag is cleared again, after a restart too, once no read-only
 	// publish needs it.
 	DeviceReadOnly bool `json:"deviceReadOnly,omitempty"`
+}
+
+// sameStorage reports whether two recorded devices are the same storage:
+// the same SCSI WWID (in any of its forms), the same NVMe namespace (NQN
+// and namespace ID, or a namespace UUID or NGUID), or the same device
+// number, unless disk sequence numbers show the number was given to
+// another medium since (a reboot, a loop device reattached).
+func sameStorage(a, b *deviceRecord) bool {
+	if a == nil || b == nil {
+		return false
+	}
+	if w := devices.NormalizeWWID(a.WWID); w != "" && w == devices.NormalizeWWID(b.WWID) {
+		return true
+	}
+	switch {
+	case a.NQN != "" && a.NQN == b.NQN && a.NSID != 0 && a.NSID == b.NSID:
+		return true
+	case a.UUID != "" && a.UUID == b.UUID:
+		return true
+	case a.NGUID != "" && a.NGUID == b.NGUID:
+		return true
+	}
+	if a.Major != b.Major || a.Minor != b.Minor {
+		return false
+	}
+	return a.DiskSeq == 0 || b.DiskSeq == 0 || a.DiskSeq == b.DiskSeq
 }
 
 func (r *volumeRecord) clone() *volumeRecord {
@@ -190,18 +221,6 @@ func (s *store) pathOwner(p string) (string, bool) {
 			return id, true
 		}
 		if _, ok := r.Publishes[p]; ok {
-			return id, true
-		}
-	}
-	return "", false
-}
-
-// targetOwner returns the volume staged from the transport target key.
-func (s *store) targetOwner(transport, key string) (string, bool) {
-	s.mu.RLock()
-	defer s.mu.RUnlock()
-	for id, r := range s.vols {
-		if r.Transport == transport && r.TargetKey == key {
 			return id, true
 		}
 	}

@@ -24,8 +24,10 @@ type Transport interface {
 
 // Target is one volume of a transport.
 type Target interface {
-	// Key is the canonical identity of the volume behind the target:
-	// equal keys mean the same storage.
+	// Key is the canonical form of what the volume_context names: equal
+	// keys mean the same storage. It needs nothing but the context, so a
+	// volume's recorded key still compares after the storage is gone; a
+	// repeated stage must name the volume by the same key.
 	Key() string
 	// Preflight checks, without changing anything on the node, what
 	// Attach needs from it (kernel modules, tools, the image file).
@@ -33,6 +35,14 @@ type Target interface {
 	// node that cannot attach the target refuses the stage with nothing
 	// left behind for NodeUnstageVolume to clear.
 	Preflight(ctx context.Context) error
+	// Identity is the identity of the storage object itself, which other
+	// names of it share (a hard link to an image): file: the image's
+	// device and inode numbers; iSCSI: target name and LUN, whatever the
+	// portal; NVMe-oF: subsystem NQN and namespace, whatever the address.
+	// It may look at the node (the file transport stats the image) but
+	// changes nothing. Storage that cannot be looked at now (an image
+	// that is gone) gives an error wrapping errdefs.ErrNotFound.
+	Identity() (string, error)
 	// Attach connects the target and returns its verified block device.
 	// It is idempotent: an attached target returns its device.
 	Attach(ctx context.Context) (*devices.Device, error)

@@ -1,6 +1,7 @@
 package devices
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -21,6 +23,19 @@ import (
 // LO_FLAGS_READ_ONLY of <linux/loop.h>. LO_FLAGS_AUTOCLEAR is never set: a
 // volume's loop device must outlive an agent restart.
 const loFlagsReadOnly = 1
+
+// loopMarker starts the lo_file_name berth gives the loop devices it
+// configures. lo_file_name is only informational: the kernel reports the
+// backing file (sysfs backing_file, which losetup shows) from the file
+// itself and only echoes lo_file_name back through LOOP_GET_STATUS64,
+// which makes it the one field berth can set at LOOP_CONFIGURE that
+// survives and means nothing else (lo_crypt_name, the other free-text
+// field, reads back empty on current kernels). The marker is what tells
+// berth's device of an image deleted while attached, whose inode can no
+// longer be compared, from an operator's device of that image; for an
+// image that exists the comparison of the backing inode decides (loop
+// devices attached by earlier versions of berth carry the bare path).
+const loopMarker = "berth:"
 
 // maxFreeLoopAttempts bounds the retries when another process configures
 // the free loop device we were given before we do (EBUSY).
@@ -53,13 +68,30 @@ func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (_
 	if err != nil {
 		return nil, err
 	}
-	unlock, err := attachLocks.Lock(ctx, path)
+	flags := os.O_RDWR
+	if readOnly {
+		flags = os.O_RDONLY
+	}
+	// The file is opened first: the inode it names now is the one that
+	// is compared with existing loop devices and bound to a new one, even
+	// if the name changes meanwhile.
+	backing, err := os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("attach loop device: open %s: %w", path, err)
+	}
+	defer backing.Close()
+	id, err := fileIDOf(backing)
+	if err != nil {
+		return nil, fmt.Errorf("attach loop device: %s: %w", path, err)
+	}
+	// Two names of one file (hard links) wait for each other.
+	unlock, err := attachLocks.Lock(ctx, id.String())
 	if err != nil {
 		return nil, fmt.Errorf("attach loop device for %s: %w", path, err)
 	}
 	defer unlock()
 
-	if d, err := FindLoop(path); err == nil {
+	if d, err := findLoopFile(path, id, true); err == nil {
 		ro, _ := readAttr(d.sysPath, "ro")
 		if (ro == "1") != readOnly {
 			return nil, fmt.Errorf("attach loop device for %s: %s already backs it with read-only=%t, requested %t: %w",
@@ -69,16 +101,6 @@ func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (_
 	} else if !errors.Is(err, errdefs.ErrNotFound) {
 		return nil, err
 	}
-
-	flags := os.O_RDWR
-	if readOnly {
-		flags = os.O_RDONLY
-	}
-	backing, err := os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("attach loop device: open %s: %w", path, err)
-	}
-	defer backing.Close()
 
 	m := &loopAttachMatcher{loopMatcher: loopMatcher{file: path}}
 	w := l.Subscribe(m)
@@ -170,7 +192,7 @@ func configureLoop(name string, backing *os.File, path string, readOnly bool) er
 	}
 	defer lf.Close()
 	var info unix.LoopInfo64
-	copy(info.File_name[:len(info.File_name)-1], path)
+	copy(info.File_name[:len(info.File_name)-1], loopMarker+path)
 	if readOnly {
 		info.Flags |= loFlagsReadOnly
 	}
@@ -196,11 +218,14 @@ func configureLoop(name string, backing *os.File, path string, readOnly bool) er
 	return nil
 }
 
-// openLoop opens /dev/<name>. Where /dev is not devtmpfs (some containers),
-// a missing node is created from the number sysfs reports.
-func openLoop(name string) (*os.File, error) {
+// openLoop opens /dev/<name> for reading and writing.
+func openLoop(name string) (*os.File, error) { return openLoopFlags(name, os.O_RDWR) }
+
+// openLoopFlags opens /dev/<name>. Where /dev is not devtmpfs (some
+// containers), a missing node is created from the number sysfs reports.
+func openLoopFlags(name string, flags int) (*os.File, error) {
 	path := filepath.Join(devRoot, name)
-	f, err := os.OpenFile(path, os.O_RDWR|unix.O_CLOEXEC, 0)
+	f, err := os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
 	if err == nil || !errors.Is(err, fs.ErrNotExist) {
 		return f, err
 	}
@@ -215,40 +240,168 @@ func openLoop(name string) (*os.File, error) {
 	if merr := unix.Mknod(path, unix.S_IFBLK|0o660, int(unix.Mkdev(maj, min))); merr != nil && !errors.Is(merr, unix.EEXIST) {
 		return nil, fmt.Errorf("create %s: %w", path, merr)
 	}
-	return os.OpenFile(path, os.O_RDWR|unix.O_CLOEXEC, 0)
+	return os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
 }
 
-// FindLoop returns the loop device backed by file, or an error wrapping
-// errdefs.ErrNotFound.
+// FindLoop returns the loop device that shows exactly file: bound to the
+// same inode (any name of it, hard links included), from offset 0, without
+// a size limit. Loop devices of the file at an offset or with a size limit
+// (an operator's losetup -o) are not it; without one that is, the error
+// wraps errdefs.ErrNotFound.
 func FindLoop(file string) (*Device, error) {
-	return findLoopBacking(canonicalFile(file))
+	path := canonicalFile(file)
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return nil, fmt.Errorf("loop device backed by %s: %w", path, errdefs.ErrNotFound)
+		}
+		return nil, fmt.Errorf("loop device backed by %s: %w", path, err)
+	}
+	return findLoopFile(path, fileID{dev: st.Dev, ino: st.Ino}, false)
 }
 
-// FindDeletedLoop returns the loop device whose backing file was path and
-// has been deleted since: the kernel then reports it as
-// "<path> (deleted)". path is taken as it is.
+// FindDeletedLoop returns the loop device berth attached to the file path
+// that has been deleted since: the kernel then reports its backing file as
+// "<path> (deleted)". Its inode cannot be compared any more, so only a
+// device with berth's marker (see loopMarker), offset 0 and no size limit
+// is returned. path is taken as it is.
 func FindDeletedLoop(path string) (*Device, error) {
-	return findLoopBacking(path + " (deleted)")
-}
-
-// findLoopBacking returns the loop device whose backing_file reads
-// backing.
-func findLoopBacking(backing string) (*Device, error) {
+	backing := path + " (deleted)"
 	var found *Device
 	err := scanBlock(KindLoop, loopMatcher{file: backing}, func(d *Device) bool {
-		if d.ID.Kind == KindLoop && d.ID.BackingFile == backing {
+		if d.ID.Kind != KindLoop || d.ID.BackingFile != backing {
+			return false
+		}
+		info, err := loopStatus(d)
+		if err != nil || loopDiff(info) != "" || !strings.HasPrefix(cString(info.File_name[:]), loopMarker) {
+			return false
+		}
+		found = d
+		return true
+	})
+	if err != nil {
+		return nil, err
+	}
+	if found == nil {
+		return nil, fmt.Errorf("loop device attached by berth to deleted %s: %w", path, errdefs.ErrNotFound)
+	}
+	return found, nil
+}
+
+// fileID is the identity of a file: the device and inode numbers stat
+// reports (and LOOP_GET_STATUS64 as lo_device, lo_inode).
+type fileID struct{ dev, ino uint64 }
+
+func (id fileID) String() string { return fmt.Sprintf("file %d:%d", id.dev, id.ino) }
+
+func fileIDOf(f *os.File) (fileID, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return fileID{}, fmt.Errorf("fstat: %w", err)
+	}
+	return fileID{dev: st.Dev, ino: st.Ino}, nil
+}
+
+// findLoopFile returns the loop device bound to the file id (path only
+// names it in errors) from offset 0 without a size limit. With strict,
+// any other loop device of the file (an offset, a size limit) is an
+// error wrapping errdefs.ErrFailedPrecondition that names it and what
+// differs: it shows some of the same bytes, and writing through both
+// corrupts what either holds. Without strict such devices are passed
+// over.
+func findLoopFile(path string, id fileID, strict bool) (*Device, error) {
+	var found *Device
+	var others []string
+	err := scanBlock(KindLoop, boundLoop{}, func(d *Device) bool {
+		if d.ID.Kind != KindLoop || d.ID.BackingFile == "" {
+			return false
+		}
+		info, err := loopStatus(d)
+		if err != nil || info.Device != id.dev || info.Inode != id.ino {
+			return false
+		}
+		if diff := loopDiff(info); diff != "" {
+			others = append(others, d.Path+" ("+diff+")")
+			return false
+		}
+		if found == nil {
 			found = d
-			return true
 		}
 		return false
 	})
 	if err != nil {
 		return nil, err
 	}
+	if strict && len(others) > 0 {
+		return nil, fmt.Errorf("loop device for %s: %s already attached to it, showing other bytes than the whole file; berth neither adopts nor replaces it: detach it (losetup -d) or use another file: %w",
+			path, strings.Join(others, ", "), errdefs.ErrFailedPrecondition)
+	}
 	if found == nil {
-		return nil, fmt.Errorf("loop device backed by %s: %w", backing, errdefs.ErrNotFound)
+		return nil, fmt.Errorf("loop device backed by %s: %w", path, errdefs.ErrNotFound)
 	}
 	return found, nil
+}
+
+// loopDiff says how a loop device's view differs from its whole backing
+// file, "" when it does not.
+func loopDiff(info *unix.LoopInfo64) string {
+	var out []string
+	if info.Offset != 0 {
+		out = append(out, fmt.Sprintf("offset %d", info.Offset))
+	}
+	if info.Sizelimit != 0 {
+		out = append(out, fmt.Sprintf("size limit %d", info.Sizelimit))
+	}
+	if info.Encrypt_type != 0 {
+		out = append(out, fmt.Sprintf("encryption type %d", info.Encrypt_type))
+	}
+	return strings.Join(out, ", ")
+}
+
+// loopStatus reads the status of the loop device d, checking that the
+// device still has d's number once it is open.
+func loopStatus(d *Device) (*unix.LoopInfo64, error) {
+	f, err := openLoopFlags(d.Name, os.O_RDONLY)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, fmt.Errorf("fstat %s: %w", d.Path, err)
+	}
+	if unix.Major(st.Rdev) != d.Major || unix.Minor(st.Rdev) != d.Minor {
+		return nil, fmt.Errorf("%s: is %d:%d, expected %d:%d: %w", d.Path, unix.Major(st.Rdev), unix.Minor(st.Rdev), d.Major, d.Minor, errdefs.ErrNotFound)
+	}
+	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err != nil {
+		return nil, fmt.Errorf("LOOP_GET_STATUS64 %s: %w", d.Path, err)
+	}
+	return info, nil
+}
+
+// cString returns the bytes of b up to its first NUL.
+func cString(b []byte) string {
+	if i := bytes.IndexByte(b, 0); i >= 0 {
+		b = b[:i]
+	}
+	return string(b)
+}
+
+// boundLoop passes, in a scan, the loop devices that have a backing file.
+type boundLoop struct{}
+
+func (boundLoop) Match(d *Device) bool {
+	return d != nil && d.ID.Kind == KindLoop && d.ID.BackingFile != ""
+}
+
+func (boundLoop) String() string { return "loop device with a backing file" }
+
+func (boundLoop) kind() string { return KindLoop }
+
+func (boundLoop) mayMatch(sysPath string) bool {
+	f, err := readAttr(sysPath, "loop/backing_file")
+	return err == nil && f != ""
 }
 
 // DetachLoop detaches dev from its backing file. It does nothing when the

@@ -495,8 +495,170 @@ func TestLoopLegacyIoctls(t *testing.T) {
 		}
 		info, err := unix.IoctlLoopGetStatus64(int(lf.Fd()))
 		lf.Close()
-		if err != nil || !strings.HasPrefix(file, unix.ByteSliceToString(info.File_name[:])) {
+		if err != nil || !strings.HasPrefix(loopMarker+file, unix.ByteSliceToString(info.File_name[:])) || !strings.HasPrefix(unix.ByteSliceToString(info.File_name[:]), loopMarker) {
 			t.Errorf("status %q %v", unix.ByteSliceToString(info.File_name[:]), err)
 		}
+	}
+}
+
+// foreignLoop attaches file at offset with a size limit, as an operator's
+// losetup -o would, and detaches it when the test ends.
+func foreignLoop(t *testing.T, file string, offset, sizeLimit uint64) *Device {
+	t.Helper()
+	ctl, err := os.OpenFile("/dev/loop-control", os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ctl.Close()
+	bf, err := os.OpenFile(file, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer bf.Close()
+	var name string
+	// Another process may take the free device first: ask again.
+	for try := 0; ; try++ {
+		n, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
+		if err != nil {
+			t.Fatal(err)
+		}
+		name = fmt.Sprintf("loop%d", n)
+		lf, err := openLoop(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg := unix.LoopConfig{Fd: uint32(bf.Fd())}
+		cfg.Info.Offset, cfg.Info.Sizelimit = offset, sizeLimit
+		copy(cfg.Info.File_name[:63], file)
+		err = unix.IoctlLoopConfigure(int(lf.Fd()), &cfg)
+		lf.Close()
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, unix.EBUSY) || try == 10 {
+			t.Fatalf("LOOP_CONFIGURE %s: %v", name, err)
+		}
+	}
+	d, err := Lookup(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { detachForTest(t, d) })
+	return d
+}
+
+// A loop device on the file at an offset or with a size limit shows other
+// bytes than the file: AttachLoop refuses it, naming the device and what
+// differs, instead of adopting it; FindLoop does not return it; the
+// device stays as it was.
+func TestAttachLoopRefusesForeignDevice(t *testing.T) {
+	requireRoot(t)
+	for _, tc := range []struct {
+		name              string
+		offset, sizeLimit uint64
+		want              string
+	}{
+		{"offset", 1 << 20, 0, "offset 1048576"},
+		{"sizelimit", 0, 2 << 20, "size limit 2097152"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := testContext(t)
+			l := newTestListener(t)
+			file := testFile(t, t.TempDir(), "vol.img", 4<<20)
+			foreign := foreignLoop(t, file, tc.offset, tc.sizeLimit)
+
+			d, err := AttachLoop(ctx, l, file, false)
+			if err == nil {
+				t.Cleanup(func() {
+					if d.Name != foreign.Name {
+						detachForTest(t, d)
+					}
+				})
+			}
+			if !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), foreign.Path) || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("AttachLoop with %s on the file: %v, %v; want ErrFailedPrecondition naming %s and %q", foreign.Path, d, err, foreign.Path, tc.want)
+			}
+			t.Log(err)
+			if got, err := FindLoop(file); !errors.Is(err, errdefs.ErrNotFound) {
+				t.Fatalf("FindLoop = %v, %v; want ErrNotFound", got, err)
+			}
+			if err := foreign.Verify(); err != nil {
+				t.Fatalf("the foreign device changed: %v", err)
+			}
+			st, err := loopStatusOf(t, foreign)
+			if err != nil || st.Offset != tc.offset || st.Sizelimit != tc.sizeLimit {
+				t.Fatalf("the foreign device's status: %+v %v", st, err)
+			}
+		})
+	}
+}
+
+func loopStatusOf(t *testing.T, d *Device) (*unix.LoopInfo64, error) {
+	t.Helper()
+	f, err := os.Open(d.Path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return unix.IoctlLoopGetStatus64(int(f.Fd()))
+}
+
+// A hard link is another name of the same file: the loop device of one
+// name is the loop device of the other, and a device on another file is
+// not.
+func TestFindLoopByInode(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	file := testFile(t, dir, "vol.img", 4<<20)
+	other := testFile(t, dir, "other.img", 4<<20)
+	link := filepath.Join(dir, "link.img")
+	if err := os.Link(file, link); err != nil {
+		t.Fatal(err)
+	}
+	d := attachForTest(t, ctx, l, file)
+	attachForTest(t, ctx, l, other)
+	got, err := FindLoop(link)
+	if err != nil || got.Name != d.Name {
+		t.Fatalf("FindLoop(hard link) = %v, %v; want %s", got, err, d.Name)
+	}
+	again, err := AttachLoop(ctx, l, link, false)
+	if err != nil || again.Name != d.Name {
+		t.Fatalf("AttachLoop(hard link) = %v, %v; want %s", again, err, d.Name)
+	}
+}
+
+// Once the file is deleted its inode cannot be compared: FindDeletedLoop
+// returns only a device berth attached (its marker), from offset 0 without
+// a size limit, not an operator's device of the same file.
+func TestFindDeletedLoopOnlyBerths(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	mine := testFile(t, dir, "mine.img", 4<<20)
+	theirs := testFile(t, dir, "theirs.img", 4<<20)
+	d := attachForTest(t, ctx, l, mine)
+	all := []*Device{d, foreignLoop(t, mine, 1<<20, 0), foreignLoop(t, theirs, 0, 0)} // the last one as a plain losetup: no marker
+	for _, f := range []string{mine, theirs} {
+		if err := os.Remove(f); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The backing files' names changed: the cleanups above no longer
+	// recognise the devices.
+	t.Cleanup(func() {
+		for _, d := range all {
+			if cur, err := Lookup(d.Name); err == nil && strings.HasPrefix(cur.ID.BackingFile, dir+"/") {
+				detachForTest(t, cur)
+			}
+		}
+	})
+	if got, err := FindDeletedLoop(mine); err != nil || got.Name != d.Name {
+		t.Fatalf("FindDeletedLoop(%s) = %v, %v; want %s", mine, got, err, d.Name)
+	}
+	if got, err := FindDeletedLoop(theirs); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Fatalf("FindDeletedLoop(%s) = %v, %v; want ErrNotFound", theirs, got, err)
 	}
 }

@@ -131,6 +131,11 @@ type Target struct {
 // Key is the canonical identity of the LUN.
 func (tg *Target) Key() string { return tg.v.Key() }
 
+// Identity is the LUN's identity before it is attached (see
+// Volume.Identity). After the attach the agent also compares the device's
+// WWID.
+func (tg *Target) Identity() (string, error) { return tg.v.Identity(), nil }
+
 // Volume returns the parsed volume.
 func (tg *Target) Volume() *Volume { return tg.v }
 

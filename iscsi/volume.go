@@ -126,6 +126,17 @@ type Volume struct {
 // Key is the canonical identity of the volume's LUN on the node.
 func (v *Volume) Key() string { return "iscsi:" + v.IQN + ":" + strconv.Itoa(v.LUN) }
 
+// Identity is the identity of the logical unit as far as the volume_context
+// tells it: the WWID when one is given (the attach refuses a LUN reporting
+// another, and one logical unit may be exported under several target
+// names), else the key. Neither depends on the portals.
+func (v *Volume) Identity() string {
+	if v.WWID != "" {
+		return "iscsi wwid " + v.WWID
+	}
+	return v.Key()
+}
+
 // LogValue describes the volume for logs, without credentials.
 func (v *Volume) LogValue() slog.Value {
 	ps := make([]string, len(v.Portals))

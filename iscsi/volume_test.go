@@ -208,6 +208,43 @@ func TestVolumeKey(t *testing.T) {
 	}
 }
 
+// The identity of a LUN does not depend on the portals it is reached
+// through, their spelling or the target name's case; a given WWID names
+// the logical unit whatever the target.
+func TestVolumeIdentity(t *testing.T) {
+	parse := func(kv ...string) *Volume {
+		t.Helper()
+		v, err := ParseVolume(ctxWith(kv...), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	same := []*Volume{
+		parse(),
+		parse("targetPortal", "10.0.0.2"),
+		parse("targetPortal", "san.example.com:3260"),
+		parse("targetPortal", "[fd00::1]:3261", "portals", "10.0.0.1,10.0.0.2:3260"),
+		parse("iqn", strings.ToUpper(testIQN)),
+	}
+	for _, v := range same[1:] {
+		if v.Identity() != same[0].Identity() || v.Key() != same[0].Key() {
+			t.Errorf("portals %v: identity %q key %q, want %q %q", v.Portals, v.Identity(), v.Key(), same[0].Identity(), same[0].Key())
+		}
+	}
+	if parse("lun", "2").Identity() == same[0].Identity() {
+		t.Error("different LUNs, same identity")
+	}
+	a := parse("wwid", "36001405abcdef")
+	b := parse("iqn", "iqn.2003-01.org.linux-iscsi.other:vol9", "lun", "4", "wwid", "naa.6001405ABCDEF", "targetPortal", "10.9.9.9")
+	if a.Identity() != b.Identity() {
+		t.Errorf("one WWID under two target names: identities %q %q", a.Identity(), b.Identity())
+	}
+	if parse("wwid", "36001405abcdee").Identity() == a.Identity() {
+		t.Error("different WWIDs, same identity")
+	}
+}
+
 // TestSecretsNotPrinted formats a volume with credentials every way a log
 // or error might.
 func TestSecretsNotPrinted(t *testing.T) {

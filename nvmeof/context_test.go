@@ -67,6 +67,46 @@ func TestParseVolumeContext(t *testing.T) {
 	}
 }
 
+// The key of a namespace does not depend on the addresses it is reached
+// through or their spelling, nor on the case of its UUID or NGUID.
+func TestVolumeKeyIgnoresAddresses(t *testing.T) {
+	for _, group := range [][]map[string]string{
+		{
+			{"nqn": subA, "nsid": "1", "traddr": "127.0.0.1"},
+			{"nqn": subA, "nsid": "1", "traddr": "10.0.0.7", "trsvcid": "4421"},
+			{"nqn": subA, "nsid": "1", "targets": "array.example.com:4420,[fd00::7]:4420"},
+			{"nqn": subA, "nsid": "1", "targetTrAddr": "ARRAY.example.com", "targetTrType": "rdma"},
+		},
+		{
+			{"nqn": subA, "uuid": "6e4f2a2d-0c1b-4b8e-9c55-7e4d3f1a2b3c", "traddr": "127.0.0.1"},
+			{"nqn": subA, "deviceUUID": "6E4F2A2D-0C1B-4B8E-9C55-7E4D3F1A2B3C", "traddr": "::1"},
+			{"nqn": subA, "uuid": "6e4f2a2d-0c1b-4b8e-9c55-7e4d3f1a2b3c", "nsid": "9", "traddr": "san.example.com"},
+		},
+		{
+			{"nqn": subA, "nguid": "00112233445566778899AABBCCDDEEFF", "traddr": "127.0.0.1"},
+			{"nqn": subA, "nguid": "00112233-4455-6677-8899-aabbccddeeff", "traddr": "10.0.0.8"},
+		},
+	} {
+		var first string
+		for i, vc := range group {
+			v, err := ParseVolumeContext(vc)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if i == 0 {
+				first = v.Key()
+			} else if v.Key() != first {
+				t.Errorf("%v: key %q, want %q", vc, v.Key(), first)
+			}
+		}
+	}
+	a, _ := ParseVolumeContext(map[string]string{"nqn": subA, "nsid": "1", "traddr": "127.0.0.1"})
+	b, _ := ParseVolumeContext(map[string]string{"nqn": subA, "nsid": "2", "traddr": "127.0.0.1"})
+	if a.Key() == b.Key() {
+		t.Error("two namespaces, one key")
+	}
+}
+
 func TestParseVolumeContextRejects(t *testing.T) {
 	base := map[string]string{"nqn": subA, "nsid": "1", "traddr": "127.0.0.1"}
 	for _, tc := range []struct {

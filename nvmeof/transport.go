@@ -158,6 +158,11 @@ func (g *Target) Volume() *Volume { return g.vol }
 // Key is the canonical identity of the namespace (see Volume.Key).
 func (g *Target) Key() string { return g.vol.Key() }
 
+// Identity is the namespace's identity before it is attached: its key,
+// subsystem NQN and namespace, which no address changes. (After the
+// attach the agent also compares the device's NQN, NSID, UUID and NGUID.)
+func (g *Target) Identity() (string, error) { return g.vol.Key(), nil }
+
 func (g *Target) matcher() devices.Matcher {
 	return devices.MatchNVMe(g.vol.NQN, g.vol.NSID, g.vol.UUID, g.vol.NGUID)
 }
