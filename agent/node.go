@@ -483,6 +483,7 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	}
 	defer unlock()
 	log := logFrom(ctx, n.a.log)
+	took := newStepTimer()
 
 	rec, ok := n.a.state.get(id)
 	if !ok {
@@ -501,10 +502,12 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 			return nil, err
 		}
 	}
+	took.mark("publishes")
 	if rec.AccessType != "block" {
 		if err := n.unmountStaging(rec); err != nil {
 			return nil, err
 		}
+		took.mark("unmount")
 	}
 	if d := n.a.recordedDevice(rec.Device); d != nil {
 		// No publish is left: a flag berth set is cleared, so that the
@@ -515,6 +518,7 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 		if err := n.a.host.FlushBuffers(d.Path); err != nil {
 			return nil, err
 		}
+		took.mark("flush")
 	}
 	tr, ok := n.a.transports[rec.Transport]
 	if !ok {
@@ -527,12 +531,15 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	if err := n.detach(ctx, rec, tr, target); err != nil {
 		return nil, err
 	}
+	took.mark("detach")
 	if err := n.a.state.remove(id); err != nil {
 		return nil, err
 	}
+	took.mark("record")
 	if rec.Device != nil {
-		log.InfoContext(ctx, "detached", slog.String("device", rec.Device.Path))
+		log = log.With(slog.String("device", rec.Device.Path))
 	}
+	log.InfoContext(ctx, "unstaged", took.attr())
 	return &csi.NodeUnstageVolumeResponse{}, nil
 }
 
@@ -627,6 +634,7 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		return nil, err
 	}
 	defer unlock()
+	took := newStepTimer()
 	tp, err := holdPath("target_path", target)
 	if err != nil {
 		return nil, err
@@ -743,15 +751,18 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		// node: the block layer's flag must, before the pod sees it.
 		dev = d
 	}
+	took.mark("check")
 	th, created, err := prepareTarget(tp, vcap.Block)
 	if err != nil {
 		return nil, err
 	}
 	defer th.Close()
+	took.mark("target")
 	if dev != nil {
 		if err := n.syncDeviceReadOnly(rec, dev); err != nil {
 			return nil, err
 		}
+		took.mark("read_only")
 	}
 	flags, _, err := n.mountOptions(vcap, false)
 	if err != nil {
@@ -760,6 +771,8 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if err := n.a.host.BindMount(source, th, readOnly, flags); err != nil {
 		return nil, err
 	}
+	took.mark("bind")
+	logFrom(ctx, n.a.log).InfoContext(ctx, "published", slog.Bool("read_only", readOnly), took.attr())
 	return &csi.NodePublishVolumeResponse{}, nil
 }
 
@@ -771,6 +784,7 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		return nil, err
 	}
 	defer unlock()
+	took := newStepTimer()
 
 	rec, ok := n.a.state.get(id)
 	_, published := rec.publishes()[target]
@@ -820,19 +834,24 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		if err != nil {
 			return nil, err
 		}
+		took.mark("unmount")
 		if err := removeTarget(tp); err != nil {
 			return nil, err
 		}
+		took.mark("remove")
 	}
 	delete(rec.Publishes, target)
 	if rec.AccessType == "block" {
 		if err := n.syncRecordedReadOnly(rec); err != nil {
 			return nil, err
 		}
+		took.mark("read_only")
 	}
 	if err := n.a.state.put(rec); err != nil {
 		return nil, err
 	}
+	took.mark("record")
+	logFrom(ctx, n.a.log).InfoContext(ctx, "unpublished", took.attr())
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }
 
