@@ -38,6 +38,7 @@ type harness struct {
 	endpoint string
 	node     csi.NodeClient
 	identity csi.IdentityClient
+	agent    *Agent
 	stop     func()
 }
 
@@ -71,6 +72,7 @@ func (h *harness) start(mods ...func(*Config)) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	h.agent = a
 	lis, err := Listen(h.endpoint)
 	if err != nil {
 		a.Close()
