@@ -35,7 +35,8 @@ type Signature struct {
 	// ("gpt", "dos") when only a partition table was found, "gpt-backup"
 	// for a lone GPT backup header, "ambivalent" when blkid found several
 	// conflicting signatures, or "unknown-data" when nothing was
-	// recognised but the first or the last MiB is not all zeros.
+	// recognised but a byte Probe read (the first or the last MiB, the
+	// places libblkid looks, a sample) is not zero.
 	Type string
 	// Usage is the blkid USAGE ("filesystem", "raid", "crypto", "other"),
 	// or "partition_table" for a partition table.
