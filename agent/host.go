@@ -25,7 +25,13 @@ type hostFS interface {
 	ParseMountOptions(opts []string) (flags uintptr, data string, err error)
 	// EnsureFilesystem creates fsType on a blank device and refuses one
 	// that holds anything else (errdefs.ErrFailedPrecondition).
-	EnsureFilesystem(ctx context.Context, devPath, fsType string) (formatted bool, err error)
+	// beforeMkfs is called once the device was found blank, right
+	// before mkfs starts; an error from it stops the format.
+	EnsureFilesystem(ctx context.Context, devPath, fsType string, beforeMkfs func() error) (formatted bool, err error)
+	// Format creates fsType on a device without looking at what it
+	// holds: only for a device whose format berth started and a crash
+	// interrupted.
+	Format(ctx context.Context, devPath, fsType string) error
 	Fsck(ctx context.Context, devPath, fsType string) error
 	Mount(source, target, fsType string, flags uintptr, data string) error
 	BindMount(source, target string, readOnly bool, flags uintptr) error

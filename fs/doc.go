@@ -35,6 +35,10 @@
 // -f) are passed only after that probe: they turn off mkfs' own, weaker
 // checks, never ours (mkfs still refuses a mounted device). After mkfs,
 // the new superblock's magic number is read back from the device.
+// mkfs killed halfway (the node died) leaves writes that every later
+// probe refuses; [MkfsOptions].BeforeMkfs lets the caller record that it
+// started the format, and [Format] finishes it without a probe. berth's
+// agent calls Format only for the device it recorded, identity checked.
 //
 // mkfs runs with production defaults: no discard pass at mkfs time (a full
 // device TRIM can take minutes on thin-provisioned LUNs and some arrays

@@ -101,6 +101,13 @@ type MkfsOptions struct {
 	// formatted or bypass checks (-F, -f, -n, -S, -t, -d, -l, -z, ...) and
 	// positional arguments are refused.
 	ExtraArgs []string
+	// BeforeMkfs, when set, is called by EnsureFilesystem once it found
+	// the device blank, right before mkfs starts; an error from it
+	// stops the format. A caller records there that it started
+	// formatting the device, so that after a crash during mkfs it can
+	// finish the format with Format instead of finding mkfs' partial
+	// writes refused as unknown data.
+	BeforeMkfs func() error
 }
 
 // Stats is the usage of a mounted filesystem.

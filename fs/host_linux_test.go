@@ -1069,3 +1069,39 @@ func TestHostEnsureFilesystemRefusesDataBetweenWindows(t *testing.T) {
 		})
 	}
 }
+
+// BeforeMkfs runs only for a blank device, before mkfs, and its error
+// stops the format; Format makes the filesystem over partial writes that
+// EnsureFilesystem refuses.
+func TestHostBeforeMkfsAndFormat(t *testing.T) {
+	needRoot(t)
+	needTools(t, "blkid", "mkfs.ext4")
+	ctx := context.Background()
+	dev, file := newLoop(t, 64*mib)
+	calls := 0
+	stop := errors.New("record failed")
+	_, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{BeforeMkfs: func() error { calls++; return stop }})
+	if !errors.Is(err, stop) || calls != 1 {
+		t.Fatalf("EnsureFilesystem with a failing BeforeMkfs = %v after %d calls", err, calls)
+	}
+	if sig, err := Probe(ctx, dev); err != nil || !sig.Blank() {
+		t.Fatalf("device after a stopped format: %+v, %v", sig, err)
+	}
+
+	junk := make([]byte, 4096)
+	rand.Read(junk)
+	junk[0] |= 1
+	writeAt(t, file, 4096, junk)
+	before := hashFile(t, file)
+	_, err = EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{BeforeMkfs: func() error { calls++; return nil }})
+	if !errors.Is(err, errdefs.ErrFailedPrecondition) || calls != 1 || hashFile(t, file) != before {
+		t.Fatalf("EnsureFilesystem over partial writes = %v, BeforeMkfs called %d times", err, calls)
+	}
+	if err := Format(ctx, dev, Ext4, MkfsOptions{}); err != nil {
+		t.Fatalf("Format: %v", err)
+	}
+	formatted, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{BeforeMkfs: func() error { calls++; return nil }})
+	if err != nil || formatted || calls != 1 {
+		t.Fatalf("EnsureFilesystem after Format = %v, %v, BeforeMkfs called %d times; want the ext4 used as it is", formatted, err, calls)
+	}
+}

@@ -475,8 +475,9 @@ func statBlockDevice(path string) (uint64, error) {
 //
 // Once mkfs has started it runs to completion even if ctx ends, since a
 // half-written device would be refused by every later call. If the node
-// dies during mkfs, the device is refused as "unknown-data" until an
-// operator wipes it.
+// dies during mkfs, the device is refused as "unknown-data" by later
+// calls; a caller that recorded the start of the format in
+// opt.BeforeMkfs finishes it with Format.
 func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptions) (formatted bool, err error) {
 	args, err := mkfsArgs(fsType, devPath, opt)
 	if err != nil {
@@ -503,9 +504,40 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 			"(check the volume; %s only if its content is not needed): %w",
 			devPath, fsType, sig, erase, errdefs.ErrFailedPrecondition)
 	}
+	if opt.BeforeMkfs != nil {
+		if err := opt.BeforeMkfs(); err != nil {
+			return false, fmt.Errorf("format %s as %s: %w", devPath, fsType, err)
+		}
+	}
+	if err := mkfs(ctx, devPath, fsType, args); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+// Format makes fsType on devPath without looking at what the device
+// holds, with the same mkfs arguments as EnsureFilesystem, and checks
+// the new superblock. It overwrites whatever is there. It is only for a
+// device the caller found blank with EnsureFilesystem and started
+// formatting (see MkfsOptions.BeforeMkfs), whose mkfs did not finish:
+// mkfs' partial writes are what a later probe would refuse.
+func Format(ctx context.Context, devPath, fsType string, opt MkfsOptions) error {
+	args, err := mkfsArgs(fsType, devPath, opt)
+	if err != nil {
+		return err
+	}
+	if _, err := statBlockDevice(devPath); err != nil {
+		return err
+	}
+	return mkfs(ctx, devPath, fsType, args)
+}
+
+// mkfs runs mkfs.fsType with args on devPath and checks that the
+// superblock is there.
+func mkfs(ctx context.Context, devPath, fsType string, args []string) error {
 	release, err := acquireHeavy(ctx, "format "+devPath)
 	if err != nil {
-		return false, err
+		return err
 	}
 	// mkfs is not cancelled with ctx: a mkfs killed halfway leaves a
 	// device that is neither blank nor a filesystem, which every later
@@ -516,19 +548,19 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 	_, err = runTool(mkfsCtx, "mkfs."+fsType, args...)
 	release()
 	if err != nil {
-		return false, fmt.Errorf("format %s as %s: %w", devPath, fsType, err)
+		return fmt.Errorf("format %s as %s: %w", devPath, fsType, err)
 	}
-	// The device was probed above; reading the new superblock's magic
+	// The device was probed before; reading the new superblock's magic
 	// confirms mkfs wrote what was asked (a full probe would read the
 	// device again through blkid).
 	ok, err := hasSuperblock(devPath, fsType)
 	if err != nil {
-		return true, fmt.Errorf("format %s as %s: verify: %w", devPath, fsType, err)
+		return fmt.Errorf("format %s as %s: verify: %w", devPath, fsType, err)
 	}
 	if !ok {
-		return true, fmt.Errorf("format %s as %s: mkfs succeeded but no %s superblock is on the device", devPath, fsType, fsType)
+		return fmt.Errorf("format %s as %s: mkfs succeeded but no %s superblock is on the device", devPath, fsType, fsType)
 	}
-	return true, nil
+	return nil
 }
 
 // Superblock magic numbers checked after mkfs: ext2/3/4 s_magic (little
