@@ -29,6 +29,8 @@ type fakeFS struct {
 	// hears of each such format.
 	mkfsHang    chan struct{}
 	mkfsStarted chan string
+	// mkfsErr, when set, makes a format write fakePartial and fail.
+	mkfsErr error
 }
 
 // fakePartial is what an interrupted mkfs leaves.
@@ -85,6 +87,11 @@ func (f *fakeFS) mkfs(devPath, fsType string) error {
 		f.mkfsStarted <- devPath
 		<-hang
 		return fmt.Errorf("mkfs.%s %s: signal: killed", fsType, devPath)
+	}
+	if f.mkfsErr != nil {
+		f.content[devPath] = fakePartial
+		f.mu.Unlock()
+		return f.mkfsErr
 	}
 	f.content[devPath] = fsType
 	f.mu.Unlock()

@@ -3,11 +3,13 @@ package agent
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
@@ -60,6 +62,51 @@ func TestStageFinishesFormatInterruptedByCrash(t *testing.T) {
 	}
 	if _, ok := recordKeys(t, b, "vol-crash")["formatting"]; ok {
 		t.Fatal("the format mark is still recorded once the filesystem is made")
+	}
+}
+
+// A mkfs that fails after it started writing (killed alone, or its
+// device's I/O failing) leaves the volume attached and the format mark
+// recorded: the retried stage finishes the format; an unstage instead
+// detaches the device and forgets the volume.
+func TestStageKeepsFormatMarkWhenMkfsFails(t *testing.T) {
+	a, host, _ := newFakeAgent(t)
+	n := &nodeServer{a: a}
+	staging := filepath.Join(t.TempDir(), "staging")
+	must(t, "mkdir", mkdirAll(staging))
+	req := stageReq("vol-mkfs-fails", staging, "9")
+	host.mkfsErr = errors.New("mkfs.ext4: signal: killed")
+	if _, err := n.NodeStageVolume(context.Background(), req); err == nil {
+		t.Fatal("stage succeeded with mkfs failing")
+	}
+	rec, ok := a.state.get("vol-mkfs-fails")
+	if !ok || rec.Formatting == nil || rec.Staged {
+		t.Fatalf("record after mkfs failed: %+v, %v; want the format mark kept", rec, ok)
+	}
+	host.mu.Lock()
+	host.mkfsErr = nil
+	host.mu.Unlock()
+	if _, err := n.NodeStageVolume(context.Background(), req); err != nil {
+		t.Fatalf("stage retried after mkfs failed: %v", err)
+	}
+	if c := host.contentOf((&fakeTarget{key: "9"}).dev().Path); c != "ext4" {
+		t.Fatalf("device holds %q after the retried stage, want ext4", c)
+	}
+
+	// Unstaged instead of retried, the volume is forgotten, mark and all.
+	host.mu.Lock()
+	host.mkfsErr = errors.New("mkfs.ext4: signal: killed")
+	host.mu.Unlock()
+	staging2 := filepath.Join(t.TempDir(), "staging")
+	must(t, "mkdir", mkdirAll(staging2))
+	if _, err := n.NodeStageVolume(context.Background(), stageReq("vol-unstaged", staging2, "10")); err == nil {
+		t.Fatal("stage succeeded with mkfs failing")
+	}
+	if _, err := n.NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: "vol-unstaged", StagingTargetPath: staging2}); err != nil {
+		t.Fatalf("unstage after mkfs failed: %v", err)
+	}
+	if _, ok := a.state.get("vol-unstaged"); ok {
+		t.Fatal("unstage kept the record of a stage whose mkfs failed")
 	}
 }
 

@@ -170,7 +170,10 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		if mounted {
 			errs = append(errs, n.a.host.Unmount(staging))
 		}
-		if !wasStaged {
+		// A format that started and failed has changed the device: it
+		// stays attached with its record, which says so, for the retry
+		// to finish (or the unstage to undo).
+		if !wasStaged && rec.Formatting == nil {
 			if err := target.Detach(context.WithoutCancel(ctx)); err != nil {
 				errs = append(errs, fmt.Errorf("undo attach: %w", err))
 			} else if err := n.a.state.remove(id); err != nil {

@@ -46,7 +46,8 @@ type Signature struct {
 	// PartitionTable is the blkid PTTYPE when a partition table was found
 	// alongside (or instead of) a superblock.
 	PartitionTable string
-	// Offset is where unknown-data starts: the first non-zero byte.
+	// Offset is where unknown-data was seen: the lowest offset of a
+	// non-zero byte Probe read (data may lie between the places read).
 	Offset int64
 }
 
@@ -60,7 +61,7 @@ func (s Signature) String() string {
 	var b strings.Builder
 	switch s.Type {
 	case typeUnknownData:
-		fmt.Fprintf(&b, "%s (unrecognised non-zero data, first non-zero byte at offset %d)", s.Type, s.Offset)
+		fmt.Fprintf(&b, "%s (unrecognised non-zero data, first non-zero byte read at offset %d)", s.Type, s.Offset)
 	case typeGPTBackup:
 		fmt.Fprintf(&b, "%s (a GPT backup header in the last block, primary GPT erased)", s.Type)
 	case typeAmbivalent:

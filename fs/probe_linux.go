@@ -138,9 +138,6 @@ func (e ends) windowsZero() bool {
 	return e.headNonZero < 0 && e.tailNonZero < 0 && e.farNonZero < 0 && !e.gptBackup
 }
 
-// zero reports whether every byte read was zero, the samples included.
-func (e ends) zero() bool { return e.windowsZero() && e.sampleNonZero < 0 }
-
 // firstData returns the lowest device offset at which a non-zero byte
 // was read, or -1.
 func (e ends) firstData() int64 {
