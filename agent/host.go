@@ -29,8 +29,8 @@ type hostFS interface {
 	// before mkfs starts; an error from it stops the format.
 	EnsureFilesystem(ctx context.Context, devPath, fsType string, beforeMkfs func() error) (formatted bool, err error)
 	// Format creates fsType on a device without looking at what it
-	// holds: only for a device whose format berth started and a crash
-	// interrupted.
+	// holds: only for a device whose format berth started and that a
+	// crash or a failed mkfs left unfinished.
 	Format(ctx context.Context, devPath, fsType string) error
 	Fsck(ctx context.Context, devPath, fsType string) error
 	Mount(source, target, fsType string, flags uintptr, data string) error
