@@ -21,9 +21,22 @@ type fakeFS struct {
 	mounts map[string]mountEntry
 	nMount map[string]int // mount calls per target
 	ro     map[string]bool
-	roErr  error  // returned by SetDeviceReadOnly(_, true) when set
 	devDir string // where OpenDeviceNode makes its stand-ins
+	roErr  error  // returned by SetDeviceReadOnly(_, true) when set
+	// content is what each device holds: "" when blank, a filesystem
+	// type, fakePartial, or any other name of foreign data.
+	content map[string]string
+	// mkfsHang, when set, makes a format write fakePartial and then wait
+	// for it to close: a node that dies while mkfs runs. mkfsStarted
+	// hears of each such format.
+	mkfsHang    chan struct{}
+	mkfsStarted chan string
+	// mkfsErr, when set, makes a format write fakePartial and fail.
+	mkfsErr error
 }
+
+// fakePartial is what an interrupted mkfs leaves.
+const fakePartial = "partial-mkfs"
 
 var _ hostFS = (*fakeFS)(nil)
 
@@ -31,7 +44,8 @@ var _ hostFS = (*fakeFS)(nil)
 const fakeRootIno = 2
 
 func newFakeFS() *fakeFS {
-	return &fakeFS{mounts: make(map[string]mountEntry), nMount: make(map[string]int), ro: make(map[string]bool)}
+	return &fakeFS{mounts: make(map[string]mountEntry), nMount: make(map[string]int), ro: make(map[string]bool),
+		content: make(map[string]string), mkfsStarted: make(chan string, 10)}
 }
 
 func (f *fakeFS) SupportedFsTypes() []string { return []string{"ext4", "xfs"} }
@@ -45,8 +59,57 @@ func (f *fakeFS) ParseMountOptions(opts []string) (uintptr, string, error) {
 	return 0, "", nil
 }
 
-func (f *fakeFS) EnsureFilesystem(context.Context, string, string) (bool, error) { return true, nil }
-func (f *fakeFS) Fsck(context.Context, string, string) error                     { return nil }
+func (f *fakeFS) EnsureFilesystem(_ context.Context, devPath, fsType string, beforeMkfs func() error) (bool, error) {
+	f.mu.Lock()
+	switch c := f.content[devPath]; c {
+	case fsType:
+		f.mu.Unlock()
+		return false, nil
+	case "":
+	default:
+		f.mu.Unlock()
+		return false, fmt.Errorf("format %s as %s: device holds %s: %w", devPath, fsType, c, errdefs.ErrFailedPrecondition)
+	}
+	f.mu.Unlock()
+	if err := beforeMkfs(); err != nil {
+		return false, err
+	}
+	if err := f.mkfs(devPath, fsType); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+func (f *fakeFS) Format(_ context.Context, devPath, fsType string) error {
+	return f.mkfs(devPath, fsType)
+}
+
+func (f *fakeFS) mkfs(devPath, fsType string) error {
+	f.mu.Lock()
+	if hang := f.mkfsHang; hang != nil {
+		f.content[devPath] = fakePartial
+		f.mu.Unlock()
+		f.mkfsStarted <- devPath
+		<-hang
+		return fmt.Errorf("mkfs.%s %s: signal: killed", fsType, devPath)
+	}
+	if f.mkfsErr != nil {
+		f.content[devPath] = fakePartial
+		f.mu.Unlock()
+		return f.mkfsErr
+	}
+	f.content[devPath] = fsType
+	f.mu.Unlock()
+	return nil
+}
+
+func (f *fakeFS) Fsck(context.Context, string, string) error { return nil }
+
+func (f *fakeFS) contentOf(devPath string) string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.content[devPath]
+}
 
 func (f *fakeFS) Mount(source string, target *fs.Handle, fsType string, _ uintptr, _ string) error {
 	f.mu.Lock()

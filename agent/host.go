@@ -31,7 +31,13 @@ type hostFS interface {
 	ParseMountOptions(opts []string) (flags uintptr, data string, err error)
 	// EnsureFilesystem creates fsType on a blank device and refuses one
 	// that holds anything else (errdefs.ErrFailedPrecondition).
-	EnsureFilesystem(ctx context.Context, devPath, fsType string) (formatted bool, err error)
+	// beforeMkfs is called once the device was found blank, right
+	// before mkfs starts; an error from it stops the format.
+	EnsureFilesystem(ctx context.Context, devPath, fsType string, beforeMkfs func() error) (formatted bool, err error)
+	// Format creates fsType on a device without looking at what it
+	// holds: only for a device whose format berth started and that a
+	// crash or a failed mkfs left unfinished.
+	Format(ctx context.Context, devPath, fsType string) error
 	Fsck(ctx context.Context, devPath, fsType string) error
 	// Mount, BindMount, Unmount and MountInfo act on paths already
 	// opened (fs.Handle: resolved once, no symlinks), never on names,

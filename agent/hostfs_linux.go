@@ -21,8 +21,12 @@ func (realFS) ParseMountOptions(opts []string) (uintptr, string, error) {
 	return fs.ParseMountOptions(opts)
 }
 
-func (realFS) EnsureFilesystem(ctx context.Context, devPath, fsType string) (bool, error) {
-	return fs.EnsureFilesystem(ctx, devPath, fsType, fs.MkfsOptions{})
+func (realFS) EnsureFilesystem(ctx context.Context, devPath, fsType string, beforeMkfs func() error) (bool, error) {
+	return fs.EnsureFilesystem(ctx, devPath, fsType, fs.MkfsOptions{BeforeMkfs: beforeMkfs})
+}
+
+func (realFS) Format(ctx context.Context, devPath, fsType string) error {
+	return fs.Format(ctx, devPath, fsType, fs.MkfsOptions{})
 }
 
 func (realFS) Fsck(ctx context.Context, devPath, fsType string) error {

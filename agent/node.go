@@ -221,7 +221,10 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 				return nil
 			}))
 		}
-		if !wasStaged {
+		// A format that started and failed has changed the device: it
+		// stays attached with its record, which says so, for the retry
+		// to finish (or the unstage to undo).
+		if !wasStaged && rec.Formatting == nil {
 			if err := n.detach(context.WithoutCancel(ctx), rec, tr, target); err != nil {
 				errs = append(errs, fmt.Errorf("undo attach: %w", err))
 			} else if err := n.a.state.remove(id); err != nil {
@@ -290,7 +293,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	case !errors.Is(err, errdefs.ErrNotFound):
 		return nil, err
 	default:
-		formatted, err := n.a.host.EnsureFilesystem(ctx, dev.Path, vcap.FsType)
+		formatted, err := n.ensureFilesystem(ctx, rec, dev, vcap.FsType)
 		if err != nil {
 			return nil, err
 		}
@@ -1160,14 +1163,7 @@ func (a *Agent) recordedDevice(r *deviceRecord) *devices.Device {
 		return nil
 	}
 	d, err := a.lookup(r.Name)
-	if err != nil {
-		return nil
-	}
-	if d.Major != r.Major || d.Minor != r.Minor || (r.DiskSeq != 0 && d.DiskSeq != r.DiskSeq) {
-		return nil
-	}
-	if d.ID.Kind != r.Kind || d.ID.WWID != r.WWID || d.ID.NQN != r.NQN || d.ID.NSID != r.NSID ||
-		d.ID.UUID != r.UUID || d.ID.NGUID != r.NGUID || d.ID.BackingFile != r.BackingFile {
+	if err != nil || !r.identifies(d) {
 		return nil
 	}
 	return d

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -252,6 +253,8 @@ func TestUnstageLeavesForeignLoopDevice(t *testing.T) {
 	for _, d := range loopsOf(t, h.root) {
 		got = append(got, d.Path)
 	}
+	slices.Sort(got)
+	slices.Sort(foreign)
 	if strings.Join(got, " ") != strings.Join(foreign, " ") {
 		t.Fatalf("loop devices after unstage: %v, want only the operator's %v", got, foreign)
 	}

@@ -82,6 +82,12 @@ type volumeRecord struct {
 	// flag is cleared again, after a restart too, once no read-only
 	// publish needs it.
 	DeviceReadOnly bool `json:"deviceReadOnly,omitempty"`
+	// Formatting is the device berth found blank and started mkfs on,
+	// recorded right before mkfs and cleared once the filesystem is
+	// made. A retried stage that finds this same device (see
+	// deviceRecord.identifies) finishes the format over mkfs' partial
+	// writes, which a probe would refuse as foreign data.
+	Formatting *deviceRecord `json:"formatting,omitempty"`
 }
 
 // sameStorage reports whether two recorded devices are the same storage:
@@ -117,6 +123,10 @@ func (r *volumeRecord) clone() *volumeRecord {
 	if r.Device != nil {
 		d := *r.Device
 		c.Device = &d
+	}
+	if r.Formatting != nil {
+		d := *r.Formatting
+		c.Formatting = &d
 	}
 	c.Publishes = make(map[string]publishRecord, len(r.Publishes))
 	for k, v := range r.Publishes {

@@ -16,15 +16,29 @@
 // looks elsewhere, always go to blkid. A GPT backup header left alone at
 // the end (primary table and protective MBR erased), which blkid ignores,
 // is caught by Probe's own read of the last block.
+// libblkid's places say nothing of data an application wrote elsewhere (a
+// raw block database that leaves its first MiB zero): when the first
+// block is zero, Probe also reads 16 KiB samples between the ends, at
+// the start of every MiB from 1 to 16 MiB, at every power-of-two MiB
+// offset from 32 MiB on, and at 31 points evenly spaced over the device
+// (see sampleOffsets), a few at a time alongside its other reads. Any
+// non-zero byte there is "unknown-data". Sampling is not proof: data
+// wholly between the places read is not seen.
 // [EnsureFilesystem] formats only when nothing was found: no filesystem,
 // partition table, RAID member, LUKS header, swap area, LVM PV or other
-// signature, and both MiBs all zeros. Anything else is refused with an
-// error wrapping errdefs.ErrFailedPrecondition that names what was found,
-// and the device is left untouched. A device that already holds the
+// signature, and every byte read (both MiBs, the libblkid places, the
+// samples) zero. Anything else is refused with an error wrapping
+// errdefs.ErrFailedPrecondition that names what was found (for unknown
+// data, the offset of its first non-zero byte), and the device is left
+// untouched. A device that already holds the
 // requested filesystem type is used as it is. The force flags of mkfs (-F,
 // -f) are passed only after that probe: they turn off mkfs' own, weaker
 // checks, never ours (mkfs still refuses a mounted device). After mkfs,
 // the new superblock's magic number is read back from the device.
+// mkfs killed halfway (the node died) leaves writes that every later
+// probe refuses; [MkfsOptions].BeforeMkfs lets the caller record that it
+// started the format, and [Format] finishes it without a probe. berth's
+// agent calls Format only for the device it recorded, identity checked.
 //
 // mkfs runs with production defaults: no discard pass at mkfs time (a full
 // device TRIM can take minutes on thin-provisioned LUNs and some arrays

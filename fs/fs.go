@@ -35,7 +35,8 @@ type Signature struct {
 	// ("gpt", "dos") when only a partition table was found, "gpt-backup"
 	// for a lone GPT backup header, "ambivalent" when blkid found several
 	// conflicting signatures, or "unknown-data" when nothing was
-	// recognised but the first or the last MiB is not all zeros.
+	// recognised but a byte Probe read (the first or the last MiB, the
+	// places libblkid looks, a sample) is not zero.
 	Type string
 	// Usage is the blkid USAGE ("filesystem", "raid", "crypto", "other"),
 	// or "partition_table" for a partition table.
@@ -45,7 +46,8 @@ type Signature struct {
 	// PartitionTable is the blkid PTTYPE when a partition table was found
 	// alongside (or instead of) a superblock.
 	PartitionTable string
-	// Offset is where unknown-data starts: the first non-zero byte.
+	// Offset is where unknown-data was seen: the lowest offset of a
+	// non-zero byte Probe read (data may lie between the places read).
 	Offset int64
 }
 
@@ -59,7 +61,7 @@ func (s Signature) String() string {
 	var b strings.Builder
 	switch s.Type {
 	case typeUnknownData:
-		fmt.Fprintf(&b, "%s (unrecognised non-zero data, first non-zero byte at offset %d)", s.Type, s.Offset)
+		fmt.Fprintf(&b, "%s (unrecognised non-zero data, first non-zero byte read at offset %d)", s.Type, s.Offset)
 	case typeGPTBackup:
 		fmt.Fprintf(&b, "%s (a GPT backup header in the last block, primary GPT erased)", s.Type)
 	case typeAmbivalent:
@@ -100,6 +102,13 @@ type MkfsOptions struct {
 	// formatted or bypass checks (-F, -f, -n, -S, -t, -d, -l, -z, ...) and
 	// positional arguments are refused.
 	ExtraArgs []string
+	// BeforeMkfs, when set, is called by EnsureFilesystem once it found
+	// the device blank, right before mkfs starts; an error from it
+	// stops the format. A caller records there that it started
+	// formatting the device, so that after a crash during mkfs it can
+	// finish the format with Format instead of finding mkfs' partial
+	// writes refused as unknown data.
+	BeforeMkfs func() error
 }
 
 // Stats is the usage of a mounted filesystem.

@@ -26,6 +26,11 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 	return false, unsupported("format " + devPath)
 }
 
+// Format is only supported on Linux.
+func Format(ctx context.Context, devPath, fsType string, opt MkfsOptions) error {
+	return unsupported("format " + devPath)
+}
+
 // Fsck is only supported on Linux.
 func Fsck(ctx context.Context, devPath, fsType string) error {
 	return unsupported("fsck " + devPath)

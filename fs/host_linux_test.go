@@ -24,7 +24,7 @@ const mib = 1 << 20
 
 // needRoot skips a host test when not root, but fails it in CI
 // (BERTH_CI=1), where a skip would hide a regression.
-func needRoot(t *testing.T) {
+func needRoot(t testing.TB) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		skipOrFail(t, "host test needs root (loop devices, mount)")
@@ -32,7 +32,7 @@ func needRoot(t *testing.T) {
 }
 
 // needTools skips (fails in CI) when a tool the test drives is missing.
-func needTools(t *testing.T, names ...string) {
+func needTools(t testing.TB, names ...string) {
 	t.Helper()
 	for _, n := range names {
 		if _, err := lookTool(n); err != nil {
@@ -41,7 +41,7 @@ func needTools(t *testing.T, names ...string) {
 	}
 }
 
-func skipOrFail(t *testing.T, why string) {
+func skipOrFail(t testing.TB, why string) {
 	t.Helper()
 	if os.Getenv("BERTH_CI") == "1" {
 		t.Fatalf("%s; BERTH_CI=1 forbids skipping", why)
@@ -49,7 +49,7 @@ func skipOrFail(t *testing.T, why string) {
 	t.Skip(why)
 }
 
-func run(t *testing.T, name string, args ...string) string {
+func run(t testing.TB, name string, args ...string) string {
 	t.Helper()
 	out, err := exec.Command(name, args...).CombinedOutput()
 	if err != nil {
@@ -60,7 +60,7 @@ func run(t *testing.T, name string, args ...string) string {
 
 // sparseFile creates a sparse file of size bytes in a test directory and
 // lets prepare write to it before it is attached.
-func sparseFile(t *testing.T, size int64) string {
+func sparseFile(t testing.TB, size int64) string {
 	t.Helper()
 	p := filepath.Join(t.TempDir(), "backing.img")
 	f, err := os.Create(p)
@@ -75,7 +75,7 @@ func sparseFile(t *testing.T, size int64) string {
 }
 
 // attachLoop attaches file to a free loop device, detached at cleanup.
-func attachLoop(t *testing.T, file string) string {
+func attachLoop(t testing.TB, file string) string {
 	t.Helper()
 	dev := strings.TrimSpace(run(t, "losetup", "--find", "--show", "--", file))
 	t.Cleanup(func() {
@@ -879,15 +879,15 @@ func TestHostProbeAfterWipefs(t *testing.T) {
 	}
 }
 
-// A device whose first and last MiB and far windows are zero is blank
-// without blkid: Probe decides it without running the tool (here: no
-// tool can be found), and data elsewhere does not change the verdict,
-// as it does not for blkid. Any byte in a window needs blkid.
+// A device whose first and last MiB, far windows and samples are zero
+// is blank without blkid: Probe decides it without running the tool
+// (here: no tool can be found). Data in a sample only is refused as
+// unknown-data, also without blkid (no libblkid signature can be there).
+// Any byte in a window needs blkid.
 func TestHostProbeFastPath(t *testing.T) {
 	needRoot(t)
 	const size = 64 * mib
 	file := sparseFile(t, size)
-	writeAt(t, file, 3*mib, []byte("data outside every window"))
 	dev := attachLoop(t, file)
 	ctx := context.Background()
 	// The fast path needs to know the node's libblkid, which it learns
@@ -903,6 +903,11 @@ func TestHostProbeFastPath(t *testing.T) {
 	if sig, err := Probe(ctx, dev); err != nil || !sig.Blank() {
 		t.Fatalf("Probe of a device with zero windows and no blkid = %+v, %v; want blank without blkid", sig, err)
 	}
+	writeAt(t, file, 3*mib+100, []byte("data outside every window"))
+	if sig, err := Probe(ctx, dev); err != nil || sig.Type != typeUnknownData || sig.Offset != 3*mib+100 {
+		t.Fatalf("Probe of data in a sample only, without blkid = %+v, %v; want unknown-data at %d", sig, err, 3*mib+100)
+	}
+	writeAt(t, file, 3*mib+100, make([]byte, 32))
 	for _, off := range []int64{0, 4095, mib - 1, 2*mib + 511, 4 * mib, size - 3087*512 + 17, size - mib, size - 1} {
 		writeAt(t, file, off, []byte{0x80})
 		_, err := Probe(ctx, dev)
@@ -1018,5 +1023,85 @@ func TestHostDeviceReadOnly(t *testing.T) {
 	}
 	if _, err := DeviceReadOnly(filepath.Join(t.TempDir(), "none")); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Errorf("DeviceReadOnly(missing) = %v, want ErrNotFound", err)
+	}
+}
+
+// Data between the windows Probe reads for libblkid, on a device whose
+// first and last MiB are zero, is found by the samples and refused: the
+// layouts of a raw-block database reported formatted over.
+func TestHostEnsureFilesystemRefusesDataBetweenWindows(t *testing.T) {
+	needRoot(t)
+	needTools(t, "blkid", "mkfs.ext4")
+	const size = 256 * mib
+	for _, tc := range []struct {
+		name string
+		off  int64
+		n    int
+	}{
+		{"4 KiB at 1 MiB + 8 KiB", mib + 8<<10, 4 << 10},
+		{"4 KiB at 3 MiB", 3 * mib, 4 << 10},
+		{"1 MiB at 64 MiB", 64 * mib, mib},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			file := sparseFile(t, size)
+			b := make([]byte, tc.n)
+			rand.Read(b)
+			b[0] |= 1 // the first non-zero byte is at tc.off
+			writeAt(t, file, tc.off, b)
+			dev := attachLoop(t, file)
+			before := hashFile(t, file)
+
+			sig, err := Probe(context.Background(), dev)
+			if err != nil || sig.Type != typeUnknownData || sig.Offset != tc.off {
+				t.Errorf("Probe = %+v, %v; want unknown-data at offset %d", sig, err, tc.off)
+			}
+			formatted, err := EnsureFilesystem(context.Background(), dev, Ext4, MkfsOptions{})
+			if formatted || !errors.Is(err, errdefs.ErrFailedPrecondition) {
+				t.Fatalf("EnsureFilesystem = %v, %v; want a FAILED_PRECONDITION refusal", formatted, err)
+			}
+			if want := fmt.Sprintf("offset %d", tc.off); !strings.Contains(err.Error(), want) {
+				t.Errorf("error %q does not name %q", err, want)
+			}
+			if hashFile(t, file) != before {
+				t.Fatal("device bytes changed")
+			}
+			t.Logf("refused: %v", err)
+		})
+	}
+}
+
+// BeforeMkfs runs only for a blank device, before mkfs, and its error
+// stops the format; Format makes the filesystem over partial writes that
+// EnsureFilesystem refuses.
+func TestHostBeforeMkfsAndFormat(t *testing.T) {
+	needRoot(t)
+	needTools(t, "blkid", "mkfs.ext4")
+	ctx := context.Background()
+	dev, file := newLoop(t, 64*mib)
+	calls := 0
+	stop := errors.New("record failed")
+	_, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{BeforeMkfs: func() error { calls++; return stop }})
+	if !errors.Is(err, stop) || calls != 1 {
+		t.Fatalf("EnsureFilesystem with a failing BeforeMkfs = %v after %d calls", err, calls)
+	}
+	if sig, err := Probe(ctx, dev); err != nil || !sig.Blank() {
+		t.Fatalf("device after a stopped format: %+v, %v", sig, err)
+	}
+
+	junk := make([]byte, 4096)
+	rand.Read(junk)
+	junk[0] |= 1
+	writeAt(t, file, 4096, junk)
+	before := hashFile(t, file)
+	_, err = EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{BeforeMkfs: func() error { calls++; return nil }})
+	if !errors.Is(err, errdefs.ErrFailedPrecondition) || calls != 1 || hashFile(t, file) != before {
+		t.Fatalf("EnsureFilesystem over partial writes = %v, BeforeMkfs called %d times", err, calls)
+	}
+	if err := Format(ctx, dev, Ext4, MkfsOptions{}); err != nil {
+		t.Fatalf("Format: %v", err)
+	}
+	formatted, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{BeforeMkfs: func() error { calls++; return nil }})
+	if err != nil || formatted || calls != 1 {
+		t.Fatalf("EnsureFilesystem after Format = %v, %v, BeforeMkfs called %d times; want the ext4 used as it is", formatted, err, calls)
 	}
 }

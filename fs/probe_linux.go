@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -21,7 +22,10 @@ const mkfsTimeout = 10 * time.Minute
 // Probe reports what the device holds. It reads the first and the last
 // MiB of the device itself and the few places beyond them where libblkid
 // looks for signatures (see farWindows). When every one of those bytes
-// is zero, the device is blank: no signature blkid knows can be there.
+// is zero, no signature blkid knows can be there. When the first block
+// is zero, Probe also samples the device between its ends (see
+// sampleOffsets): a non-zero sample is Signature{Type: "unknown-data"}
+// at its offset; all of it zero, the device is blank.
 // (Zoned devices and CD-ROMs always go to blkid, and so does every device
 // when the node's libblkid is newer than the one farWindows was checked
 // against.)
@@ -30,8 +34,8 @@ const mkfsTimeout = 10 * time.Minute
 // partition tables, without the blkid cache. When blkid finds nothing, a
 // GPT backup header in the last block gives Signature{Type: "gpt-backup"}
 // (blkid ignores a backup header without the protective MBR), and any
-// non-zero byte in the first or the last MiB gives
-// Signature{Type: "unknown-data"}.
+// non-zero byte read gives Signature{Type: "unknown-data"} with the
+// lowest such offset.
 //
 // Before reading, the kernel's buffer cache of a block device is flushed
 // and dropped (BLKFLSBUF), so that both readers see the medium and not
@@ -70,7 +74,12 @@ func Probe(ctx context.Context, devPath string) (Signature, error) {
 		if endsErr != nil {
 			return Signature{}, endsErr
 		}
-		if e.zero() {
+		if e.windowsZero() {
+			// No libblkid signature can be there: the device is
+			// blank unless a sample holds data.
+			if e.sampleNonZero >= 0 {
+				return Signature{Type: typeUnknownData, Offset: e.sampleNonZero}, nil
+			}
 			return Signature{}, nil
 		}
 		startBlkid()
@@ -101,13 +110,11 @@ func Probe(ctx context.Context, devPath string) (Signature, error) {
 	// blkid accepts a GPT only with its protective MBR or primary
 	// header; a backup header left at the end still marks a disk that
 	// was partitioned.
-	switch {
-	case e.gptBackup:
+	if e.gptBackup {
 		return Signature{Type: typeGPTBackup, Usage: usagePartitionTable, PartitionTable: "gpt"}, nil
-	case e.headNonZero >= 0:
-		return Signature{Type: typeUnknownData, Offset: int64(e.headNonZero)}, nil
-	case e.tailNonZero >= 0:
-		return Signature{Type: typeUnknownData, Offset: e.tailStart + int64(e.tailNonZero)}, nil
+	}
+	if off := e.firstData(); off >= 0 {
+		return Signature{Type: typeUnknownData, Offset: off}, nil
 	}
 	return Signature{}, nil
 }
@@ -119,11 +126,32 @@ type ends struct {
 	farNonZero  int64 // device offset of a non-zero byte in a far window, or -1
 	gptBackup   bool  // a GPT header signature in the last logical block
 	tailStart   int64
+	// sampleNonZero is the device offset of the first non-zero byte of
+	// the lowest sample (see sampleOffsets) that holds one, or -1. The
+	// samples are read only when the first block is zero.
+	sampleNonZero int64
 }
 
-// zero reports whether every byte read was zero.
-func (e ends) zero() bool {
+// windowsZero reports whether every byte read where libblkid looks was
+// zero: the ends and the far windows.
+func (e ends) windowsZero() bool {
 	return e.headNonZero < 0 && e.tailNonZero < 0 && e.farNonZero < 0 && !e.gptBackup
+}
+
+// firstData returns the lowest device offset at which a non-zero byte
+// was read, or -1.
+func (e ends) firstData() int64 {
+	found := []int64{int64(e.headNonZero), e.farNonZero, e.sampleNonZero}
+	if e.tailNonZero >= 0 {
+		found = append(found, e.tailStart+int64(e.tailNonZero))
+	}
+	first := int64(-1)
+	for _, off := range found {
+		if off >= 0 && (first < 0 || off < first) {
+			first = off
+		}
+	}
+	return first
 }
 
 // gptSignature starts a GPT header (UEFI spec, "EFI PART").
@@ -199,10 +227,11 @@ func alignedBuffer(n int) ([]byte, error) {
 	return buf, nil
 }
 
-// probeBufSize is the most readEnds reads: the first MiB, the last MiB
-// with up to a block more (its start is block aligned), and two blocks
-// for each far window (one may straddle a block boundary).
-var probeBufSize = 2*headSize + blockAlign + len(farWindows)*2*blockAlign
+// probeBufSize is the most readEnds reads at once: the first MiB, the
+// last MiB with up to a block more (its start is block aligned), two
+// blocks for each far window (one may straddle a block boundary), and a
+// sample for each sample reader.
+var probeBufSize = 2*headSize + blockAlign + len(farWindows)*2*blockAlign + sampleWorkers*sampleSize
 
 // probeBufs keeps one read buffer between probes: a new mapping costs a
 // page fault per page, and probes come in bursts.
@@ -252,9 +281,10 @@ func roundUp(n, to int) int { return (n + to - 1) / to * to }
 // readEnds reads the first and the last MiB of f, of the given size, and
 // the far windows between them. The three parts are read at once; the
 // first block is read on its own first, and onData is called as soon as
-// it holds a non-zero byte.
+// it holds a non-zero byte. When it does not, the samples between the
+// ends are read as well, alongside the rest.
 func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) {
-	e := ends{farNonZero: -1}
+	e := ends{farNonZero: -1, sampleNonZero: -1}
 	e.tailStart = max(0, (size-headSize)&^(blockAlign-1))
 	buf, err := getProbeBuf()
 	if err != nil {
@@ -270,6 +300,8 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 		at := tailEnd + i*2*blockAlign
 		far = append(far, &span{off: r[0], want: int(r[1] - r[0]), buf: buf[at : at+2*blockAlign]})
 	}
+	sampleBuf := buf[tailEnd+len(farWindows)*2*blockAlign:]
+	var sampleErr error
 
 	var wg sync.WaitGroup
 	wg.Go(func() { tail.read(f) })
@@ -287,6 +319,8 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 	if first.err == nil {
 		if firstNonZero(first.data()) >= 0 {
 			onData()
+		} else if offs := sampleOffsets(size, e.tailStart); len(offs) > 0 {
+			wg.Go(func() { e.sampleNonZero, sampleErr = readSamples(f, offs, e.tailStart, sampleBuf) })
 		}
 		if head.want > 0 {
 			head.read(f)
@@ -297,6 +331,9 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 		if s.err != nil {
 			return e, fmt.Errorf("probe %s: %w", path, s.err)
 		}
+	}
+	if sampleErr != nil {
+		return e, fmt.Errorf("probe %s: sample: %w", path, sampleErr)
 	}
 	e.headNonZero = firstNonZero(first.data())
 	if e.headNonZero < 0 {
@@ -318,6 +355,55 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 		}
 	}
 	return e, nil
+}
+
+// readSamples reads the samples at offs (ascending, below tail), up to
+// sampleWorkers at once, each reader into its own sampleSize part of
+// buf. It returns the device offset of the first non-zero byte of the
+// lowest sample holding one, or -1. Samples above one found holding data
+// are not read.
+func readSamples(f *os.File, offs []int64, tail int64, buf []byte) (int64, error) {
+	nonZero := make([]int64, len(offs))
+	errs := make([]error, len(offs))
+	var next, stop atomic.Int64 // next sample to read; none above stop is read
+	stop.Store(int64(len(offs)))
+	lower := func(i int64) {
+		for cur := stop.Load(); i < cur && !stop.CompareAndSwap(cur, i); cur = stop.Load() {
+		}
+	}
+	var wg sync.WaitGroup
+	for w := range min(sampleWorkers, len(offs)) {
+		b := buf[w*sampleSize : (w+1)*sampleSize]
+		wg.Go(func() {
+			for {
+				i := next.Add(1) - 1
+				if i >= int64(len(offs)) || i > stop.Load() {
+					return
+				}
+				nonZero[i] = -1
+				s := span{off: offs[i], want: int(min(sampleSize, tail-offs[i])), buf: b}
+				if s.read(f); s.err != nil {
+					errs[i] = s.err
+					lower(i)
+					continue
+				}
+				if j := firstNonZero(s.data()); j >= 0 {
+					nonZero[i] = offs[i] + int64(j)
+					lower(i)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	for i := range min(stop.Load()+1, int64(len(offs))) {
+		if errs[i] != nil {
+			return -1, errs[i]
+		}
+		if nonZero[i] >= 0 {
+			return nonZero[i], nil
+		}
+	}
+	return -1, nil
 }
 
 // readAtFull reads into buf at off until buf is full or the file ends.
@@ -386,8 +472,9 @@ func statBlockDevice(path string) (uint64, error) {
 //
 // Once mkfs has started it runs to completion even if ctx ends, since a
 // half-written device would be refused by every later call. If the node
-// dies during mkfs, the device is refused as "unknown-data" until an
-// operator wipes it.
+// dies during mkfs, the device is refused as "unknown-data" by later
+// calls; a caller that recorded the start of the format in
+// opt.BeforeMkfs finishes it with Format.
 func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptions) (formatted bool, err error) {
 	args, err := mkfsArgs(fsType, devPath, opt)
 	if err != nil {
@@ -408,15 +495,46 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 		// and is still refused as unknown-data.
 		erase := "erase its signatures with wipefs -a"
 		if sig.Type == typeUnknownData {
-			erase = "zero it, for example with blkdiscard --zeroout, or at least its first and last MiB"
+			erase = "zero it, for example with blkdiscard --zeroout"
 		}
 		return false, fmt.Errorf("format %s as %s: device holds %s; refusing to format a device that may hold data "+
 			"(check the volume; %s only if its content is not needed): %w",
 			devPath, fsType, sig, erase, errdefs.ErrFailedPrecondition)
 	}
+	if opt.BeforeMkfs != nil {
+		if err := opt.BeforeMkfs(); err != nil {
+			return false, fmt.Errorf("format %s as %s: %w", devPath, fsType, err)
+		}
+	}
+	if err := mkfs(ctx, devPath, fsType, args); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+// Format makes fsType on devPath without looking at what the device
+// holds, with the same mkfs arguments as EnsureFilesystem, and checks
+// the new superblock. It overwrites whatever is there. It is only for a
+// device the caller found blank with EnsureFilesystem and started
+// formatting (see MkfsOptions.BeforeMkfs), whose mkfs did not finish:
+// mkfs' partial writes are what a later probe would refuse.
+func Format(ctx context.Context, devPath, fsType string, opt MkfsOptions) error {
+	args, err := mkfsArgs(fsType, devPath, opt)
+	if err != nil {
+		return err
+	}
+	if _, err := statBlockDevice(devPath); err != nil {
+		return err
+	}
+	return mkfs(ctx, devPath, fsType, args)
+}
+
+// mkfs runs mkfs.fsType with args on devPath and checks that the
+// superblock is there.
+func mkfs(ctx context.Context, devPath, fsType string, args []string) error {
 	release, err := acquireHeavy(ctx, "format "+devPath)
 	if err != nil {
-		return false, err
+		return err
 	}
 	// mkfs is not cancelled with ctx: a mkfs killed halfway leaves a
 	// device that is neither blank nor a filesystem, which every later
@@ -427,19 +545,19 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 	_, err = runTool(mkfsCtx, "mkfs."+fsType, args...)
 	release()
 	if err != nil {
-		return false, fmt.Errorf("format %s as %s: %w", devPath, fsType, err)
+		return fmt.Errorf("format %s as %s: %w", devPath, fsType, err)
 	}
-	// The device was probed above; reading the new superblock's magic
+	// The device was probed before; reading the new superblock's magic
 	// confirms mkfs wrote what was asked (a full probe would read the
 	// device again through blkid).
 	ok, err := hasSuperblock(devPath, fsType)
 	if err != nil {
-		return true, fmt.Errorf("format %s as %s: verify: %w", devPath, fsType, err)
+		return fmt.Errorf("format %s as %s: verify: %w", devPath, fsType, err)
 	}
 	if !ok {
-		return true, fmt.Errorf("format %s as %s: mkfs succeeded but no %s superblock is on the device", devPath, fsType, fsType)
+		return fmt.Errorf("format %s as %s: mkfs succeeded but no %s superblock is on the device", devPath, fsType, fsType)
 	}
-	return true, nil
+	return nil
 }
 
 // Superblock magic numbers checked after mkfs: ext2/3/4 s_magic (little

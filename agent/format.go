@@ -1,0 +1,55 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+
+	"github.com/berth-csi/berth/devices"
+)
+
+// identifies reports whether d is the device r recorded: same numbers,
+// same disk sequence (when recorded), same identity.
+func (r *deviceRecord) identifies(d *devices.Device) bool {
+	if d.Major != r.Major || d.Minor != r.Minor || (r.DiskSeq != 0 && d.DiskSeq != r.DiskSeq) {
+		return false
+	}
+	return d.ID.Kind == r.Kind && d.ID.WWID == r.WWID && d.ID.NQN == r.NQN && d.ID.NSID == r.NSID &&
+		d.ID.UUID == r.UUID && d.ID.NGUID == r.NGUID && d.ID.BackingFile == r.BackingFile
+}
+
+// ensureFilesystem is the format step of a stage: it makes sure dev holds
+// fsType. A blank device is formatted, with rec.Formatting recorded
+// before mkfs starts and cleared once the filesystem is made. A record
+// that says berth started formatting this very device (a crash during
+// mkfs) has the format finished over mkfs' partial writes; any other
+// device holding data is refused.
+func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, dev *devices.Device, fsType string) (formatted bool, err error) {
+	if rec.Formatting != nil && rec.Formatting.identifies(dev) {
+		logFrom(ctx, n.a.log).WarnContext(ctx, "finishing a format that was interrupted: berth found the device blank and started mkfs before",
+			slog.String("device", dev.Path), slog.String("fs_type", fsType))
+		if err := n.a.host.Format(ctx, dev.Path, fsType); err != nil {
+			return false, err
+		}
+		formatted = true
+	} else {
+		formatted, err = n.a.host.EnsureFilesystem(ctx, dev.Path, fsType, func() error {
+			rec.Formatting = deviceRecordOf(dev)
+			return n.a.state.put(rec)
+		})
+		if err != nil {
+			if rec.Formatting != nil && !rec.Formatting.identifies(dev) {
+				err = fmt.Errorf("%w (berth started formatting this volume on device %s (%d:%d), which is not the device found now: only a format of that same device is finished)",
+					err, rec.Formatting.Path, rec.Formatting.Major, rec.Formatting.Minor)
+			}
+			return false, err
+		}
+	}
+	if rec.Formatting != nil {
+		rec.Formatting = nil
+		if err := n.a.state.put(rec); err != nil {
+			return formatted, err
+		}
+	}
+	return formatted, nil
+}

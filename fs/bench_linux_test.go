@@ -1,0 +1,99 @@
+package fs
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// BenchmarkHostFormat measures the first stage's format step on blank
+// loop devices: Probe alone, its samples alone (run alongside its other
+// reads in Probe), EnsureFilesystem (probe, mkfs, superblock check), and
+// mkfs alone with the same arguments, which is the raw step
+// EnsureFilesystem is compared with.
+func BenchmarkHostFormat(b *testing.B) {
+	needRoot(b)
+	needTools(b, "blkid", "mkfs.ext4")
+	ctx := context.Background()
+	for _, size := range []int64{256 * mib, 1024 * mib} {
+		file := sparseFile(b, size)
+		dev := attachLoop(b, file)
+		// blank punches the backing file's blocks and drops the
+		// device's cache: the device reads as zeros again.
+		blank := func() {
+			f, err := os.OpenFile(file, os.O_RDWR, 0)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer f.Close()
+			if err := unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, 0, size); err != nil {
+				b.Fatal(err)
+			}
+			d, err := os.Open(dev)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer d.Close()
+			if err := unix.IoctlSetInt(int(d.Fd()), unix.BLKFLSBUF, 0); err != nil {
+				b.Fatal(err)
+			}
+		}
+		name := fmt.Sprintf("%dMiB", size/mib)
+		b.Run(name+"/probe", func(b *testing.B) {
+			blank()
+			for b.Loop() {
+				if sig, err := Probe(ctx, dev); err != nil || !sig.Blank() {
+					b.Fatalf("Probe = %+v, %v", sig, err)
+				}
+			}
+		})
+		b.Run(name+"/samples", func(b *testing.B) {
+			blank()
+			f, err := openDirect(dev)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer f.Close()
+			buf, err := alignedBuffer(sampleWorkers * sampleSize)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer unix.Munmap(buf)
+			tail := (size - headSize) &^ (blockAlign - 1)
+			offs := sampleOffsets(size, tail)
+			b.ReportMetric(float64(len(offs)), "reads/op")
+			for b.Loop() {
+				if at, err := readSamples(f, offs, tail, buf); err != nil || at >= 0 {
+					b.Fatalf("readSamples = %d, %v", at, err)
+				}
+			}
+		})
+		b.Run(name+"/ensure", func(b *testing.B) {
+			for range b.N {
+				b.StopTimer()
+				blank()
+				b.StartTimer()
+				if formatted, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{}); err != nil || !formatted {
+					b.Fatalf("EnsureFilesystem = %v, %v", formatted, err)
+				}
+			}
+		})
+		b.Run(name+"/mkfs", func(b *testing.B) {
+			args, err := mkfsArgs(Ext4, dev, MkfsOptions{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			for range b.N {
+				b.StopTimer()
+				blank()
+				b.StartTimer()
+				if _, err := runTool(ctx, "mkfs.ext4", args...); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
