@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/failpoint"
 )
 
 // heavy bounds the mkfs, fsck and resize runs of this process.
@@ -131,7 +132,12 @@ func runTool(ctx context.Context, name string, args ...string) (stdout []byte, e
 	// After a kill on ctx end, do not wait forever for a grandchild
 	// holding the output pipes.
 	cmd.WaitDelay = 5 * time.Second
-	runErr := cmd.Run()
+	runErr := cmd.Start()
+	if runErr == nil {
+		// While the tool runs: a crash here leaves, say, half a mkfs.
+		failpoint.Hit("exec." + name)
+		runErr = cmd.Wait()
+	}
 	if runErr == nil {
 		return out.Bytes(), nil
 	}
