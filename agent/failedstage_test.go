@@ -80,3 +80,31 @@ func TestFailedPreflightLeavesNothing(t *testing.T) {
 		t.Fatalf("unstage of a volume that never attached: %v", err)
 	}
 }
+
+// A repeated stage of a volume whose device is gone (an NVMe controller
+// lost after ctrl_loss_tmo, a LUN removed) does not answer OK on the dead
+// filesystem still mounted at the staging path.
+func TestRepeatedStageChecksDeviceAlive(t *testing.T) {
+	a, _, _ := newFakeAgent(t)
+	ns := &nodeServer{a: a}
+	staging := filepath.Join(t.TempDir(), "v1")
+	if err := os.Mkdir(staging, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	req := &csi.NodeStageVolumeRequest{
+		VolumeId: "v1", StagingTargetPath: staging,
+		VolumeContext:    map[string]string{"transport": "fake", "fake": "7"},
+		VolumeCapability: mountCap("ext4", snw),
+	}
+	if _, err := ns.NodeStageVolume(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ns.NodeStageVolume(context.Background(), req); err != nil {
+		t.Fatalf("repeated stage: %v", err)
+	}
+	a.lookup = func(string) (*devices.Device, error) { return nil, os.ErrNotExist }
+	_, err := ns.NodeStageVolume(context.Background(), req)
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Fatalf("repeated stage with the device gone: %v, want FailedPrecondition", err)
+	}
+}
