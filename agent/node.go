@@ -52,12 +52,22 @@ func (n *nodeServer) mountOptions(c volumeCap, readOnly bool) (uintptr, string, 
 	return n.a.host.ParseMountOptions(opts)
 }
 
-// stagingDir checks that the staging path is an existing directory.
-func stagingDir(p string) error {
+// checkStagingPath checks that the staging path resolves without symbolic
+// links and is an existing directory. The CO creates it before
+// NodeStageVolume; a missing one (or a missing parent) is NotFound, named
+// by the staging path itself.
+func checkStagingPath(p string) error {
+	err := checkPathResolves("staging_target_path", p)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return notFound("staging_target_path %q: does not exist (the CO creates it before NodeStageVolume)", p)
+	}
+	if err != nil {
+		return err
+	}
 	fi, err := os.Stat(p)
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		return notFound("staging_target_path %q: does not exist (the CO creates it)", p)
+		return notFound("staging_target_path %q: does not exist (the CO creates it before NodeStageVolume)", p)
 	case err != nil:
 		return fmt.Errorf("staging_target_path %q: %w", p, err)
 	case !fi.IsDir():
@@ -101,10 +111,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		return nil, err
 	}
 	defer unlock()
-	if err := checkPathResolves("staging_target_path", staging); err != nil {
-		return nil, err
-	}
-	if err := stagingDir(staging); err != nil {
+	if err := checkStagingPath(staging); err != nil {
 		return nil, err
 	}
 	log := logFrom(ctx, n.a.log)

@@ -89,7 +89,7 @@ func checkPathResolves(field, p string) error {
 	parent := filepath.Dir(p)
 	real, err := filepath.EvalSymlinks(parent)
 	if errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("%s %q: parent directory does not exist (the CO creates it): %w", field, p, errdefs.ErrNotFound)
+		return fmt.Errorf("%s %q: parent directory %q does not exist (the CO creates it): %w", field, p, parent, errdefs.ErrNotFound)
 	}
 	if err != nil {
 		return invalid("%s %q: resolving parent directory: %v", field, p, err)
