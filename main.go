@@ -18,6 +18,7 @@ import (
 	"github.com/berth-csi/berth/agent"
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/doctor"
+	"github.com/berth-csi/berth/internal/cliflags"
 	"github.com/berth-csi/berth/iscsi"
 	"github.com/berth-csi/berth/metrics"
 	"github.com/berth-csi/berth/nvmeof"
@@ -69,8 +70,8 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"BERTH_LOG_LEVEL"}, Usage: "log level: debug, info, warn, error"},
 			&cli.StringFlag{Name: "metrics-address", EnvVars: []string{"BERTH_METRICS_ADDRESS"}, Usage: "serve Prometheus /metrics on host:port (empty: off)"},
 			&cli.StringFlag{Name: "probe-checks", EnvVars: []string{"BERTH_PROBE_CHECKS"}, Usage: "transports whose node checks (berth doctor) Probe runs: comma-separated iscsi, nvmeof, file (empty: none)"},
-			&cli.StringFlag{Name: "iscsiadm", Value: "iscsiadm", EnvVars: []string{"BERTH_ISCSIADM"}, Usage: "iscsiadm executable, or a wrapper that runs the host's iscsiadm (containers)"},
-			&cli.StringFlag{Name: "multipathd", Value: "multipathd", EnvVars: []string{"BERTH_MULTIPATHD"}, Usage: "multipathd executable, or a wrapper that runs the host's multipathd (containers)"},
+			cliflags.IscsiadmFlag(),
+			cliflags.MultipathdFlag(),
 			&cli.StringFlag{Name: "iscsi-node-dir", EnvVars: []string{"BERTH_ISCSI_NODE_DIR"}, Usage: "open-iscsi's node record directory, where its iscsiadm keeps records (empty: /etc/iscsi/nodes or else /var/lib/iscsi/nodes, the first that exists)"},
 			&cli.IntFlag{Name: "iscsi-replacement-timeout", Value: -1, EnvVars: []string{"BERTH_ISCSI_REPLACEMENT_TIMEOUT"}, Usage: "node.session.timeo.replacement_timeout for new iSCSI sessions, seconds (-1: open-iscsi's default)"},
 			&cli.IntFlag{Name: "iscsi-login-timeout", Value: -1, EnvVars: []string{"BERTH_ISCSI_LOGIN_TIMEOUT"}, Usage: "node.conn[0].timeo.login_timeout for new iSCSI sessions, seconds (-1: open-iscsi's default)"},
@@ -184,8 +185,8 @@ func serve(c *cli.Context) error {
 	defer l.Close()
 	cfg.Listener = l
 	iscsiOpts := iscsi.Options{
-		Iscsiadm:   c.String("iscsiadm"),
-		Multipathd: c.String("multipathd"),
+		Iscsiadm:   c.String(cliflags.Iscsiadm),
+		Multipathd: c.String(cliflags.Multipathd),
 		NodeDir:    c.String("iscsi-node-dir"),
 		Params:     map[string]int{},
 	}
