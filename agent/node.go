@@ -775,12 +775,12 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 		resp.Usage = []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}
 		return resp, nil
 	}
-	mounted, err := n.a.host.IsMountPoint(p)
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+	unmounted, err := n.a.unmountedPath(p)
+	if err != nil {
 		return nil, err
 	}
-	if !mounted {
-		cond.Abnormal, cond.Message = true, fmt.Sprintf("%s is not mounted", p)
+	if unmounted != nil {
+		resp.VolumeCondition = unmounted
 		return resp, nil
 	}
 	st, err := n.a.host.Stats(p)
@@ -822,6 +822,39 @@ func (a *Agent) conditionOf(ctx context.Context, rec *volumeRecord, t Target) *c
 		}
 	}
 	return &csi.VolumeCondition{Abnormal: false, Message: "volume is attached and mounted"}
+}
+
+// unmountedPath is the condition of a mount volume's path (its staging
+// path or a publish target) that lost its mount, nil while it is mounted.
+func (a *Agent) unmountedPath(p string) (*csi.VolumeCondition, error) {
+	mounted, err := a.host.IsMountPoint(p)
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, err
+	}
+	if !mounted {
+		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("%s is not mounted", p)}, nil
+	}
+	return nil, nil
+}
+
+// conditionAt is the condition NodeGetVolumeStats reports for the volume
+// at any of paths: conditionOf, then, for a mount volume, whether each path
+// still has its mount. An error checking a path makes the volume abnormal.
+func (a *Agent) conditionAt(ctx context.Context, rec *volumeRecord, t Target, paths []string) *csi.VolumeCondition {
+	c := a.conditionOf(ctx, rec, t)
+	if c.Abnormal || rec.AccessType == "block" {
+		return c
+	}
+	for _, p := range paths {
+		u, err := a.unmountedPath(p)
+		if err != nil {
+			return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("check the mount at %s: %v", p, err)}
+		}
+		if u != nil {
+			return u
+		}
+	}
+	return c
 }
 
 func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (_ *csi.NodeExpandVolumeResponse, retErr error) {
