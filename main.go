@@ -90,6 +90,8 @@ func newLogger(format, level string) (*slog.Logger, error) {
 	opts := &slog.HandlerOptions{Level: lv}
 	switch format {
 	case "text":
+		// Durations in seconds, as in the JSON logs.
+		opts.ReplaceAttr = systemd.DurationSeconds
 		return slog.New(slog.NewTextHandler(os.Stderr, opts)), nil
 	case "json":
 		return slog.New(systemd.NewLogHandler(os.Stderr, opts)), nil

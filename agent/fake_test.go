@@ -122,6 +122,7 @@ type fakeTransport struct {
 	gates    map[string]chan struct{}
 	entered  chan string
 	attached map[string]int
+	grownTo  int64 // the size Expand reports when set
 }
 
 var _ Transport = (*fakeTransport)(nil)
@@ -181,8 +182,15 @@ func (t *fakeTarget) Attach(ctx context.Context) (*devices.Device, error) {
 	return t.dev(), nil
 }
 
-func (t *fakeTarget) Detach(context.Context) error          { return nil }
-func (t *fakeTarget) Expand(context.Context) (int64, error) { return 1 << 20, nil }
+func (t *fakeTarget) Detach(context.Context) error { return nil }
+func (t *fakeTarget) Expand(context.Context) (int64, error) {
+	t.ft.mu.Lock()
+	defer t.ft.mu.Unlock()
+	if t.ft.grownTo > 0 {
+		return t.ft.grownTo, nil
+	}
+	return 1 << 20, nil
+}
 func (t *fakeTarget) Health(context.Context) (bool, string) { return false, "" }
 
 // newFakeAgent returns an agent on fakes: no root, no kernel.

@@ -922,10 +922,13 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 			return nil, err
 		}
 	}
+	old := rec.Device.Size
 	rec.Device.Size = size
 	if err := n.a.state.put(rec); err != nil {
 		return nil, err
 	}
+	logFrom(ctx, n.a.log).InfoContext(ctx, "expanded", slog.String("device", rec.Device.Path),
+		slog.Int64("old_bytes", old), slog.Int64("new_bytes", size))
 	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
 }
 
