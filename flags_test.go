@@ -50,3 +50,23 @@ func TestServeAndDoctorFlagsAgree(t *testing.T) {
 		t.Fatalf("only %d flags shared by serve and doctor; want at least endpoint, iscsiadm, multipathd", shared)
 	}
 }
+
+// The Probe's node checks (--probe-checks) look at the programs serve
+// runs, not at the defaults.
+func TestProbeChecksUseServePrograms(t *testing.T) {
+	t.Setenv("BERTH_ISCSIADM", "/usr/local/bin/iscsiadm-host")
+	cmd := serveCommand()
+	var got doctor.Config
+	cmd.Action = func(c *cli.Context) error {
+		var err error
+		got, err = probeConfig(c)
+		return err
+	}
+	app := &cli.App{Name: "berth", Commands: []*cli.Command{cmd}}
+	if err := app.Run([]string{"berth", "serve", "--probe-checks", "iscsi", "--multipathd", "/usr/local/bin/multipathd-host"}); err != nil {
+		t.Fatal(err)
+	}
+	if got.Iscsiadm != "/usr/local/bin/iscsiadm-host" || got.Multipathd != "/usr/local/bin/multipathd-host" || !slices.Equal(got.Transports, []string{"iscsi"}) {
+		t.Fatalf("probe checks %+v, want serve's iscsiadm and multipathd", got)
+	}
+}

@@ -117,6 +117,16 @@ func parseTopology(kvs []string) (map[string]string, error) {
 	return out, nil
 }
 
+// probeConfig is the doctor configuration of --probe-checks: the
+// programs serve runs, no endpoint or kubelet directory checks.
+func probeConfig(c *cli.Context) (doctor.Config, error) {
+	transports, err := doctor.ParseTransports(c.String("probe-checks"))
+	if err != nil {
+		return doctor.Config{}, fmt.Errorf("--probe-checks: %w", err)
+	}
+	return doctor.Config{Transports: transports, Iscsiadm: c.String(cliflags.Iscsiadm), Multipathd: c.String(cliflags.Multipathd)}, nil
+}
+
 func serve(c *cli.Context) error {
 	log, err := newLogger(c.String("log-format"), c.String("log-level"))
 	if err != nil {
@@ -151,12 +161,12 @@ func serve(c *cli.Context) error {
 		},
 		OnStopping: func() { _ = systemd.Stopping() },
 	}
-	if checks := c.String("probe-checks"); checks != "" {
-		transports, err := doctor.ParseTransports(checks)
+	if c.String("probe-checks") != "" {
+		dc, err := probeConfig(c)
 		if err != nil {
-			return fmt.Errorf("--probe-checks: %w", err)
+			return err
 		}
-		cfg.ReadyFunc = doctor.ReadyFunc(doctor.Config{Transports: transports})
+		cfg.ReadyFunc = doctor.ReadyFunc(dc)
 	}
 
 	// Metrics read the agent's volume table, which exists once New ran.

@@ -396,12 +396,14 @@ func checkCapabilities(cfg *Config) []Check {
 	if err == nil {
 		eff, err = effectiveCaps(b)
 	}
+	if err != nil {
+		return []Check{{Name: "capabilities", Status: Fail, Detail: fmt.Sprintf("read capabilities from %s: %v", p, err),
+			Fix: "in a container, mount the host's procfs (or the container's own) at --proc-root"}}
+	}
 	out := make([]Check, 0, len(capabilities))
 	for _, c := range capabilities {
 		ch := Check{Name: "capability " + c.name}
 		switch {
-		case err != nil:
-			ch.Status, ch.Detail = Fail, fmt.Sprintf("read capabilities from %s: %v", p, err)
 		case eff&(1<<c.bit) == 0:
 			ch.Status, ch.Detail = c.missing, "no "+c.name+": "+c.without
 			ch.Fix = fmt.Sprintf("run berth as root with %s: berth.service's CapabilityBoundingSet has it; in Kubernetes securityContext.privileged: true; "+

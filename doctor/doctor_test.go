@@ -207,6 +207,8 @@ func TestBrokenNode(t *testing.T) {
 		// everything works but ext4 online grow.
 		{"no CAP_SYS_RESOURCE", "capability CAP_SYS_RESOURCE", Warn, "SYS_RESOURCE", "ext4 volumes cannot grow online",
 			func(n *node, _ *Config) { n.write("proc/self/status", "CapEff:\t000001fffeffffff\n") }},
+		{"capabilities unreadable", "capabilities", Fail, "procfs", "no CapEff line",
+			func(n *node, _ *Config) { n.write("proc/self/status", "Name:\tberth\n") }},
 		{"no CAP_MKNOD", "capability CAP_MKNOD", Warn, "privileged: true", "loop",
 			func(n *node, _ *Config) { n.write("proc/self/status", "CapEff:\t000001fff7ffffff\n") }},
 		{"no CAP_NET_ADMIN", "capability CAP_NET_ADMIN", Warn, "privileged: true", "uevent",
