@@ -48,7 +48,7 @@ vm-test: build vm-image
 bench: build vm-image
 	./scripts/bench.sh
 
-demo: build
+demo: deps build
 	./scripts/demo.sh
 
 install: build

@@ -21,6 +21,7 @@ import (
 	"github.com/berth-csi/berth/agent"
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/doctor"
+	"github.com/berth-csi/berth/internal/cliflags"
 	"github.com/berth-csi/berth/iscsi"
 	"github.com/berth-csi/berth/metrics"
 	"github.com/berth-csi/berth/nvmeof"
@@ -123,8 +124,8 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "log-level", Value: "info", EnvVars: []string{"BERTH_LOG_LEVEL"}, Usage: "log level: debug, info, warn, error"},
 			&cli.StringFlag{Name: "metrics-address", EnvVars: []string{"BERTH_METRICS_ADDRESS"}, Usage: "serve Prometheus /metrics on host:port (empty: off)"},
 			&cli.StringFlag{Name: "probe-checks", EnvVars: []string{"BERTH_PROBE_CHECKS"}, Usage: "transports whose node checks (berth doctor) Probe runs: comma-separated iscsi, nvmeof, file (empty: none)"},
-			&cli.StringFlag{Name: "iscsiadm", Value: "iscsiadm", EnvVars: []string{"BERTH_ISCSIADM"}, Usage: "iscsiadm executable, or a wrapper that runs the host's iscsiadm (containers)"},
-			&cli.StringFlag{Name: "multipathd", Value: "multipathd", EnvVars: []string{"BERTH_MULTIPATHD"}, Usage: "multipathd executable, or a wrapper that runs the host's multipathd (containers)"},
+			cliflags.IscsiadmFlag(),
+			cliflags.MultipathdFlag(),
 			&cli.StringFlag{Name: "iscsi-node-dir", EnvVars: []string{"BERTH_ISCSI_NODE_DIR"}, Usage: "open-iscsi's node record directory, where its iscsiadm keeps records (empty: /etc/iscsi/nodes or else /var/lib/iscsi/nodes, the first that exists)"},
 			&cli.IntFlag{Name: "iscsi-replacement-timeout", Value: -1, EnvVars: []string{"BERTH_ISCSI_REPLACEMENT_TIMEOUT"}, Usage: "node.session.timeo.replacement_timeout for new iSCSI sessions, seconds (-1: open-iscsi's default)"},
 			&cli.IntFlag{Name: "iscsi-login-timeout", Value: -1, EnvVars: []string{"BERTH_ISCSI_LOGIN_TIMEOUT"}, Usage: "node.conn[0].timeo.login_timeout for new iSCSI sessions, seconds (-1: open-iscsi's default)"},
@@ -143,6 +144,8 @@ func newLogger(format, level string) (*slog.Logger, error) {
 	opts := &slog.HandlerOptions{Level: lv}
 	switch format {
 	case "text":
+		// Durations in seconds, as in the JSON logs.
+		opts.ReplaceAttr = systemd.DurationSeconds
 		return slog.New(slog.NewTextHandler(os.Stderr, opts)), nil
 	case "json":
 		return slog.New(systemd.NewLogHandler(os.Stderr, opts)), nil
@@ -166,6 +169,16 @@ func parseTopology(kvs []string) (map[string]string, error) {
 		out[k] = v
 	}
 	return out, nil
+}
+
+// probeConfig is the doctor configuration of --probe-checks: the
+// programs serve runs, no endpoint or kubelet directory checks.
+func probeConfig(c *cli.Context) (doctor.Config, error) {
+	transports, err := doctor.ParseTransports(c.String("probe-checks"))
+	if err != nil {
+		return doctor.Config{}, fmt.Errorf("--probe-checks: %w", err)
+	}
+	return doctor.Config{Transports: transports, Iscsiadm: c.String(cliflags.Iscsiadm), Multipathd: c.String(cliflags.Multipathd)}, nil
 }
 
 func serve(c *cli.Context) error {
@@ -213,12 +226,12 @@ func serve(c *cli.Context) error {
 		},
 		OnStopping: func() { _ = systemd.Stopping() },
 	}
-	if checks := c.String("probe-checks"); checks != "" {
-		transports, err := doctor.ParseTransports(checks)
+	if c.String("probe-checks") != "" {
+		dc, err := probeConfig(c)
 		if err != nil {
-			return fmt.Errorf("--probe-checks: %w", err)
+			return err
 		}
-		cfg.ReadyFunc = doctor.ReadyFunc(doctor.Config{Transports: transports})
+		cfg.ReadyFunc = doctor.ReadyFunc(dc)
 	}
 
 	// Metrics read the agent's volume table, which exists once New ran.
@@ -249,8 +262,8 @@ func serve(c *cli.Context) error {
 	defer l.Close()
 	cfg.Listener = l
 	iscsiOpts := iscsi.Options{
-		Iscsiadm:   c.String("iscsiadm"),
-		Multipathd: c.String("multipathd"),
+		Iscsiadm:   c.String(cliflags.Iscsiadm),
+		Multipathd: c.String(cliflags.Multipathd),
 		NodeDir:    c.String("iscsi-node-dir"),
 		Params:     map[string]int{},
 	}

@@ -20,6 +20,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"sync/atomic"
 	"time"
@@ -289,7 +290,7 @@ type VolumeStatus struct {
 	// Staged is false for a stage that did not complete.
 	Staged bool
 	// Abnormal and Message are the volume condition NodeGetVolumeStats
-	// reports.
+	// reports for the volume at any of its publish targets.
 	Abnormal bool
 	Message  string
 	// Targets is the number of paths the volume is published at.
@@ -313,7 +314,7 @@ func (a *Agent) Volumes(ctx context.Context) []VolumeStatus {
 	out := make([]VolumeStatus, 0, len(recs))
 	for _, r := range recs {
 		t := a.recordedTarget(r)
-		c := a.conditionOf(ctx, r, t)
+		c := a.conditionAt(ctx, r, t, slices.Sorted(maps.Keys(r.Publishes)))
 		out = append(out, VolumeStatus{
 			ID: r.VolumeID, Transport: r.Transport, Staged: r.Staged,
 			Abnormal: c.Abnormal, Message: c.Message, Targets: len(r.Publishes),

@@ -215,6 +215,7 @@ type fakeTransport struct {
 	entered  chan string
 	attached map[string]int
 	detached map[string]int
+	grownTo  int64 // the size Expand reports when set
 }
 
 var _ Transport = (*fakeTransport)(nil)
@@ -284,7 +285,14 @@ func (t *fakeTarget) Detach(context.Context) error {
 	return nil
 }
 
-func (t *fakeTarget) Expand(context.Context) (int64, error) { return 1 << 20, nil }
+func (t *fakeTarget) Expand(context.Context) (int64, error) {
+	t.ft.mu.Lock()
+	defer t.ft.mu.Unlock()
+	if t.ft.grownTo > 0 {
+		return t.ft.grownTo, nil
+	}
+	return 1 << 20, nil
+}
 func (t *fakeTarget) Health(context.Context) (bool, string) { return false, "" }
 
 // newFakeAgent returns an agent on fakes: no root, no kernel.

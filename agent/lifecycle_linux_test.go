@@ -417,8 +417,10 @@ func TestExpandOnline(t *testing.T) {
 				_, err := h.node.NodeExpandVolume(context.Background(), &csi.NodeExpandVolumeRequest{
 					VolumeId: v.id, VolumePath: v.target, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * size},
 				})
-				if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "CAP_SYS_RESOURCE") {
-					t.Fatalf("expand without CAP_SYS_RESOURCE: %v, want Unavailable naming the capability", err)
+				// Permanent until berth gets the capability: not
+				// Unavailable, which the kubelet retries forever.
+				if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "CAP_SYS_RESOURCE") {
+					t.Fatalf("expand without CAP_SYS_RESOURCE: %v, want FailedPrecondition naming the capability", err)
 				}
 				t.Logf("no CAP_SYS_RESOURCE here; ext4 online resize refused as expected: %v", err)
 				must(t, "write after a refused resize", os.WriteFile(filepath.Join(v.target, "still-ok"), []byte("ok"), 0o644))

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/systemd"
 )
 
 func TestInflight(t *testing.T) {
@@ -162,16 +163,17 @@ func TestStageLogsStepTimes(t *testing.T) {
 	a, _, _ := newFakeAgent(t)
 	// The stage logs from this goroutine: a plain buffer will do.
 	var buf bytes.Buffer
-	a.log = slog.New(slog.NewJSONHandler(&buf, nil))
+	a.log = slog.New(systemd.NewLogHandler(&buf, nil))
 	n := &nodeServer{a: a}
 	staging := filepath.Join(t.TempDir(), "s")
 	must(t, "mkdir", mkdirAll(staging))
 	if _, err := n.NodeStageVolume(context.Background(), stageReq("vol-t", staging, "7")); err != nil {
 		t.Fatal(err)
 	}
+	// Durations are seconds, as everywhere in berth's JSON logs.
 	var line struct {
-		Msg  string            `json:"msg"`
-		Took map[string]string `json:"took"`
+		Msg  string             `json:"msg"`
+		Took map[string]float64 `json:"took"`
 	}
 	found := false
 	for _, l := range strings.Split(strings.TrimSpace(buf.String()), "\n") {
@@ -183,12 +185,49 @@ func TestStageLogsStepTimes(t *testing.T) {
 		}
 		found = true
 		for _, step := range []string{"prepare", "attach", "verify", "format", "verify_again", "mount", "record", "total"} {
-			if _, err := time.ParseDuration(line.Took[step]); err != nil {
-				t.Errorf("took.%s = %q: %v", step, line.Took[step], err)
+			if v, ok := line.Took[step]; !ok || v < 0 || v > line.Took["total"] {
+				t.Errorf("took.%s = %v (present %v), want seconds between 0 and the total %v", step, v, ok, line.Took["total"])
 			}
 		}
 	}
 	if !found {
 		t.Fatalf("no staged line in:\n%s", buf.String())
 	}
+}
+
+// The log line of an expansion gives the size before and after, in bytes.
+func TestExpandLogsSizes(t *testing.T) {
+	a, _, tr := newFakeAgent(t)
+	var buf bytes.Buffer
+	a.log = slog.New(systemd.NewLogHandler(&buf, nil))
+	n := &nodeServer{a: a}
+	staging := filepath.Join(t.TempDir(), "s")
+	must(t, "mkdir", mkdirAll(staging))
+	_, err := n.NodeStageVolume(context.Background(), stageReq("vol-x", staging, "7"))
+	must(t, "stage", err)
+	tr.mu.Lock()
+	tr.grownTo = 3 << 20
+	tr.mu.Unlock()
+	resp, err := n.NodeExpandVolume(context.Background(), &csi.NodeExpandVolumeRequest{VolumeId: "vol-x", VolumePath: staging})
+	must(t, "expand", err)
+	if resp.GetCapacityBytes() != 3<<20 {
+		t.Fatalf("capacity %d, want %d", resp.GetCapacityBytes(), 3<<20)
+	}
+	for _, l := range strings.Split(strings.TrimSpace(buf.String()), "\n") {
+		var line struct {
+			Msg string `json:"msg"`
+			Old int64  `json:"old_bytes"`
+			New int64  `json:"new_bytes"`
+		}
+		if err := json.Unmarshal([]byte(l), &line); err != nil {
+			t.Fatalf("log line %q: %v", l, err)
+		}
+		if line.Msg == "expanded" {
+			if line.Old != 1<<20 || line.New != 3<<20 {
+				t.Fatalf("expanded line %s: want old_bytes %d, new_bytes %d", l, 1<<20, 3<<20)
+			}
+			return
+		}
+	}
+	t.Fatalf("no expanded line in:\n%s", buf.String())
 }

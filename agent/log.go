@@ -191,12 +191,12 @@ func newStepTimer() *stepTimer {
 func (s *stepTimer) mark(name string) {
 	failpoint.Hit("step." + name)
 	now := time.Now()
-	s.steps = append(s.steps, slog.String(name, now.Sub(s.last).Round(time.Microsecond).String()))
+	s.steps = append(s.steps, slog.Duration(name, now.Sub(s.last)))
 	s.last = now
 }
 
 // attr is the "took" group: every marked step and the total.
 func (s *stepTimer) attr() slog.Attr {
-	steps := append(s.steps, slog.String("total", s.last.Sub(s.start).Round(time.Microsecond).String()))
+	steps := append(s.steps, slog.Duration("total", s.last.Sub(s.start)))
 	return slog.Group("took", steps...)
 }

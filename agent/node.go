@@ -56,6 +56,9 @@ func (n *nodeServer) mountOptions(c volumeCap, readOnly bool) (uintptr, string, 
 // The stage mounts on, and checks, what was opened here.
 func openStaging(p string) (*heldPath, *berthfs.Handle, error) {
 	sp, err := holdPath("staging_target_path", p)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return nil, nil, notFound("staging_target_path %q: does not exist (the CO creates it before NodeStageVolume)", p)
+	}
 	if err != nil {
 		return nil, nil, err
 	}
@@ -73,7 +76,7 @@ func openStaging(p string) (*heldPath, *berthfs.Handle, error) {
 	case err == nil:
 		return sp, h, nil
 	case errors.Is(err, errdefs.ErrNotFound):
-		err = notFound("staging_target_path %q: does not exist (the CO creates it)", p)
+		err = notFound("staging_target_path %q: does not exist (the CO creates it before NodeStageVolume)", p)
 	case !errors.Is(err, errdefs.ErrInvalidArgument):
 		err = fmt.Errorf("staging_target_path %q: %w", p, err)
 	}
@@ -983,22 +986,12 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 		resp.Usage = []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}
 		return resp, nil
 	}
-	// Usage is read only from a path that shows the volume: a lost
-	// mount would report the node's root filesystem.
-	if p == rec.StagingPath {
-		err = n.a.checkStagingMount(rec)
-	} else {
-		var mounted bool
-		mounted, err = n.a.checkPublished(rec, p)
-		if err == nil && !mounted {
-			err = precondition("volume %q: %s is not mounted", id, p)
-		}
-	}
+	unmounted, err := n.a.pathCondition(rec, p)
 	if err != nil {
-		if !errors.Is(err, errdefs.ErrFailedPrecondition) {
-			return nil, err
-		}
-		cond.Abnormal, cond.Message = true, err.Error()
+		return nil, err
+	}
+	if unmounted != nil {
+		resp.VolumeCondition = unmounted
 		return resp, nil
 	}
 	st, err := n.a.host.Stats(p)
@@ -1043,6 +1036,50 @@ func (a *Agent) conditionOf(ctx context.Context, rec *volumeRecord, t Target) *c
 		}
 	}
 	return &csi.VolumeCondition{Abnormal: false, Message: "volume is attached and mounted"}
+}
+
+// pathCondition is the condition of a mount volume's path (its staging
+// path or a publish target) that does not show the volume (a lost mount,
+// another mount put there), nil while it does. NodeGetVolumeStats and the
+// metrics scrape both use it.
+func (a *Agent) pathCondition(rec *volumeRecord, p string) (*csi.VolumeCondition, error) {
+	var err error
+	if p == rec.StagingPath {
+		err = a.checkStagingMount(rec)
+	} else {
+		var mounted bool
+		mounted, err = a.checkPublished(rec, p)
+		if err == nil && !mounted {
+			err = precondition("volume %q: %s is not mounted", rec.VolumeID, p)
+		}
+	}
+	switch {
+	case err == nil:
+		return nil, nil
+	case errors.Is(err, errdefs.ErrFailedPrecondition):
+		return &csi.VolumeCondition{Abnormal: true, Message: err.Error()}, nil
+	}
+	return nil, err
+}
+
+// conditionAt is the condition NodeGetVolumeStats reports for the volume
+// at any of paths: conditionOf, then, for a mount volume, whether each path
+// still has its mount. An error checking a path makes the volume abnormal.
+func (a *Agent) conditionAt(ctx context.Context, rec *volumeRecord, t Target, paths []string) *csi.VolumeCondition {
+	c := a.conditionOf(ctx, rec, t)
+	if c.Abnormal || rec.AccessType == "block" {
+		return c
+	}
+	for _, p := range paths {
+		u, err := a.pathCondition(rec, p)
+		if err != nil {
+			return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("check the mount at %s: %v", p, err)}
+		}
+		if u != nil {
+			return u
+		}
+	}
+	return c
 }
 
 func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (_ *csi.NodeExpandVolumeResponse, retErr error) {
@@ -1121,10 +1158,13 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 			return nil, err
 		}
 	}
+	old := rec.Device.Size
 	rec.Device.Size = size
 	if err := n.a.state.put(rec); err != nil {
 		return nil, err
 	}
+	logFrom(ctx, n.a.log).InfoContext(ctx, "expanded", slog.String("device", rec.Device.Path),
+		slog.Int64("old_bytes", old), slog.Int64("new_bytes", size))
 	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
 }
 

@@ -356,40 +356,64 @@ func findProcess(cfg *Config, name string) int {
 	return 0
 }
 
-const capSysAdmin = 21
+// capability is one capability berth or the tools it runs need, with what
+// fails without it. The list matches berth.service's CapabilityBoundingSet.
+type capability struct {
+	name    string
+	bit     uint   // capability number (linux/capability.h)
+	missing Status // Fail: berth cannot serve; Warn: one feature fails
+	without string // what fails without it
+}
 
-// hasCap parses the CapEff line of /proc/<pid>/status.
-func hasCap(status []byte, bit uint) (bool, error) {
+var capabilities = []capability{
+	{"CAP_SYS_ADMIN", 21, Fail, "berth cannot mount, set up loop devices or connect NVMe controllers"},
+	{"CAP_SYS_RESOURCE", 24, Warn, "ext4 volumes cannot grow online (the kernel refuses EXT4_IOC_RESIZE_FS; NodeExpandVolume answers FAILED_PRECONDITION); xfs volumes grow without it"},
+	{"CAP_DAC_OVERRIDE", 1, Warn, "berth cannot reach pod directories and volume roots owned by the pod's user after the kubelet applied fsGroup"},
+	{"CAP_MKNOD", 27, Warn, "file volumes fail when devtmpfs does not show a loop device node the kernel made"},
+	{"CAP_NET_ADMIN", 12, Warn, "the uevent socket keeps the net.core.rmem_max buffer; a burst of device events (many LUNs) may be dropped"},
+}
+
+// effectiveCaps parses the CapEff line of /proc/<pid>/status.
+func effectiveCaps(status []byte) (uint64, error) {
 	for _, line := range strings.Split(string(status), "\n") {
 		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
 			n, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
 			if err != nil {
-				return false, fmt.Errorf("CapEff %q: %w", strings.TrimSpace(v), err)
+				return 0, fmt.Errorf("CapEff %q: %w", strings.TrimSpace(v), err)
 			}
-			return n&(1<<bit) != 0, nil
+			return n, nil
 		}
 	}
-	return false, errors.New("no CapEff line")
+	return 0, errors.New("no CapEff line")
 }
 
-func checkPrivileges(cfg *Config) Check {
-	c := Check{Name: "privileges"}
+// checkCapabilities reports each capability berth needs. doctor checks its
+// own process: run it the way berth runs (same user, unit or container).
+func checkCapabilities(cfg *Config) []Check {
 	p := filepath.Join(cfg.ProcRoot, "self", "status")
 	b, err := os.ReadFile(p)
-	var ok bool
+	var eff uint64
 	if err == nil {
-		ok, err = hasCap(b, capSysAdmin)
+		eff, err = effectiveCaps(b)
 	}
-	switch {
-	case err != nil:
-		c.Status, c.Detail = Fail, fmt.Sprintf("read capabilities from %s: %v", p, err)
-	case !ok:
-		c.Status, c.Detail = Fail, "no CAP_SYS_ADMIN: berth cannot mount, set up loop devices or connect NVMe controllers"
-		c.Fix = "run berth as root; in Kubernetes with securityContext.privileged: true"
-	default:
-		c.Status, c.Detail = OK, "CAP_SYS_ADMIN"
+	if err != nil {
+		return []Check{{Name: "capabilities", Status: Fail, Detail: fmt.Sprintf("read capabilities from %s: %v", p, err),
+			Fix: "in a container, mount the host's procfs (or the container's own) at --proc-root"}}
 	}
-	return c
+	out := make([]Check, 0, len(capabilities))
+	for _, c := range capabilities {
+		ch := Check{Name: "capability " + c.name}
+		switch {
+		case eff&(1<<c.bit) == 0:
+			ch.Status, ch.Detail = c.missing, "no "+c.name+": "+c.without
+			ch.Fix = fmt.Sprintf("run berth as root with %s: berth.service's CapabilityBoundingSet has it; in Kubernetes securityContext.privileged: true; "+
+				"a container runtime that drops it needs --cap-add %s", c.name, strings.TrimPrefix(c.name, "CAP_"))
+		default:
+			ch.Status, ch.Detail = OK, c.name
+		}
+		out = append(out, ch)
+	}
+	return out
 }
 
 // endpointPath strips the unix:// or unix: scheme of a CSI endpoint.

@@ -4,6 +4,8 @@ import (
 	"fmt"
 
 	"github.com/urfave/cli/v2"
+
+	"github.com/berth-csi/berth/internal/cliflags"
 )
 
 // DefaultEndpoint is the endpoint `berth doctor` checks unless told.
@@ -15,15 +17,21 @@ func Command() *cli.Command {
 	return &cli.Command{
 		Name:  "doctor",
 		Usage: "check that this node has what berth needs, and say how to fix what it lacks",
-		Description: `Checks kernel modules, iscsid, multipathd, the iSCSI initiator name, the NVMe
-host identity, filesystem tools, the endpoint directory and the mount
-propagation of the kubelet directory. Exits 1 when the node is not ready.`,
+		Description: `Checks berth's capabilities, kernel modules, iscsid, multipathd, the iSCSI
+initiator name, the NVMe host identity, the filesystem tools and the
+iscsiadm/multipathd programs berth runs (--iscsiadm, --multipathd: the same
+flags and environment variables as berth serve), the endpoint directory and
+the mount propagation of the kubelet directory. Exits 1 when the node is not
+ready.`,
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "transports", Value: "iscsi,nvmeof", Usage: "transports this node must serve: comma-separated iscsi, nvmeof, file"},
 			&cli.BoolFlag{Name: "multipath", Usage: "volumes use dm-multipath: require dm_multipath and multipathd"},
-			&cli.StringFlag{Name: "endpoint", Value: DefaultEndpoint, EnvVars: []string{"CSI_ENDPOINT"}, Usage: "CSI endpoint whose directory must be writable (empty: skip)"},
+			&cli.StringFlag{Name: "endpoint", Value: DefaultEndpoint, EnvVars: []string{"BERTH_ENDPOINT", "CSI_ENDPOINT"}, Usage: "CSI endpoint whose directory must be writable (empty: skip)"},
 			&cli.StringFlag{Name: "kubelet-dir", Value: "/var/lib/kubelet", Usage: "kubelet root directory that needs shared mount propagation (empty: skip)"},
-			&cli.StringFlag{Name: "iscsiadm", Value: "iscsiadm", Usage: "iscsiadm program berth runs"},
+			// The programs berth runs: the same flags and environment
+			// variables as berth serve.
+			cliflags.IscsiadmFlag(),
+			cliflags.MultipathdFlag(),
 			&cli.BoolFlag{Name: "json", Usage: "print the report as JSON"},
 			&cli.StringFlag{Name: "sys-root", Value: "/sys", Usage: "where the node's sysfs is mounted"},
 			&cli.StringFlag{Name: "proc-root", Value: "/proc", Usage: "where procfs is mounted"},
@@ -41,7 +49,8 @@ propagation of the kubelet directory. Exits 1 when the node is not ready.`,
 				Multipath:   c.Bool("multipath"),
 				Endpoint:    c.String("endpoint"),
 				KubeletDir:  c.String("kubelet-dir"),
-				Iscsiadm:    c.String("iscsiadm"),
+				Iscsiadm:    c.String(cliflags.Iscsiadm),
+				Multipathd:  c.String(cliflags.Multipathd),
 				SysRoot:     c.String("sys-root"),
 				ProcRoot:    c.String("proc-root"),
 				EtcRoot:     c.String("etc-root"),

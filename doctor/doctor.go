@@ -1,5 +1,5 @@
-// Package doctor checks whether a node has what berth needs: kernel
-// modules, iscsid, multipathd, host identities, filesystem tools, a
+// Package doctor checks whether a node has what berth needs: its
+// capabilities, kernel modules, iscsid, multipathd, host identities, filesystem tools, a
 // writable endpoint directory and shared mount propagation for the
 // kubelet's directory. Each failed check names a concrete fix.
 //
@@ -98,9 +98,10 @@ type Config struct {
 	// KubeletDir must sit on a mount with shared propagation so that
 	// berth's mounts reach the kubelet and pods. Empty skips the check.
 	KubeletDir string
-	// Iscsiadm is the iscsiadm program berth runs (a name looked up in
-	// Path, or a path).
-	Iscsiadm string
+	// Iscsiadm and Multipathd are the programs berth runs (names looked
+	// up in Path, or paths): the tools or the wrappers that run the
+	// host's tools from a container.
+	Iscsiadm, Multipathd string
 
 	// Roots of the node's file systems; defaults /sys, /proc, /etc,
 	// /lib/modules, /dev.
@@ -128,6 +129,7 @@ func (c *Config) setDefaults() {
 	def(&c.ModulesRoot, "/lib/modules")
 	def(&c.DevRoot, "/dev")
 	def(&c.Iscsiadm, "iscsiadm")
+	def(&c.Multipathd, "multipathd")
 	if c.KernelRelease == "" {
 		c.KernelRelease = kernelRelease(c.ProcRoot)
 	}
@@ -183,12 +185,12 @@ func Run(ctx context.Context, cfg Config) Report {
 	r := Report{Transports: cfg.Transports}
 	add := func(c ...Check) { r.Checks = append(r.Checks, c...) }
 
-	add(checkPrivileges(&cfg))
+	add(checkCapabilities(&cfg)...)
 	if cfg.wants(TransportISCSI) {
 		add(checkModule(&cfg, "iscsi_tcp", "iSCSI over TCP"))
 		add(checkISCSId(ctx, &cfg))
 		add(checkInitiatorName(&cfg))
-		add(checkTool(&cfg, cfg.Iscsiadm, Fail, "install open-iscsi (apt-get install open-iscsi / dnf install iscsi-initiator-utils)"))
+		add(checkTool(&cfg, cfg.Iscsiadm, Fail, "install open-iscsi (apt-get install open-iscsi / dnf install iscsi-initiator-utils), or in a container install the iscsiadm wrapper berth is given"))
 	}
 	if cfg.wants(TransportNVMeoF) {
 		add(checkModule(&cfg, "nvme_fabrics", "NVMe over Fabrics core, /dev/nvme-fabrics"))
@@ -201,6 +203,7 @@ func Run(ctx context.Context, cfg Config) Report {
 	if cfg.Multipath {
 		add(checkModule(&cfg, "dm_multipath", "device-mapper multipath"))
 		add(checkMultipathd(ctx, &cfg))
+		add(checkTool(&cfg, cfg.Multipathd, Fail, "install multipath-tools (apt-get install multipath-tools / dnf install device-mapper-multipath), or in a container install the multipathd wrapper berth is given"))
 	}
 	e2fs := "install e2fsprogs (apt-get install e2fsprogs)"
 	xfs := "install xfsprogs (apt-get install xfsprogs) for fsType xfs"

@@ -46,7 +46,7 @@ func newNode(t *testing.T) *node {
 	n.write("etc/iscsi/initiatorname.iscsi", "## comment\nInitiatorName=iqn.1993-08.org.debian:01:5a3b2c1d\n")
 	n.write("etc/nvme/hostnqn", "nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427\n")
 	n.write("etc/nvme/hostid", "1b4e28ba-2fa1-11d2-883f-0016d3cca427\n")
-	for _, tool := range []string{"iscsiadm", "mkfs.ext4", "e2fsck", "resize2fs", "mkfs.xfs", "xfs_growfs", "blkid"} {
+	for _, tool := range []string{"iscsiadm", "multipathd", "mkfs.ext4", "e2fsck", "resize2fs", "mkfs.xfs", "xfs_growfs", "blkid"} {
 		n.write("bin/"+tool, "#!/bin/sh\n")
 		if err := os.Chmod(n.path("bin/"+tool), 0o755); err != nil {
 			t.Fatal(err)
@@ -127,7 +127,8 @@ func TestHealthyNode(t *testing.T) {
 	}
 	for _, name := range []string{"module iscsi_tcp", "iscsid", "iscsi initiator name", "tool iscsiadm",
 		"module nvme_fabrics", "module nvme_tcp", "nvme host identity", "module dm_multipath", "multipathd",
-		"tool mkfs.ext4", "tool xfs_growfs", "tool blkid", "endpoint directory", "mount propagation", "privileges"} {
+		"tool mkfs.ext4", "tool xfs_growfs", "tool blkid", "endpoint directory", "mount propagation",
+		"capability CAP_SYS_ADMIN", "capability CAP_SYS_RESOURCE", "capability CAP_DAC_OVERRIDE", "capability CAP_MKNOD", "capability CAP_NET_ADMIN"} {
 		find(t, r, name)
 	}
 	// Checks of transports not asked for are not run.
@@ -200,8 +201,24 @@ func TestBrokenNode(t *testing.T) {
 			func(n *node, _ *Config) {
 				n.write("proc/self/mountinfo", "22 1 8:1 / / rw shared:1 - ext4 /dev/sda1 rw\n30 22 0:25 / "+n.path("var/lib/kubelet")+" rw master:3 - ext4 /dev/sdb1 rw\n")
 			}},
-		{"no CAP_SYS_ADMIN", "privileges", Fail, "privileged: true", "no CAP_SYS_ADMIN",
-			func(n *node, _ *Config) { n.write("proc/self/status", "CapEff:\t0000000000000000\n") }},
+		{"no CAP_SYS_ADMIN", "capability CAP_SYS_ADMIN", Fail, "privileged: true", "no CAP_SYS_ADMIN",
+			func(n *node, _ *Config) { n.write("proc/self/status", "CapEff:\t000001ffffdfffff\n") }},
+		// What root gets in a sandbox that drops CAP_SYS_RESOURCE:
+		// everything works but ext4 online grow.
+		{"no CAP_SYS_RESOURCE", "capability CAP_SYS_RESOURCE", Warn, "SYS_RESOURCE", "ext4 volumes cannot grow online",
+			func(n *node, _ *Config) { n.write("proc/self/status", "CapEff:\t000001fffeffffff\n") }},
+		{"capabilities unreadable", "capabilities", Fail, "procfs", "no CapEff line",
+			func(n *node, _ *Config) { n.write("proc/self/status", "Name:\tberth\n") }},
+		{"no CAP_MKNOD", "capability CAP_MKNOD", Warn, "privileged: true", "loop",
+			func(n *node, _ *Config) { n.write("proc/self/status", "CapEff:\t000001fff7ffffff\n") }},
+		{"no CAP_NET_ADMIN", "capability CAP_NET_ADMIN", Warn, "privileged: true", "uevent",
+			func(n *node, _ *Config) { n.write("proc/self/status", "CapEff:\t000001ffffffefff\n") }},
+		{"no CAP_DAC_OVERRIDE", "capability CAP_DAC_OVERRIDE", Warn, "privileged: true", "fsGroup",
+			func(n *node, _ *Config) { n.write("proc/self/status", "CapEff:\t000001fffffffffd\n") }},
+		{"iscsiadm wrapper missing", "tool iscsiadm-host", Fail, "open-iscsi", "not found",
+			func(n *node, cfg *Config) { cfg.Iscsiadm = n.path("bin/iscsiadm-host") }},
+		{"multipathd wrapper missing", "tool multipathd-host", Fail, "multipath-tools", "not found",
+			func(n *node, cfg *Config) { cfg.Multipathd = n.path("bin/multipathd-host") }},
 		{"endpoint dir is a file", "endpoint directory", Fail, "remove", "not a directory",
 			func(n *node, _ *Config) {
 				n.remove("var/lib/kubelet/plugins/berth.csi.io")
@@ -344,5 +361,34 @@ func TestKubeletDirMissing(t *testing.T) {
 	c := find(t, Run(context.Background(), cfg), "mount propagation")
 	if c.Status != Warn || !strings.Contains(c.Detail, "does not exist") {
 		t.Fatalf("missing kubelet dir: %+v", c)
+	}
+}
+
+// doctor reads the wrapper programs from the same flags and environment
+// variables as berth serve, so that `berth doctor` run in berth's
+// container checks the programs berth runs.
+func TestCommandReadsServeEnvironment(t *testing.T) {
+	n := newNode(t)
+	for _, w := range []string{"bin/iscsiadm-host", "bin/multipathd-host"} {
+		n.write(w, "#!/bin/sh\n")
+		if err := os.Chmod(n.path(w), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Setenv("BERTH_ISCSIADM", n.path("bin/iscsiadm-host"))
+	t.Setenv("BERTH_MULTIPATHD", n.path("bin/multipathd-host"))
+	n.write("proc/sys/kernel/osrelease", release+"\n")
+	out, _ := runCommand(t, "--transports", "iscsi", "--multipath", "--json", "--kubelet-dir", "", "--endpoint", "",
+		"--sys-root", n.path("sys"), "--proc-root", n.path("proc"), "--etc-root", n.path("etc"),
+		"--modules-root", n.path("lib/modules"), "--dev-root", n.path("dev"))
+	var rep Report
+	if err := json.Unmarshal([]byte(out), &rep); err != nil {
+		t.Fatalf("--json output: %v\n%s", err, out)
+	}
+	for _, tool := range []string{"iscsiadm-host", "multipathd-host"} {
+		c := find(t, rep, "tool "+tool)
+		if c.Status != OK || c.Detail != n.path("bin/"+tool) {
+			t.Errorf("tool %s: %+v, want OK at %s", tool, c, n.path("bin/"+tool))
+		}
 	}
 }

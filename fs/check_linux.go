@@ -118,9 +118,14 @@ func Resize(ctx context.Context, devPath, mountPath, fsType string) error {
 		_, err = runTool(ctx, "resize2fs", "--", devPath)
 		var te *ToolError
 		if errors.As(err, &te) && strings.Contains(te.Stderr, "Permission denied to resize") {
-			// EXT4_IOC_RESIZE_FS needs CAP_SYS_RESOURCE.
-			te.Kind = errdefs.ErrUnavailable
-			return fmt.Errorf("resize %s: the kernel refused the online resize; the agent needs CAP_SYS_RESOURCE: %w", devPath, err)
+			// EXT4_IOC_RESIZE_FS needs CAP_SYS_RESOURCE. A missing
+			// capability stays missing until berth is restarted with it:
+			// FailedPrecondition, not Unavailable, which COs retry
+			// forever.
+			te.Kind = errdefs.ErrFailedPrecondition
+			return fmt.Errorf("resize %s: the kernel refused the online ext4 resize: berth runs without CAP_SYS_RESOURCE; "+
+				"give it the capability (berth.service's CapabilityBoundingSet has it; in Kubernetes privileged: true or capabilities add SYS_RESOURCE) "+
+				"and restart it, `berth doctor` checks it: %w", devPath, err)
 		}
 	case XFS:
 		_, err = runTool(ctx, "xfs_growfs", "-d", "--", mountPath)

@@ -747,8 +747,11 @@ func TestHostResizeOnline(t *testing.T) {
 				// The kernel refuses EXT4_IOC_RESIZE_FS without
 				// CAP_SYS_RESOURCE: the error must say so, and the
 				// offline path must still grow the filesystem.
-				if !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "CAP_SYS_RESOURCE") {
-					t.Fatalf("online ext4 resize without CAP_SYS_RESOURCE: %v, want ErrUnavailable naming the capability", err)
+				// A missing capability is permanent: FailedPrecondition,
+				// not Unavailable, which the kubelet retries forever.
+				if !errors.Is(err, errdefs.ErrFailedPrecondition) || errors.Is(err, errdefs.ErrUnavailable) ||
+					!strings.Contains(err.Error(), "CAP_SYS_RESOURCE") || !strings.Contains(err.Error(), "berth doctor") {
+					t.Fatalf("online ext4 resize without CAP_SYS_RESOURCE: %v, want ErrFailedPrecondition naming the capability and how to check it", err)
 				}
 				t.Logf("no CAP_SYS_RESOURCE: online ext4 resize refused as expected (%v); growing offline", err)
 				if err := Unmount(mnt); err != nil {

@@ -274,7 +274,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 		return nil, fmt.Errorf("wait for the disk of %s LUN %d (%s; sysfs shows %s): %w", v.IQN, v.LUN, hctl, t.describeLUN(hctl), err)
 	}
 	t.log.Debug("iSCSI path attached", "portal", p.String(), "session", sess.ID, "hctl", hctl.String(), "device", dev.Path,
-		"logged_in", loggedIn, "scanned", scanned, "login_scan", scannedAt.Sub(start).String(), "device_wait", time.Since(scannedAt).String())
+		"logged_in", loggedIn, "scanned", scanned, "login_scan", scannedAt.Sub(start), "device_wait", time.Since(scannedAt))
 	if dev.ID.WWID == "" {
 		if w, err := readAttr(t.sys.path("class", "scsi_device", hctl.String(), "device", "wwid")); err == nil {
 			dev.ID.WWID = w
@@ -393,7 +393,7 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 		}
 	}
 	defer func() {
-		t.log.Debug("iSCSI login", "portal", p.String(), "duration", time.Since(start).String(), "error", retErr)
+		t.log.Debug("iSCSI login", "portal", p.String(), "duration", time.Since(start), "error", retErr)
 	}()
 	defer func() {
 		if retErr != nil {

@@ -149,7 +149,7 @@ var (
 		"Paths to a staged volume's target by state; fewer live paths than configured portals means lost redundancy.",
 		[]string{"volume_id", "transport", "state"}, nil)
 	descAbnormal = prometheus.NewDesc("berth_volume_abnormal",
-		"1 when a staged volume's health check reports it abnormal (the NodeGetVolumeStats volume condition).",
+		"1 when a staged volume is abnormal: the volume condition NodeGetVolumeStats reports (target connection, device identity, staging mount, every publish mount).",
 		[]string{"volume_id", "transport"}, nil)
 )
 

@@ -23,12 +23,35 @@ import (
 //
 // Anywhere else (a container, a terminal) it writes one JSON object per line
 // to w, which log collectors parse without configuration.
+//
+// Durations are written as seconds (a float: 0.0025), in JSON and in the
+// journal alike, so that one query works on every duration attribute.
 func NewLogHandler(w io.Writer, opts *slog.HandlerOptions) slog.Handler {
-	fallback := slog.NewJSONHandler(w, opts)
+	o := slog.HandlerOptions{}
+	if opts != nil {
+		o = *opts
+	}
+	if next := o.ReplaceAttr; next != nil {
+		o.ReplaceAttr = func(groups []string, a slog.Attr) slog.Attr { return next(groups, DurationSeconds(groups, a)) }
+	} else {
+		o.ReplaceAttr = DurationSeconds
+	}
+	fallback := slog.NewJSONHandler(w, &o)
 	if ok, err := journal.StderrIsJournalStream(); err != nil || !ok || !journal.Enabled() {
 		return fallback
 	}
 	return newJournalHandler(opts, journal.Send, fallback)
+}
+
+// DurationSeconds is a slog.HandlerOptions.ReplaceAttr that writes a
+// time.Duration attribute as seconds, a float64: the one format of
+// durations in berth's logs (slog's JSON handler would write integer
+// nanoseconds, its text handler "1.5s").
+func DurationSeconds(_ []string, a slog.Attr) slog.Attr {
+	if a.Value.Kind() == slog.KindDuration {
+		a.Value = slog.Float64Value(a.Value.Duration().Seconds())
+	}
+	return a
 }
 
 type sendFunc func(message string, priority journal.Priority, vars map[string]string) error
@@ -120,7 +143,7 @@ func addField(vars map[string]string, prefix string, a slog.Attr) {
 	case slog.KindTime:
 		vars[name] = v.Time().UTC().Format(time.RFC3339Nano)
 	case slog.KindDuration:
-		vars[name] = v.Duration().String()
+		vars[name] = strconv.FormatFloat(v.Duration().Seconds(), 'f', -1, 64)
 	case slog.KindString:
 		vars[name] = v.String()
 	case slog.KindInt64:

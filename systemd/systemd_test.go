@@ -2,6 +2,7 @@ package systemd
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"log/slog"
 	"net"
@@ -177,7 +178,7 @@ func TestJournalHandlerFields(t *testing.T) {
 		"REQ_TARGET_PATH":   "/var/lib/kubelet/x",
 		"REQ_TRUSTED":       "no",
 		"REQ_MESSAGE":       "spoof",
-		"REQ_TOOK":          "1.5s",
+		"REQ_TOOK":          "1.5",
 		"REQ_DEV_MAJOR":     "8",
 		"REQ_DEV_MINOR":     "16",
 		"SYSLOG_IDENTIFIER": "berth",
@@ -260,5 +261,31 @@ func TestProbeEndpoint(t *testing.T) {
 				t.Fatalf("ProbeEndpoint = %v, want alive=%v", err, tc.alive)
 			}
 		})
+	}
+}
+
+// Every duration in berth's JSON logs is a number of seconds, at the top
+// level and inside groups, whichever way the attribute was made.
+func TestJSONLogDurationsAreSeconds(t *testing.T) {
+	var buf strings.Builder
+	log := slog.New(NewLogHandler(&buf, nil))
+	log.With("timeout", 30*time.Second).Info("done", slog.Duration("duration", 1500*time.Millisecond),
+		slog.Group("took", slog.Duration("mount", 2*time.Millisecond), "total", 250*time.Microsecond))
+	var line map[string]any
+	if err := json.Unmarshal([]byte(buf.String()), &line); err != nil {
+		t.Fatalf("log line %q: %v", buf.String(), err)
+	}
+	took, _ := line["took"].(map[string]any)
+	for _, c := range []struct {
+		key  string
+		got  any
+		want float64
+	}{{"timeout", line["timeout"], 30}, {"duration", line["duration"], 1.5}, {"took.mount", took["mount"], 0.002}, {"took.total", took["total"], 0.00025}} {
+		if f, ok := c.got.(float64); !ok || f != c.want {
+			t.Errorf("%s = %#v, want %v (seconds) in %s", c.key, c.got, c.want, buf.String())
+		}
+	}
+	if !strings.Contains(buf.String(), `"duration":1.5`) {
+		t.Errorf("duration not written as seconds: %s", buf.String())
 	}
 }

@@ -1,0 +1,26 @@
+// Package cliflags defines the command-line flags that more than one berth
+// command reads. `berth serve` and `berth doctor` take them from here, so
+// that both agree on names, environment variables and defaults, and
+// `berth doctor` run where berth runs (its container, its unit's
+// environment) checks the programs berth will run.
+package cliflags
+
+import "github.com/urfave/cli/v2"
+
+// Names of the shared flags, for cli.Context lookups.
+const (
+	Iscsiadm   = "iscsiadm"
+	Multipathd = "multipathd"
+)
+
+// IscsiadmFlag is the iscsiadm program berth runs.
+func IscsiadmFlag() *cli.StringFlag {
+	return &cli.StringFlag{Name: Iscsiadm, Value: "iscsiadm", EnvVars: []string{"BERTH_ISCSIADM"},
+		Usage: "iscsiadm executable, or a wrapper that runs the host's iscsiadm (containers)"}
+}
+
+// MultipathdFlag is the multipathd program berth runs.
+func MultipathdFlag() *cli.StringFlag {
+	return &cli.StringFlag{Name: Multipathd, Value: "multipathd", EnvVars: []string{"BERTH_MULTIPATHD"},
+		Usage: "multipathd executable, or a wrapper that runs the host's multipathd (containers)"}
+}
