@@ -99,6 +99,29 @@ type Agent struct {
 	// (devices.Lookup). Tests substitute them.
 	verify func(*devices.Device) error
 	lookup func(name string) (*devices.Device, error)
+	// undoTimeout bounds the undo of a failed call (undoContext); 0
+	// means defaultUndoTimeout. Tests shorten it.
+	undoTimeout time.Duration
+}
+
+// defaultUndoTimeout bounds how long a failed call goes on undoing its
+// partial work (a detach: a logout, a loop device's release) after the
+// failure, which may be its caller's deadline. Undo normally takes
+// milliseconds to a few seconds.
+const defaultUndoTimeout = 10 * time.Second
+
+// undoContext is the context in which a failed call undoes its partial
+// work: not cancelled with the call, since a call cut short by its
+// caller's deadline must still undo what it did, but bounded, so that
+// the volume's lock is released soon after the caller gave up. An undo
+// cut short leaves the volume's record, from which a retried call or
+// NodeUnstageVolume finishes the work.
+func (a *Agent) undoContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	d := a.undoTimeout
+	if d <= 0 {
+		d = defaultUndoTimeout
+	}
+	return context.WithTimeout(context.WithoutCancel(ctx), d)
 }
 
 var (

@@ -101,6 +101,9 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if err != nil {
 		return nil, err
 	}
+	if err := validateSecrets(req.GetSecrets()); err != nil {
+		return nil, err
+	}
 	tr, err := selectTransport(vctx, n.a.transports)
 	if err != nil {
 		return nil, err
@@ -228,7 +231,9 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		// stays attached with its record, which says so, for the retry
 		// to finish (or the unstage to undo).
 		if !wasStaged && rec.Formatting == nil {
-			if err := n.detach(context.WithoutCancel(ctx), rec, tr, target); err != nil {
+			uctx, cancel := n.a.undoContext(ctx)
+			defer cancel()
+			if err := n.detach(uctx, rec, tr, target); err != nil {
 				errs = append(errs, fmt.Errorf("undo attach: %w", err))
 			} else if err := n.a.state.remove(id); err != nil {
 				errs = append(errs, err)
@@ -448,20 +453,19 @@ func compatibleStage(rec *volumeRecord, staging, transport, key string, c volume
 
 // withoutSecrets drops context entries whose key or value is also a
 // secret, so that a credential put in the wrong map is not persisted.
+// The secret values are looked up in a set: linear in both maps.
 func withoutSecrets(vctx, secrets map[string]string) map[string]string {
+	values := make(map[string]struct{}, len(secrets))
+	for _, s := range secrets {
+		if s != "" {
+			values[s] = struct{}{}
+		}
+	}
 	out := make(map[string]string, len(vctx))
 	for k, v := range vctx {
-		if _, ok := secrets[k]; ok {
-			continue
-		}
-		secret := false
-		for _, s := range secrets {
-			if s != "" && s == v {
-				secret = true
-				break
-			}
-		}
-		if !secret {
+		_, key := secrets[k]
+		_, value := values[v]
+		if !key && !value {
 			out[k] = v
 		}
 	}
@@ -632,6 +636,9 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		return nil, invalid("target_path: equal to staging_target_path")
 	}
 	if _, err := mergeContext(req.GetVolumeContext(), req.GetPublishContext()); err != nil {
+		return nil, err
+	}
+	if err := validateSecrets(req.GetSecrets()); err != nil {
 		return nil, err
 	}
 	readOnly := req.GetReadonly() || vcap.readOnly()
@@ -1098,6 +1105,17 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	case limit > 0 && required > limit:
 		return nil, invalid("capacity_range: required_bytes %d exceeds limit_bytes %d", required, limit)
 	}
+	if err := validateSecrets(req.GetSecrets()); err != nil {
+		return nil, err
+	}
+	var vcap *volumeCap
+	if c := req.GetVolumeCapability(); c != nil {
+		v, err := validateCapability(c, n.a.host.SupportedFsTypes(), n.a.host.ParseMountOptions)
+		if err != nil {
+			return nil, err
+		}
+		vcap = &v
+	}
 	unlock, err := n.a.locks.tryLock(volumeKey(id))
 	if err != nil {
 		return nil, err
@@ -1107,14 +1125,8 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	if err != nil {
 		return nil, err
 	}
-	if c := req.GetVolumeCapability(); c != nil {
-		vcap, err := validateCapability(c, n.a.host.SupportedFsTypes(), n.a.host.ParseMountOptions)
-		if err != nil {
-			return nil, err
-		}
-		if vcap.accessType() != rec.AccessType {
-			return nil, invalid("volume_capability: access type %s, the volume was staged as %s", vcap.accessType(), rec.AccessType)
-		}
+	if vcap != nil && vcap.accessType() != rec.AccessType {
+		return nil, invalid("volume_capability: access type %s, the volume was staged as %s", vcap.accessType(), rec.AccessType)
 	}
 	tr, ok := n.a.transports[rec.Transport]
 	if !ok {

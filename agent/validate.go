@@ -22,6 +22,55 @@ const (
 	defaultFsType = "ext4"
 )
 
+// Limits on the size of a request, checked before the volume is locked
+// and before any work on the request's data, so that no request holds a
+// volume while berth reads through megabytes of it. The CSI spec caps a
+// map at 4 KiB; drivers that copy StorageClass parameters and the CO's
+// own keys (csi.storage.k8s.io/pv/name, ...) into volume_context, or that
+// pass certificates as secrets, may exceed that, so berth allows sixteen
+// times as much. Real volumes use tens of entries and a few KiB.
+const (
+	// maxMapEntries bounds the entries of each of volume_context,
+	// publish_context and secrets.
+	maxMapEntries = 128
+	// maxMapBytes bounds the keys and values of each of those maps
+	// together.
+	maxMapBytes = 64 << 10
+	// maxMountFlags bounds the number of mount_flags.
+	maxMountFlags = 64
+	// maxMountFlagsBytes bounds mount_flags joined by commas: the kernel
+	// takes at most one page of mount data.
+	maxMountFlagsBytes = 4096
+)
+
+// mapBytes is the size of a map's keys and values together.
+func mapBytes(m map[string]string) int {
+	n := 0
+	for k, v := range m {
+		n += len(k) + len(v)
+	}
+	return n
+}
+
+// checkMapSize refuses a map beyond maxMapEntries or maxMapBytes. The
+// entries are counted first, so the bytes are summed over at most
+// maxMapEntries entries.
+func checkMapSize(field string, m map[string]string) error {
+	if len(m) > maxMapEntries {
+		return invalid("%s: %d entries, the limit is %d", field, len(m), maxMapEntries)
+	}
+	if n := mapBytes(m); n > maxMapBytes {
+		return invalid("%s: %d bytes of keys and values, the limit is %d bytes", field, n, maxMapBytes)
+	}
+	return nil
+}
+
+// validateSecrets checks the size of a request's secrets; what they hold
+// is the transport's business. The error names no secret.
+func validateSecrets(secrets map[string]string) error {
+	return checkMapSize("secrets", secrets)
+}
+
 func invalid(format string, a ...any) error {
 	return fmt.Errorf(format+": %w", append(a, errdefs.ErrInvalidArgument)...)
 }
@@ -149,6 +198,9 @@ func validateCapability(c *csi.VolumeCapability, fsTypes []string, parseOpts fun
 		if !slices.Contains(fsTypes, vc.FsType) {
 			return vc, invalid("volume_capability.mount.fs_type %q: not supported, use one of %v", vc.FsType, fsTypes)
 		}
+		if err := checkMountFlagsSize(m.GetMountFlags()); err != nil {
+			return vc, err
+		}
 		for _, f := range m.GetMountFlags() {
 			if hasControl(f) || !utf8.ValidString(f) {
 				return vc, invalid("volume_capability.mount.mount_flags %q: contains control characters", f)
@@ -164,10 +216,30 @@ func validateCapability(c *csi.VolumeCapability, fsTypes []string, parseOpts fun
 	return vc, nil
 }
 
+// checkMountFlagsSize refuses mount_flags beyond maxMountFlags or
+// maxMountFlagsBytes.
+func checkMountFlagsSize(flags []string) error {
+	if len(flags) > maxMountFlags {
+		return invalid("volume_capability.mount.mount_flags: %d flags, the limit is %d", len(flags), maxMountFlags)
+	}
+	n := len(flags) - 1 // the commas
+	for _, f := range flags {
+		n += len(f)
+	}
+	if n > maxMountFlagsBytes {
+		return invalid("volume_capability.mount.mount_flags: %d bytes joined, the limit is %d bytes", n, maxMountFlagsBytes)
+	}
+	return nil
+}
+
 // validateContext checks the form of a volume_context or publish_context:
-// keys and values free of control characters, bounded in size. What the
-// keys mean is the transport's business (Transport.Parse).
+// bounded in size (checkMapSize), keys and values free of control
+// characters. What the keys mean is the transport's business
+// (Transport.Parse).
 func validateContext(field string, m map[string]string) error {
+	if err := checkMapSize(field, m); err != nil {
+		return err
+	}
 	for k, v := range m {
 		switch {
 		case k == "":

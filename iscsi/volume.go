@@ -69,6 +69,10 @@ const maxLUN = 16383
 // record fields are 256-byte C strings).
 const maxCHAPLen = 255
 
+// maxPortals bounds the distinct portals of a volume: each is a session
+// logged in at attach.
+const maxPortals = 32
+
 // CHAP holds one direction or both directions of CHAP credentials. Its
 // String and LogValue methods never print the secrets.
 type CHAP struct {
@@ -185,15 +189,18 @@ func ParseVolume(volumeContext, secrets map[string]string) (*Volume, error) {
 		return nil, err
 	}
 	for _, p := range append(portals, more...) {
-		if !slices.ContainsFunc(v.Portals, func(q Portal) bool { return q.Host == p.Host && q.Port == p.Port }) {
-			v.Portals = append(v.Portals, p)
+		if slices.ContainsFunc(v.Portals, func(q Portal) bool { return q.Host == p.Host && q.Port == p.Port }) {
+			continue
 		}
+		// Refused as soon as it is exceeded, the limit also bounds
+		// the duplicate check.
+		if len(v.Portals) == maxPortals {
+			return nil, invalid(KeyPortals, "more than %d distinct portals, at most %d are supported", maxPortals, maxPortals)
+		}
+		v.Portals = append(v.Portals, p)
 	}
 	if len(v.Portals) == 0 {
 		return nil, invalid(KeyTargetPortal, "no portal given (set targetPortal or portals)")
-	}
-	if len(v.Portals) > 32 {
-		return nil, invalid(KeyPortals, "%d portals, at most 32 are supported", len(v.Portals))
 	}
 
 	if s, ok := volumeContext[KeyInterface]; ok && s != "" {

@@ -326,3 +326,26 @@ func FuzzParseVolume(f *testing.F) {
 		}
 	})
 }
+
+// 32 distinct portals are accepted, repeated ones count once, a 33rd is
+// refused.
+func TestParseVolumePortalLimit(t *testing.T) {
+	portals := func(n int) string {
+		a := make([]string, n)
+		for i := range a {
+			a[i] = fmt.Sprintf("10.0.%d.%d:3260", i/250, 1+i%250)
+		}
+		return strings.Join(a, ",")
+	}
+	v, err := ParseVolume(ctxWith("portals", portals(32)+","+portals(32)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(v.Portals) != 32 {
+		t.Fatalf("%d portals, want 32", len(v.Portals))
+	}
+	_, err = ParseVolume(ctxWith("portals", portals(33)), nil)
+	if !errors.Is(err, errdefs.ErrInvalidArgument) || !strings.Contains(err.Error(), "32") {
+		t.Fatalf("33 portals: %v, want an invalid argument naming the limit", err)
+	}
+}

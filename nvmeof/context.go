@@ -38,6 +38,10 @@ const (
 	AliasUUID   = "deviceUUID"
 )
 
+// maxPaths bounds the distinct paths of a volume: each is a controller,
+// connected in parallel at attach. Arrays offer two to eight.
+const maxPaths = 32
+
 // Volume is a parsed, validated volume_context: where the namespace is
 // and how to find it once connected.
 type Volume struct {
@@ -186,9 +190,15 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 			host = strings.ToLower(host)
 		}
 		p := Path{TrType: trtype, TrAddr: host, TrSvcID: port, HostTrAddr: hostTrAddr, HostIface: hostIface}
-		if !slices.Contains(v.Paths, p) {
-			v.Paths = append(v.Paths, p)
+		if slices.Contains(v.Paths, p) {
+			return nil
 		}
+		// Refused as soon as it is exceeded, the limit also bounds
+		// the duplicate check.
+		if len(v.Paths) == maxPaths {
+			return invalidf("volume_context %q: more than %d distinct paths; berth connects at most %d controllers per volume", key, maxPaths, maxPaths)
+		}
+		v.Paths = append(v.Paths, p)
 		return nil
 	}
 	// traddr (or targetTrAddr): addresses sharing the trsvcid port.

@@ -2,6 +2,7 @@ package nvmeof
 
 import (
 	"errors"
+	"fmt"
 	"reflect"
 	"strings"
 	"testing"
@@ -139,6 +140,8 @@ func TestParseVolumeContextRejects(t *testing.T) {
 		{"keepAliveTmo zero", "keepAliveTmo", "0", "keep_alive_tmo"},
 		{"nrIOQueues big", "nrIOQueues", "5000", "nr_io_queues"},
 		{"aliases disagree", "targetTrAddr", "127.0.0.2", "targetTrAddr"},
+		// Each path is a controller connected in parallel.
+		{"33 paths", "traddr", manyAddrs(33), "at most 32"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			vc := map[string]string{}
@@ -206,5 +209,26 @@ func TestTransportParse(t *testing.T) {
 	}
 	if _, err := NewTransport(Options{Host: &HostIdentity{NQN: "bad", ID: hidA}}); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Errorf("bad fixed host: %v", err)
+	}
+}
+
+// manyAddrs is a traddr list of n distinct addresses.
+func manyAddrs(n int) string {
+	a := make([]string, n)
+	for i := range a {
+		a[i] = fmt.Sprintf("10.0.%d.%d", i/250, 1+i%250)
+	}
+	return strings.Join(a, ",")
+}
+
+// 32 paths are accepted; entries repeated beyond that are one path each.
+func TestParseVolumeContextManyPaths(t *testing.T) {
+	vc := map[string]string{"nqn": subA, "nsid": "1", "traddr": manyAddrs(32) + "," + manyAddrs(32), "targets": "10.0.0.1:4420,10.0.0.2"}
+	v, err := ParseVolumeContext(vc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(v.Paths) != 32 {
+		t.Fatalf("%d paths, want 32", len(v.Paths))
 	}
 }

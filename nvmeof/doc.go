@@ -27,7 +27,8 @@
 //	trsvcid         (targetTrPort) port, default 4420.
 //	targets         comma-separated paths "host:port", "[ipv6]:port" or
 //	                "host" (port = trsvcid), e.g.
-//	                "10.0.0.5:4420,10.0.1.5:4420". Merged with traddr.
+//	                "10.0.0.5:4420,10.0.1.5:4420". Merged with traddr;
+//	                at most 32 distinct paths in all.
 //	hostTrAddr      local IP address to connect from (host_traddr).
 //	hostIface       local interface to connect through (host_iface, tcp).
 //	ctrlLossTmo     seconds before a lost controller is given up, -1..604800
