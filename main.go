@@ -316,6 +316,7 @@ func serve(c *cli.Context) error {
 		attrs = append(attrs, slog.String("metrics_address", metricsLis.Addr().String()))
 	}
 	log.Info("listening", append(attrs, slog.Int("pid", os.Getpid()))...)
+	go warnNodeChecks(ctx, log, startupChecks(c, ts, cfg.FileRoot != ""))
 
 	var wg sync.WaitGroup
 	defer wg.Wait()
@@ -338,6 +339,38 @@ func serve(c *cli.Context) error {
 		}
 	}()
 	return a.Serve(ctx, lis)
+}
+
+// startupChecks is the doctor configuration of the transports this berth
+// serves, with the programs it runs.
+func startupChecks(c *cli.Context, ts []agent.Transport, file bool) doctor.Config {
+	var names []string
+	for _, t := range ts {
+		names = append(names, t.Name())
+	}
+	if file {
+		names = append(names, "file")
+	}
+	return doctor.Config{Transports: names, Iscsiadm: c.String(cliflags.Iscsiadm), Multipathd: c.String(cliflags.Multipathd)}
+}
+
+// warnNodeChecks runs berth doctor's checks for the enabled transports
+// once at startup and logs a warning for each that does not pass, so that
+// a node missing a kernel module or a capability says so before the first
+// volume fails on it. It does not stop berth: a module may be loaded
+// later, and other transports may still serve.
+func warnNodeChecks(ctx context.Context, log *slog.Logger, cfg doctor.Config) {
+	r := doctor.Run(ctx, cfg)
+	for _, ch := range r.Checks {
+		if ch.Status == doctor.OK {
+			continue
+		}
+		attrs := []any{slog.String("check", ch.Name), slog.String("status", string(ch.Status)), slog.String("detail", ch.Detail)}
+		if ch.Fix != "" {
+			attrs = append(attrs, slog.String("fix", ch.Fix))
+		}
+		log.Warn("node check did not pass (berth doctor tells more)", attrs...)
+	}
 }
 
 // csiListener returns the socket systemd passed (socket activation) or

@@ -482,6 +482,28 @@ func TestServeLogsListeningAddresses(t *testing.T) {
 	p.stop(t)
 }
 
+// serve warns at startup about each node check that does not pass for
+// an enabled transport: this host has no iscsi_tcp module.
+func TestServeWarnsAboutNodeChecks(t *testing.T) {
+	requireRoot(t)
+	if _, err := os.Stat("/sys/class/iscsi_transport/tcp"); err == nil {
+		t.Skip("this host has iscsi_tcp loaded; the check passes")
+	}
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "csi.sock")
+	p := serveBerth(t, berthArgs(sock, filepath.Join(dir, "state"), "w", "--transports=iscsi")...)
+	mustServe(t, p, sock, "w")
+	deadline := time.Now().Add(10 * time.Second)
+	re := regexp.MustCompile(`level=WARN msg="node check did not pass[^"]*" check="?module iscsi_tcp"? status=fail`)
+	for !re.MatchString(p.out.String()) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no startup warning matching %s:\n%s", re, p.out)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	p.stop(t)
+}
+
 // csiModuleVersion is the CSI spec module version go.mod requires.
 func csiModuleVersion(t *testing.T) string {
 	t.Helper()
