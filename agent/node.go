@@ -713,6 +713,13 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 			if single || p.Mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER.String() {
 				return nil, precondition("volume %q: access mode SINGLE_NODE_SINGLE_WRITER allows one target and it is published at %q", id, other)
 			}
+			if vcap.Block && !vcap.readOnly() && p.ReadOnly != want.ReadOnly {
+				// The block layer has one read-only flag per device:
+				// read-only and read-write raw block publishes of one
+				// volume cannot both be what they say.
+				return nil, precondition("volume %q: published %s at %q; a raw block device is read-only for all its publishes or for none, so a %s publish beside it is refused: unpublish it first",
+					id, rwName(p.ReadOnly), other, rwName(want.ReadOnly))
+			}
 		}
 		_, err := n.a.mountAt(tp)
 		switch {
@@ -866,6 +873,13 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	took.mark("record")
 	logFrom(ctx, n.a.log).InfoContext(ctx, "unpublished", took.attr())
 	return &csi.NodeUnpublishVolumeResponse{}, nil
+}
+
+func rwName(readOnly bool) string {
+	if readOnly {
+		return "read-only"
+	}
+	return "read-write"
 }
 
 func (r *volumeRecord) publishes() map[string]publishRecord {

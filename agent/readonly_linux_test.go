@@ -103,21 +103,33 @@ func TestReadOnlyBlockPublish(t *testing.T) {
 		t.Fatal("device bytes changed through a read-only publish")
 	}
 
-	// A read-write publish of a writer mode makes the device writable.
+	// The block layer has one read-only flag per device: a read-write
+	// publish beside a read-only one would make both writable, and is
+	// refused; so is a read-only one beside a read-write one.
 	rw := v
 	rw.target = filepath.Join(filepath.Dir(v.target), "dev-rw")
+	_, err = h.node.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+		VolumeId: rw.id, StagingTargetPath: rw.staging, TargetPath: rw.target, VolumeCapability: rw.cap, VolumeContext: rw.vctx,
+	})
+	wantCode(t, "read-write publish beside a read-only one", err, codes.FailedPrecondition)
+	wantDeviceRO(t, "after the refused read-write publish", loop.Path, true)
+	writeRefused(t, "read-only publish beside the refused one", v.target, pattern)
+	if _, err := os.Lstat(rw.target); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("refused publish left %s: %v", rw.target, err)
+	}
+	must(t, "unpublish ro", h.unpublish(v))
+	wantDeviceRO(t, "no publish", loop.Path, false)
 	must(t, "publish rw", h.publish(rw, false))
-	wantDeviceRO(t, "read-write publish next to a read-only one", loop.Path, false)
 	writeBlock(t, "read-write publish", rw.target, pattern)
 	if d, i := readBoth(t, rw.target, img, len(pattern)); !bytes.Equal(d, pattern) || !bytes.Equal(i, pattern) {
 		t.Fatal("bytes written through the read-write publish are not on the device")
 	}
-	// Only read-only publishes left: read-only again.
+	_, err = h.node.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+		VolumeId: v.id, StagingTargetPath: v.staging, TargetPath: v.target, VolumeCapability: v.cap, VolumeContext: v.vctx, Readonly: true,
+	})
+	wantCode(t, "read-only publish beside a read-write one", err, codes.FailedPrecondition)
+	wantDeviceRO(t, "after the refused read-only publish", loop.Path, false)
 	must(t, "unpublish rw", h.unpublish(rw))
-	wantDeviceRO(t, "read-only publish left", loop.Path, true)
-	writeRefused(t, "read-only publish left", v.target, zero)
-	must(t, "unpublish ro", h.unpublish(v))
-	wantDeviceRO(t, "no publish", loop.Path, false)
 
 	// What berth set survives a restart and is undone after it.
 	must(t, "publish ro again", h.publish(v, true))
