@@ -1135,6 +1135,7 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 		return nil, err
 	}
 	defer unlock()
+	took := newStepTimer()
 	rec, err := n.volumePathOf(id, p)
 	if err != nil {
 		return nil, err
@@ -1159,6 +1160,7 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 			return nil, err
 		}
 	}
+	took.mark("check")
 	var size int64
 	if se, ok := target.(sizedExpander); ok && required > 0 {
 		size, err = se.ExpandTo(ctx, required)
@@ -1168,6 +1170,7 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	if err != nil {
 		return nil, err
 	}
+	took.mark("rescan")
 	if rec.Device.Size > 0 && size < rec.Device.Size {
 		// The storage shrank (a LUN or namespace resized on the target):
 		// the filesystem is not touched, the operator has to look.
@@ -1183,14 +1186,16 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 		if err := n.a.host.Resize(ctx, rec.Device.Path, rec.StagingPath, rec.FsType); err != nil {
 			return nil, err
 		}
+		took.mark("resize")
 	}
 	old := rec.Device.Size
 	rec.Device.Size = size
 	if err := n.a.state.put(rec); err != nil {
 		return nil, err
 	}
+	took.mark("record")
 	logFrom(ctx, n.a.log).InfoContext(ctx, "expanded", slog.String("device", rec.Device.Path),
-		slog.Int64("old_bytes", old), slog.Int64("new_bytes", size))
+		slog.Int64("old_bytes", old), slog.Int64("new_bytes", size), took.attr())
 	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
 }
 
