@@ -249,6 +249,45 @@ func (n *NVMeTarget) removePort(addr string) error {
 	return nil
 }
 
+// ReplaceNamespace puts other storage behind namespace nsid, as an array
+// does when a volume is deleted and its number reused: the namespace is
+// disabled, given a new zeroed backing device of ns.Size bytes and the
+// identity in ns (zero fields: new stable ones), and enabled again. The
+// target announces the change; the initiator's rescan finds identifiers
+// that differ from the ones it knew. It returns the new backing device.
+func (n *NVMeTarget) ReplaceNamespace(nsid uint32, ns NVMeNamespace) string {
+	t := n.t
+	t.Helper()
+	n.mu.Lock()
+	old, ok := n.ns[nsid]
+	n.mu.Unlock()
+	if !ok {
+		t.Fatalf("nvme target %s: no namespace %d", n.cfg.NQN, nsid)
+	}
+	gen := strconv.Itoa(next("replace"))
+	ns.ID = nsid
+	if ns.Size == 0 {
+		ns.Size = old.Size
+	}
+	if ns.UUID == "" {
+		ns.UUID = formatUUID(stableID("uuid", n.cfg.NQN, strconv.Itoa(int(nsid)), gen))
+	}
+	if ns.NGUID == "" {
+		ns.NGUID = formatUUID(stableID("nguid", n.cfg.NQN, strconv.Itoa(int(nsid)), gen))
+	}
+	b := newBacking(t, ns.Size)
+	d := filepath.Join(n.dir, "namespaces", strconv.Itoa(int(nsid)))
+	mustWrite(t, filepath.Join(d, "enable"), "0")
+	mustWrite(t, filepath.Join(d, "device_path"), b.dev)
+	mustWrite(t, filepath.Join(d, "device_uuid"), ns.UUID)
+	mustWrite(t, filepath.Join(d, "device_nguid"), ns.NGUID)
+	mustWrite(t, filepath.Join(d, "enable"), "1")
+	n.mu.Lock()
+	n.ns[nsid] = &nvmeNS{NVMeNamespace: ns, b: b}
+	n.mu.Unlock()
+	return b.dev
+}
+
 // Grow enlarges namespace nsid to size bytes and makes the target announce
 // the new size (the initiator gets an asynchronous event).
 func (n *NVMeTarget) Grow(nsid uint32, size int64) {
