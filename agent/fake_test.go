@@ -216,12 +216,27 @@ type fakeTransport struct {
 	attached map[string]int
 	detached map[string]int
 	grownTo  int64 // the size Expand reports when set
+	// replaced maps a key to the WWID of the storage now behind it (a
+	// LUN replaced on the target): Attach returns a device with it, and
+	// so does the agent's lookup once the kernel has read it again.
+	replaced map[string]string
+	// replaceAtExpand, when set, is the WWID an Expand (a rescan) finds.
+	replaceAtExpand string
+}
+
+// replacedWWID is the WWID the storage behind key has now, "" while it
+// is the one first attached.
+func (ft *fakeTransport) replacedWWID(key string) string {
+	ft.mu.Lock()
+	defer ft.mu.Unlock()
+	return ft.replaced[key]
 }
 
 var _ Transport = (*fakeTransport)(nil)
 
 func newFakeTransport() *fakeTransport {
-	return &fakeTransport{gates: make(map[string]chan struct{}), entered: make(chan string, 100), attached: make(map[string]int), detached: make(map[string]int)}
+	return &fakeTransport{gates: make(map[string]chan struct{}), entered: make(chan string, 100), attached: make(map[string]int), detached: make(map[string]int),
+		replaced: make(map[string]string)}
 }
 
 func (ft *fakeTransport) Name() string { return "fake" }
@@ -274,7 +289,11 @@ func (t *fakeTarget) Attach(ctx context.Context) (*devices.Device, error) {
 	t.ft.mu.Lock()
 	t.ft.attached[t.key]++
 	t.ft.mu.Unlock()
-	return t.dev(), nil
+	d := t.dev()
+	if w := t.ft.replacedWWID(t.key); w != "" {
+		d.ID.WWID = w
+	}
+	return d, nil
 }
 
 func (t *fakeTarget) Preflight(context.Context) error { return nil }
@@ -288,6 +307,9 @@ func (t *fakeTarget) Detach(context.Context) error {
 func (t *fakeTarget) Expand(context.Context) (int64, error) {
 	t.ft.mu.Lock()
 	defer t.ft.mu.Unlock()
+	if t.ft.replaceAtExpand != "" {
+		t.ft.replaced[t.key] = t.ft.replaceAtExpand
+	}
 	if t.ft.grownTo > 0 {
 		return t.ft.grownTo, nil
 	}
@@ -317,7 +339,11 @@ func newFakeAgent(t *testing.T) (*Agent, *fakeFS, *fakeTransport) {
 			if _, err := fmt.Sscanf(name, "fake%d-%d", &maj, &min); err != nil {
 				return nil, os.ErrNotExist
 			}
-			return (&fakeTarget{key: fmt.Sprint(min)}).dev(), nil
+			d := (&fakeTarget{key: fmt.Sprint(min)}).dev()
+			if w := tr.replacedWWID(fmt.Sprint(min)); w != "" {
+				d.ID.WWID = w
+			}
+			return d, nil
 		},
 	}
 	return a, host, tr

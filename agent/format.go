@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"strings"
 
 	"github.com/berth-csi/berth/devices"
 )
@@ -16,6 +17,31 @@ func (r *deviceRecord) identifies(d *devices.Device) bool {
 	}
 	return d.ID.Kind == r.Kind && d.ID.WWID == r.WWID && d.ID.NQN == r.NQN && d.ID.NSID == r.NSID &&
 		d.ID.UUID == r.UUID && d.ID.NGUID == r.NGUID && d.ID.BackingFile == r.BackingFile
+}
+
+// storageChange describes how the storage behind d differs from the one
+// r recorded, "" when it is the same storage: the identifiers both know
+// (WWID, subsystem NQN and namespace ID, namespace UUID and NGUID, loop
+// backing file) must agree. Device numbers and names may change (a
+// reconnect gives a namespace a new head, a login a new disk); an
+// identifier that changed means a LUN or namespace was replaced behind
+// the same number.
+func (r *deviceRecord) storageChange(d *devices.Device) string {
+	var diff []string
+	differ := func(what, was, is string) {
+		if was != "" && is != "" && was != is {
+			diff = append(diff, fmt.Sprintf("%s %s, was %s", what, is, was))
+		}
+	}
+	differ("WWID", devices.NormalizeWWID(r.WWID), devices.NormalizeWWID(d.ID.WWID))
+	differ("subsystem", r.NQN, d.ID.NQN)
+	if r.NSID != 0 && d.ID.NSID != 0 && r.NSID != d.ID.NSID {
+		diff = append(diff, fmt.Sprintf("namespace ID %d, was %d", d.ID.NSID, r.NSID))
+	}
+	differ("namespace UUID", r.UUID, d.ID.UUID)
+	differ("namespace NGUID", r.NGUID, d.ID.NGUID)
+	differ("backing file", r.BackingFile, d.ID.BackingFile)
+	return strings.Join(diff, ", ")
 }
 
 // ensureFilesystem is the format step of a stage: it makes sure dev holds

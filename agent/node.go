@@ -254,6 +254,16 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if wasStaged && rec.Device != nil && (rec.Device.Major != dev.Major || rec.Device.Minor != dev.Minor) {
 		log.InfoContext(ctx, "volume came back on another device", slog.String("old_device", rec.Device.Path))
 	}
+	// The volume_context may name the storage by a number only (a LUN, a
+	// namespace ID): storage put behind that number since the device was
+	// recorded is another volume's, or blank, and is neither mounted nor
+	// formatted as this one.
+	if rec.Device != nil {
+		if change := rec.Device.storageChange(dev); change != "" {
+			return nil, precondition("volume %q: %s target %s now leads to other storage (%s: %s): the LUN or namespace was replaced since the volume was staged; berth does not use it as this volume: NodeUnstageVolume, and check the storage",
+				id, tr.Name(), target.Key(), dev.Path, change)
+		}
+	}
 	// (In memory: the undo of a refusal below sees the device and leaves
 	// it to its owner.)
 	rec.Device = deviceRecordOf(dev)
@@ -680,6 +690,12 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 			return nil, err
 		}
 		defer source.Close()
+		// The staging mount outlives its device (a lost controller, a
+		// LUN removed or replaced): its filesystem fails every I/O and
+		// is not given to a pod.
+		if n.a.recordedDevice(rec.Device) == nil {
+			return nil, precondition("volume %q: its device %s is gone or changed since stage (target lost, LUN or namespace removed or replaced) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", id, rec.Device.Path, staging)
+		}
 	}
 	want := publishRecord{ReadOnly: readOnly, Mode: vcap.Mode.String(), MountFlags: vcap.MountFlags}
 	if have, ok := rec.Publishes[target]; ok {
@@ -1171,6 +1187,12 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 		return nil, err
 	}
 	took.mark("rescan")
+	// A rescan reads the storage's identity again: a LUN replaced behind
+	// the same number shows only now, and its filesystem is not the
+	// volume's to grow.
+	if n.a.recordedDevice(rec.Device) == nil {
+		return nil, precondition("volume %q: its device %s changed during the rescan (the LUN or namespace was replaced?); nothing was resized: unstage and stage again", id, rec.Device.Path)
+	}
 	if rec.Device.Size > 0 && size < rec.Device.Size {
 		// The storage shrank (a LUN or namespace resized on the target):
 		// the filesystem is not touched, the operator has to look.
