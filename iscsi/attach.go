@@ -267,6 +267,14 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 			return nil, fmt.Errorf("target %s has no LUN %d (portal %s, session %d): check the volume's lun and the target's LUN mapping for this initiator: %w",
 				v.IQN, v.LUN, p, sess.ID, errdefs.ErrNotFound)
 		}
+	} else if sess.State == "LOGGED_IN" && t.sys.SCSIDeviceState(hctl) == "running" {
+		// A disk already there shows the identity the kernel read when
+		// it was scanned in; the target may have put other storage
+		// behind the LUN number since. The rescan reads it again (and
+		// the capacity), so that the WWID checked is the current one.
+		if err := t.sys.Rescan(hctl); err != nil {
+			t.log.Debug("rescan the existing disk of the LUN", "hctl", hctl.String(), "error", err)
+		}
 	}
 	scannedAt := time.Now()
 	dev, err := w.Wait(ctx)
@@ -776,6 +784,24 @@ func (tg *Target) Health(ctx context.Context) (bool, string) {
 	}
 	var bad []string
 	up := 0
+	if v.Multipath == "true" || v.Multipath == "auto" && len(v.Portals) > 1 {
+		// Every portal of a multipath volume is one of its paths: one
+		// without a session (its login never succeeded: the portal
+		// dropped the connection attempts or refused them) is a path
+		// down, though sysfs knows nothing of it.
+		for _, p := range paths {
+			found := false
+			for _, pd := range pds {
+				found = found || pd.path.key(v.IQN, v.Iface) == p.key(v.IQN, v.Iface)
+			}
+			if !found {
+				bad = append(bad, fmt.Sprintf("portal %s: no session (login failed or never tried)", p))
+			}
+		}
+		if len(paths) < len(v.Portals) {
+			bad = append(bad, fmt.Sprintf("%d of %d portals do not resolve", len(v.Portals)-len(paths), len(v.Portals)))
+		}
+	}
 	for _, pd := range pds {
 		switch {
 		case pd.dev == nil:

@@ -263,7 +263,8 @@ func (s sysfs) Scan(sess *Session, lun int) error {
 	return writeAttr(s.path("class", "scsi_host", "host"+strconv.Itoa(sess.Host), "scan"), fmt.Sprintf("0 %s %d", t, lun))
 }
 
-// Rescan makes the kernel re-read the capacity of a disk.
+// Rescan makes the kernel re-read the capacity and the identification
+// (VPD pages, so the WWID) of a disk.
 func (s sysfs) Rescan(h HCTL) error {
 	return writeAttr(s.path("class", "scsi_device", h.String(), "device", "rescan"), "1")
 }
