@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -26,6 +27,8 @@ type lioTarget struct {
 	IQN  string
 	tpgs map[int]string // tpgt -> portal ip:port
 	luns map[int]*lioLUN
+	// retired are LUNs replaced by ReplaceLUN, removed with the target.
+	retired []*lioLUN
 }
 
 type lioLUN struct {
@@ -113,7 +116,9 @@ func (tg *lioTarget) addLUN(lun int, size int64, cached bool) string {
 	lioWrite(t, filepath.Join(l.core, "control"), control)
 	// The serial becomes the NAA WWID; it must be set before the LUN is
 	// linked.
-	l.serial = fmt.Sprintf("b3e7a1c0-0000-4000-8000-%012d", n)
+	// LIO builds the NAA WWID from the serial's first 25 hex digits:
+	// the sequence number leads, so that every LUN has a WWID of its own.
+	l.serial = fmt.Sprintf("%08d-b3e7-4a1c-8000-000000000000", n)
 	lioWrite(t, filepath.Join(l.core, "wwn", "vpd_unit_serial"), l.serial)
 	lioWrite(t, filepath.Join(l.core, "enable"), "1")
 	for tpgt := range tg.tpgs {
@@ -140,6 +145,19 @@ func (tg *lioTarget) RemoveLUN(lun int) {
 		}
 	}
 }
+
+// ReplaceLUN puts a new zeroed backstore of size bytes behind LUN number
+// lun on every TPG, as an array does when a volume is deleted and its LUN
+// number reused: the new LUN has another serial, so another WWID, which
+// it returns.
+func (tg *lioTarget) ReplaceLUN(lun int, size int64) string {
+	tg.retired = append(tg.retired, tg.luns[lun])
+	tg.RemoveLUN(lun)
+	return tg.AddLUN(lun, size)
+}
+
+// BackingFile is the file behind LUN lun.
+func (tg *lioTarget) BackingFile(lun int) string { return tg.luns[lun].file }
 
 // Grow enlarges a LUN's backing file and tells the loop device.
 func (tg *lioTarget) Grow(lun int, size int64) {
@@ -235,7 +253,11 @@ func (tg *lioTarget) destroy() {
 		os.Remove(d)
 	}
 	os.Remove(base)
+	luns := slices.Clone(tg.retired)
 	for _, l := range tg.luns {
+		luns = append(luns, l)
+	}
+	for _, l := range luns {
 		os.Remove(l.core)
 		os.Remove(filepath.Dir(l.core))
 		if l.loop != "" {
