@@ -1,0 +1,30 @@
+package iscsi
+
+import (
+	"context"
+	"log/slog"
+	"strings"
+	"testing"
+)
+
+// Every portal of a multipath volume is a path: one without a session
+// (its login never succeeded) makes the volume abnormal and is named;
+// the fallback portals of a single-path volume are not.
+func TestHealthNamesPortalWithoutSession(t *testing.T) {
+	tr := &Transport{log: slog.New(slog.DiscardHandler), sys: sysfs{root: "testdata/sys"}}
+	for _, tc := range []struct {
+		multipath string
+		named     bool
+	}{{"auto", true}, {"true", true}, {"false", false}} {
+		v, err := ParseVolume(map[string]string{"iqn": testIQN, "lun": "1", "multipath": tc.multipath,
+			"portals": `["10.0.0.1:3260","10.0.0.9:3260"]`}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		abnormal, msg := (&Target{t: tr, v: v}).Health(context.Background())
+		named := strings.Contains(msg, "portal 10.0.0.9:3260: no session")
+		if named != tc.named || (tc.named && !abnormal) {
+			t.Errorf("multipath=%s: Health = %v, %q", tc.multipath, abnormal, msg)
+		}
+	}
+}
