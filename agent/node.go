@@ -569,7 +569,8 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 // on in the background and takes the RPC's locks over (*unlock becomes a
 // no-op for the caller) until it returns: the volume answers Aborted
 // meanwhile, and the CO's next retry finds what the step did. The step
-// must not use what the caller changes after it returns.
+// must not use what the caller changes or closes after it returns; what
+// it needs closed afterwards is closed in *unlock.
 func (n *nodeServer) blocking(ctx context.Context, what string, unlock *func(), step func() error) error {
 	done := make(chan error, 1)
 	go func() { done <- step() }()
@@ -849,7 +850,10 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	case err != nil:
 		return nil, err
 	default:
-		defer tp.close()
+		// Closed with the locks: by a step left blocked in the kernel
+		// when it ends (see blocking).
+		held, release := tp, unlock
+		unlock = func() { held.close(); release() }
 	}
 	if !ok || !published {
 		if owner, ok := n.a.state.pathOwner(target); ok && owner != id {

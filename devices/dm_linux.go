@@ -238,7 +238,7 @@ func holdersOf(dev *Device) string {
 		out = append(out, "mounted at "+strings.Join(points, ", ")+" (a mount of the volume made outside berth, or propagated into another mount namespace: unmount it)")
 	}
 	if len(out) == 0 {
-		return "opened exclusively by a process (check `fuser -vm " + dev.Path + "`)"
+		return "held exclusively by a mount in another mount namespace or by a process (check `findmnt -N <pid>` of the other namespaces and `fuser -vm " + dev.Path + "`)"
 	}
 	return strings.Join(out, "; ")
 }
