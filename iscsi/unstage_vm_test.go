@@ -103,10 +103,7 @@ func writer(dir string, stop <-chan struct{}) <-chan error {
 // of the target.
 func queueForever(t *testing.T) {
 	t.Helper()
-	// The guest's init starts multipathd in the background.
-	waitFor(t, 20*time.Second, "multipathd to answer", func() bool {
-		return exec.Command("multipathd", "show", "daemon").Run() == nil
-	})
+	iscsi.StartMultipathd(t)
 	conf := "/etc/multipath/conf.d/queue.conf"
 	if err := os.MkdirAll(filepath.Dir(conf), 0o755); err != nil {
 		t.Fatal(err)
