@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 
@@ -33,6 +34,11 @@ type fakeFS struct {
 	mkfsStarted chan string
 	// mkfsErr, when set, makes a format write fakePartial and fail.
 	mkfsErr error
+	// unmountGate, when set, holds every Unmount until it is closed, as
+	// an unmount's writeback waits for a device that queues I/O.
+	unmountGate chan struct{}
+	// events lists "unmount <path>" and "flush <device>" in order.
+	events []string
 }
 
 // fakePartial is what an interrupted mkfs leaves.
@@ -141,8 +147,15 @@ func (f *fakeFS) BindMount(source, target *fs.Handle, _ bool, _ uintptr) error {
 
 func (f *fakeFS) Unmount(dir *fs.Handle, name string, check func(mountEntry) error) error {
 	f.mu.Lock()
+	gate := f.unmountGate
+	f.mu.Unlock()
+	if gate != nil {
+		<-gate
+	}
+	f.mu.Lock()
 	defer f.mu.Unlock()
 	p := filepath.Join(dir.Path(), name)
+	f.events = append(f.events, "unmount "+p)
 	if m, ok := f.mounts[p]; ok && check != nil {
 		if err := check(m); err != nil {
 			return err
@@ -183,7 +196,18 @@ func (f *fakeFS) mounted(p string) bool {
 func (f *fakeFS) Resize(context.Context, string, string, string) error { return nil }
 func (f *fakeFS) Stats(string) (fsStats, error)                        { return fsStats{TotalBytes: 1}, nil }
 func (f *fakeFS) BlockDeviceSize(string) (int64, error)                { return 1 << 20, nil }
-func (f *fakeFS) FlushBuffers(string) error                            { return nil }
+func (f *fakeFS) FlushBuffers(dev string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.events = append(f.events, "flush "+dev)
+	return nil
+}
+
+func (f *fakeFS) eventLog() []string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.events)
+}
 
 func (f *fakeFS) SetDeviceReadOnly(devPath string, ro bool) error {
 	f.mu.Lock()
@@ -216,6 +240,11 @@ type fakeTransport struct {
 	attached map[string]int
 	detached map[string]int
 	grownTo  int64 // the size Expand reports when set
+	// unreachable keys answer StopQueueing with true, and log it in
+	// host's events.
+	unreachable map[string]bool
+	stopped     map[string]int
+	host        *fakeFS
 	// replaced maps a key to the WWID of the storage now behind it (a
 	// LUN replaced on the target): Attach returns a device with it, and
 	// so does the agent's lookup once the kernel has read it again.
@@ -236,7 +265,7 @@ var _ Transport = (*fakeTransport)(nil)
 
 func newFakeTransport() *fakeTransport {
 	return &fakeTransport{gates: make(map[string]chan struct{}), entered: make(chan string, 100), attached: make(map[string]int), detached: make(map[string]int),
-		replaced: make(map[string]string)}
+		unreachable: make(map[string]bool), stopped: make(map[string]int), replaced: make(map[string]string)}
 }
 
 func (ft *fakeTransport) Name() string { return "fake" }
@@ -297,6 +326,17 @@ func (t *fakeTarget) Attach(ctx context.Context) (*devices.Device, error) {
 }
 
 func (t *fakeTarget) Preflight(context.Context) error { return nil }
+func (t *fakeTarget) StopQueueing(context.Context) (bool, error) {
+	t.ft.mu.Lock()
+	defer t.ft.mu.Unlock()
+	t.ft.stopped[t.key]++
+	if t.ft.host != nil && t.ft.unreachable[t.key] {
+		t.ft.host.mu.Lock()
+		t.ft.host.events = append(t.ft.host.events, "stop queueing "+t.key)
+		t.ft.host.mu.Unlock()
+	}
+	return t.ft.unreachable[t.key], nil
+}
 func (t *fakeTarget) Detach(context.Context) error {
 	t.ft.mu.Lock()
 	t.ft.detached[t.key]++
@@ -325,6 +365,7 @@ func newFakeAgent(t *testing.T) (*Agent, *fakeFS, *fakeTransport) {
 		t.Fatal(err)
 	}
 	host, tr := newFakeFS(), newFakeTransport()
+	tr.host = host
 	host.devDir = t.TempDir()
 	a := &Agent{
 		cfg:        Config{NodeID: "fake-node", DriverName: DefaultDriverName},

@@ -194,6 +194,9 @@ func (f *fileTarget) Expand(ctx context.Context) (int64, error) {
 	return devices.RefreshLoopCapacity(ctx, d)
 }
 
+// StopQueueing: a loop device never queues I/O for a path to come back.
+func (f *fileTarget) StopQueueing(context.Context) (bool, error) { return false, nil }
+
 // Health reports a missing image or loop device.
 func (f *fileTarget) Health(context.Context) (bool, string) {
 	if _, err := os.Stat(f.path); err != nil {

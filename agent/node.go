@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
@@ -501,7 +502,7 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	if err != nil {
 		return nil, err
 	}
-	defer unlock()
+	defer func() { unlock() }() // a step left blocked in the kernel takes it over
 	log := logFrom(ctx, n.a.log)
 	took := newStepTimer()
 
@@ -523,8 +524,32 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 		}
 	}
 	took.mark("publishes")
+	tr, ok := n.a.transports[rec.Transport]
+	if !ok {
+		return nil, precondition("volume %q: staged through transport %q, which is not enabled any more; enable it to unstage", id, rec.Transport)
+	}
+	target, err := tr.Parse(rec.Context, nil)
+	if err != nil {
+		return nil, fmt.Errorf("volume %q: recorded volume_context: %w", id, err)
+	}
+	// A device none of whose paths works may queue I/O until one comes
+	// back: it is made to fail I/O first, so that the unmount's
+	// writeback and the flush below end. What they could not write is
+	// lost either way.
+	var unreachable bool
+	err = n.blocking(ctx, "stop queueing I/O of the volume's device", &unlock, func() error {
+		u, err := target.StopQueueing(ctx)
+		unreachable = u
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("volume %q: %w", id, err)
+	}
+	if unreachable {
+		log.WarnContext(ctx, "no path to the storage works: the device fails I/O; data not yet written is lost")
+	}
 	if rec.AccessType != "block" {
-		if err := n.unmountStaging(rec); err != nil {
+		if err := n.blocking(ctx, fmt.Sprintf("unmount %s", rec.StagingPath), &unlock, func() error { return n.unmountStaging(rec) }); err != nil {
 			return nil, err
 		}
 		took.mark("unmount")
@@ -535,20 +560,15 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 		if err := n.syncDeviceReadOnly(rec, d); err != nil {
 			return nil, err
 		}
-		if err := n.a.host.FlushBuffers(d.Path); err != nil {
-			return nil, err
+		// A device that fails I/O could only fail the flush.
+		if !unreachable {
+			if err := n.blocking(ctx, "flush "+d.Path, &unlock, func() error { return n.a.host.FlushBuffers(d.Path) }); err != nil {
+				return nil, err
+			}
 		}
 		took.mark("flush")
 	}
-	tr, ok := n.a.transports[rec.Transport]
-	if !ok {
-		return nil, precondition("volume %q: staged through transport %q, which is not enabled any more; enable it to unstage", id, rec.Transport)
-	}
-	target, err := tr.Parse(rec.Context, nil)
-	if err != nil {
-		return nil, fmt.Errorf("volume %q: recorded volume_context: %w", id, err)
-	}
-	if err := n.detach(ctx, rec, tr, target); err != nil {
+	if err := n.blocking(ctx, "detach", &unlock, func() error { return n.detach(ctx, rec, tr, target) }); err != nil {
 		return nil, err
 	}
 	took.mark("detach")
@@ -561,6 +581,39 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	}
 	log.InfoContext(ctx, "unstaged", took.attr())
 	return &csi.NodeUnstageVolumeResponse{}, nil
+}
+
+// blocking runs step, which may call into the kernel where a device that
+// answers no I/O keeps it from returning (an unmount's writeback, a
+// flush), and waits for it until ctx ends. A step still running then goes
+// on in the background and takes the RPC's locks over (*unlock becomes a
+// no-op for the caller) until it returns: the volume answers Aborted
+// meanwhile, and the CO's next retry finds what the step did. The step
+// must not use what the caller changes or closes after it returns; what
+// it needs closed afterwards is closed in *unlock.
+func (n *nodeServer) blocking(ctx context.Context, what string, unlock *func(), step func() error) error {
+	done := make(chan error, 1)
+	go func() { done <- step() }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+	}
+	release := *unlock
+	*unlock = func() {}
+	log := logFrom(ctx, n.a.log)
+	start := time.Now()
+	go func() {
+		err := <-done
+		release()
+		attrs := []any{slog.String("step", what), slog.Duration("after", time.Since(start).Round(time.Millisecond))}
+		if err != nil {
+			attrs = append(attrs, slog.String("error", err.Error()))
+		}
+		log.Info("step left running at the deadline ended", attrs...)
+	}()
+	return fmt.Errorf("%s: still waiting in the kernel at the request's deadline (the device answers no I/O: check the paths to the storage); it goes on, and the volume is busy until it ends: %w",
+		what, errors.Join(errdefs.ErrUnavailable, ctx.Err()))
 }
 
 // dropStalePublish forgets a publish record at unstage. A target still
@@ -819,7 +872,7 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	if err != nil {
 		return nil, err
 	}
-	defer unlock()
+	defer func() { unlock() }() // a step left blocked in the kernel takes it over
 	took := newStepTimer()
 
 	rec, ok := n.a.state.get(id)
@@ -833,7 +886,10 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	case err != nil:
 		return nil, err
 	default:
-		defer tp.close()
+		// Closed with the locks: by a step left blocked in the kernel
+		// when it ends (see blocking).
+		held, release := tp, unlock
+		unlock = func() { held.close(); release() }
 	}
 	if !ok || !published {
 		if owner, ok := n.a.state.pathOwner(target); ok && owner != id {
@@ -861,11 +917,13 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		// What is mounted at a recorded target is berth's bind, even
 		// a wrong one (made while the staging mount was lost), and is
 		// unmounted; never a mount of another volume berth knows.
-		err := n.a.host.Unmount(tp.dir, tp.name, func(m mountEntry) error {
-			if owner, ok := n.a.mountOwner(m, id); ok {
-				return precondition("volume %q: target_path %q shows the device of volume %q; refusing to unmount it", id, target, owner)
-			}
-			return nil
+		err := n.blocking(ctx, "unmount "+target, &unlock, func() error {
+			return n.a.host.Unmount(tp.dir, tp.name, func(m mountEntry) error {
+				if owner, ok := n.a.mountOwner(m, id); ok {
+					return precondition("volume %q: target_path %q shows the device of volume %q; refusing to unmount it", id, target, owner)
+				}
+				return nil
+			})
 		})
 		if err != nil {
 			return nil, err

@@ -46,7 +46,18 @@ type Target interface {
 	// Attach connects the target and returns its verified block device.
 	// It is idempotent: an attached target returns its device.
 	Attach(ctx context.Context) (*devices.Device, error)
+	// StopQueueing makes the target's device fail I/O instead of
+	// queueing it when no path to the storage works (a dm-multipath map
+	// with queue_if_no_path, an NVMe head whose controllers reconnect
+	// forever), and reports whether none works. NodeUnstageVolume calls
+	// it before it unmounts and flushes: an unmount of a filesystem whose
+	// device queues I/O waits in the kernel until a path comes back,
+	// beyond any deadline. A device with a working path is left as it
+	// is. A transport whose devices never queue (file) answers false.
+	StopQueueing(ctx context.Context) (unreachable bool, err error)
 	// Detach disconnects the target; a target already gone is success.
+	// It refuses (errdefs.ErrBusy) while the device is still mounted or
+	// held, and names what holds it.
 	Detach(ctx context.Context) error
 	// Expand makes the node see the target's current size (rescan) and
 	// returns the device size in bytes.

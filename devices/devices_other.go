@@ -66,3 +66,9 @@ func RemoveSCSIDevice(context.Context, *Listener, *Device) error { return errUns
 
 // RemoveMultipathMap is only supported on Linux.
 func RemoveMultipathMap(context.Context, *Listener, *Device) error { return errUnsupported }
+
+// SetQueueIfNoPath is only supported on Linux.
+func SetQueueIfNoPath(*Device, bool) error { return errUnsupported }
+
+// InUse is only supported on Linux.
+func InUse(*Device) error { return errUnsupported }

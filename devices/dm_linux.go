@@ -1,11 +1,14 @@
 package devices
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"unsafe"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -166,4 +169,76 @@ func MultipathPaths(dm *Device) ([]PathState, error) {
 		}
 	}
 	return out, nil
+}
+
+// SetQueueIfNoPath tells a dm-multipath map whether to queue I/O while
+// none of its paths works (the "queue_if_no_path" and "fail_if_no_path"
+// messages, as `dmsetup message <map> 0 ...` sends them). A map that fails
+// I/O without a path lets an unmount or flush of it end with errors
+// instead of waiting in the kernel for a path to come back. A map that no
+// longer exists is not an error.
+func SetQueueIfNoPath(dm *Device, queue bool) error {
+	if dm == nil || dm.ID.Kind != KindDM || !strings.HasPrefix(dm.ID.WWID, multipathUUIDPrefix) {
+		return fmt.Errorf("set queueing: %v is not a multipath map: %w", dm, errdefs.ErrInvalidArgument)
+	}
+	msg := "fail_if_no_path"
+	if queue {
+		msg = "queue_if_no_path"
+	}
+	if err := dmTargetMessage(dm.Major, dm.Minor, msg); err != nil && !errors.Is(err, unix.ENXIO) {
+		return fmt.Errorf("multipath map %s (%s): %w", dm.ID.DMName, dm.Path, err)
+	}
+	return nil
+}
+
+// InUse reports, as an error wrapping errdefs.ErrBusy, whether something
+// holds the block device dev: a mounted filesystem, a device-mapper table
+// or another exclusive opener. The kernel answers an exclusive open
+// (O_EXCL) with EBUSY then, so this needs no mount table; only to name
+// the holders is it read, filtered to the device's number. A plain open
+// by a process is not seen. A device that is gone is not in use.
+func InUse(dev *Device) error {
+	if dev == nil || checkName(dev.Name) != nil {
+		return fmt.Errorf("in use: %v is not a block device: %w", dev, errdefs.ErrInvalidArgument)
+	}
+	cur, same, err := current(dev)
+	if err != nil || !same {
+		return err
+	}
+	path := filepath.Join(devRoot, cur.Name)
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_EXCL|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err == nil {
+		unix.Close(fd)
+		return nil
+	}
+	if !errors.Is(err, unix.EBUSY) {
+		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENXIO) || errors.Is(err, unix.ENODEV) {
+			return nil
+		}
+		return fmt.Errorf("check whether %s is in use: %w", path, err)
+	}
+	return fmt.Errorf("%s is in use: %s: %w", dev.Path, holdersOf(cur), errdefs.ErrBusy)
+}
+
+// holdersOf names what holds dev: the devices stacked on it, the mount
+// points of its filesystem, or else an exclusive opener.
+func holdersOf(dev *Device) string {
+	var out []string
+	if hs, _ := Holders(dev.Name); len(hs) > 0 {
+		out = append(out, "held by "+strings.Join(hs, ", "))
+	}
+	mounts, _ := mountinfo.GetMounts(func(i *mountinfo.Info) (skip, stop bool) {
+		return uint32(i.Major) != dev.Major || uint32(i.Minor) != dev.Minor, false
+	})
+	if len(mounts) > 0 {
+		points := make([]string, len(mounts))
+		for i, m := range mounts {
+			points[i] = m.Mountpoint
+		}
+		out = append(out, "mounted at "+strings.Join(points, ", ")+" (a mount of the volume made outside berth, or propagated into another mount namespace: unmount it)")
+	}
+	if len(out) == 0 {
+		return "held exclusively by a mount in another mount namespace or by a process (check `findmnt -N <pid>` of the other namespaces and `fuser -vm " + dev.Path + "`)"
+	}
+	return strings.Join(out, "; ")
 }

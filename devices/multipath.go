@@ -25,6 +25,13 @@ type PathState struct {
 	SCSIState string
 }
 
+// Working reports whether a path can carry I/O now: the map has not
+// failed it and its SCSI device (if it is one) is running, not blocked
+// by a session in recovery.
+func (p PathState) Working() bool {
+	return p.Active && (p.SCSIState == "" || p.SCSIState == "running")
+}
+
 // MultipathMap returns the dm-multipath map that holds the path device
 // pathName, or an error wrapping errdefs.ErrNotFound when none does.
 func MultipathMap(pathName string) (*Device, error) {

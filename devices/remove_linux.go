@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -86,7 +87,8 @@ func removeContext(ctx context.Context) (context.Context, context.CancelFunc) {
 // (device/delete in sysfs), then waits for it to be gone. A disk that no
 // longer exists, or whose name now belongs to another disk, counts as
 // removed. A disk still held by a map (multipath) is refused with an error
-// wrapping errdefs.ErrBusy: remove the map first. A disk whose SCSI state is
+// wrapping errdefs.ErrBusy: remove the map first; so is one still mounted
+// or opened exclusively (InUse). A disk whose SCSI state is
 // not "running" (its session is gone) is not flushed, as nothing could be
 // written to it.
 func RemoveSCSIDevice(ctx context.Context, l *Listener, dev *Device) error {
@@ -108,6 +110,9 @@ func RemoveSCSIDevice(ctx context.Context, l *Listener, dev *Device) error {
 	if holders, _ := Holders(dev.Name); len(holders) > 0 {
 		return fmt.Errorf("remove SCSI device %s: held by %s; remove the multipath map first: %w",
 			dev.Path, strings.Join(holders, ", "), errdefs.ErrBusy)
+	}
+	if err := InUse(cur); err != nil {
+		return fmt.Errorf("remove SCSI device %s: %w", dev.Path, err)
 	}
 	if state, _ := readAttr(cur.sysPath, "device/state"); state == "running" {
 		if err := FlushDevice(ctx, cur); err != nil {
@@ -133,10 +138,11 @@ func RemoveSCSIDevice(ctx context.Context, l *Listener, dev *Device) error {
 // Before flushing, the map is told to fail I/O instead of queueing it when
 // no path is left (the "fail_if_no_path" message), so that the flush cannot
 // hang on dead paths; the volume is unmounted by then, so nothing is lost
-// that the flush could still write. A map that something holds open (a
-// mount, a partition map, a process) is refused with an error wrapping
-// errdefs.ErrBusy; short-lived openers such as udev's probes are waited out
-// with a few brief retries. A map that no longer exists counts as removed.
+// that the flush could still write; a map without a working path is not
+// flushed at all. A map that something holds (a mount, a partition map, an
+// exclusive opener) is refused first, its queueing untouched, with an
+// error wrapping errdefs.ErrBusy that names the holder (InUse); other
+// openers, such as udev's probes, are waited out with a few brief retries. A map that no longer exists counts as removed.
 //
 // DM ioctls are used rather than `multipath -f` or `dmsetup remove --retry`:
 // they need no tool in the agent's image, report errors as errno, and work
@@ -164,11 +170,18 @@ func RemoveMultipathMap(ctx context.Context, l *Listener, dm *Device) error {
 	if holders, _ := Holders(dm.Name); len(holders) > 0 {
 		return fail(fmt.Errorf("held by %s: %w", strings.Join(holders, ", "), errdefs.ErrBusy))
 	}
+	if err := InUse(cur); err != nil {
+		return fail(err)
+	}
 	if err := dmTargetMessage(cur.Major, cur.Minor, "fail_if_no_path"); err != nil && !errors.Is(err, unix.ENXIO) {
 		return fail(err)
 	}
-	if err := FlushDevice(ctx, cur); err != nil {
-		return fail(err)
+	// Without a working path the flush could only fail: what was not
+	// written is lost already.
+	if paths, err := MultipathPaths(cur); err != nil || slices.ContainsFunc(paths, PathState.Working) {
+		if err := FlushDevice(ctx, cur); err != nil {
+			return fail(err)
+		}
 	}
 	w := l.subscribeRemoval(cur)
 	defer w.Close()

@@ -8,6 +8,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -468,6 +469,12 @@ func (tg *Target) Detach(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// Nothing is removed while something still uses the LUN: a mount of
+	// its filesystem outside the staging path (a bind that leaked into
+	// another mount namespace), a process that opened it exclusively.
+	if err := inUse(t.mapOf(pds), pds); err != nil {
+		return fmt.Errorf("detach iSCSI %s LUN %d: %w", v.IQN, v.LUN, err)
+	}
 	var errs []error
 	// The map first: removing a path under a map would make it queue or
 	// fail I/O.
@@ -497,6 +504,55 @@ func (tg *Target) Detach(ctx context.Context) error {
 		return fmt.Errorf("detach iSCSI %s LUN %d: %w", v.IQN, v.LUN, errors.Join(errs...))
 	}
 	return nil
+}
+
+// inUse checks the LUN's map, or without one each of its disks, with
+// devices.InUse.
+func inUse(dm *devices.Device, pds []*pathDevice) error {
+	if dm != nil {
+		return devices.InUse(dm)
+	}
+	for _, pd := range pds {
+		if pd.dev == nil {
+			continue
+		}
+		if err := devices.InUse(pd.dev); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// StopQueueing makes the LUN's multipath map fail I/O when none of its
+// paths works, so that an unmount or a flush of the map ends instead of
+// waiting in the kernel for a path that may never come back (a map with
+// queue_if_no_path, or multipathd's no_path_retry queue). A map with a
+// working path, and a LUN without a map, are left as they are: the disk
+// of a single path fails its I/O itself at the session's replacement
+// timeout.
+func (tg *Target) StopQueueing(ctx context.Context) (bool, error) {
+	t, v := tg.t, tg.v
+	paths, _ := resolve(ctx, v.Portals)
+	pds, err := t.findPaths(v, paths)
+	if err != nil {
+		return false, err
+	}
+	dm := t.mapOf(pds)
+	if dm == nil {
+		return false, nil
+	}
+	ps, err := devices.MultipathPaths(dm)
+	if err != nil {
+		return false, err
+	}
+	if slices.ContainsFunc(ps, devices.PathState.Working) {
+		return false, nil
+	}
+	if err := t.failQueueing(ctx, dm); err != nil {
+		return false, fmt.Errorf("iSCSI %s LUN %d: no path works: %w", v.IQN, v.LUN, err)
+	}
+	t.log.Warn("iSCSI: no path works; the multipath map fails I/O instead of queueing it", "target", v.IQN, "lun", v.LUN, "map", mapName(dm))
+	return true, nil
 }
 
 // findPaths returns the volume's LUN on every session of its target: the

@@ -229,6 +229,9 @@ func (tg *lioTarget) SetDiscoveryCHAP(user, pass, userIn, passIn string) {
 // Portal returns the portal of a TPG.
 func (tg *lioTarget) Portal(tpgt int) string { return tg.tpgs[tpgt] }
 
+// StartMultipathd is startMultipathd for the package's external tests.
+func StartMultipathd(t *testing.T) { startMultipathd(t) }
+
 // NewLIOTarget is newLIOTarget for the package's external tests.
 func NewLIOTarget(t *testing.T, portals ...string) *lioTarget { return newLIOTarget(t, portals...) }
 

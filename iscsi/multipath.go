@@ -59,14 +59,30 @@ func mapName(dm *devices.Device) string {
 	return dm.Name
 }
 
+// failQueueing makes the map fail I/O while no path works: at once,
+// through device-mapper, and through multipathd (when it runs), so that
+// it does not turn queueing back on when it next loads the map.
+func (t *Transport) failQueueing(ctx context.Context, dm *devices.Device) error {
+	if err := devices.SetQueueIfNoPath(dm, false); err != nil {
+		return err
+	}
+	qctx, cancel := context.WithTimeout(ctx, multipathdWait)
+	defer cancel()
+	if _, err := t.run.run(qctx, t.opts.Multipathd, "disablequeueing", "map", mapName(dm)); err != nil {
+		t.log.Debug("multipathd disablequeueing", "map", mapName(dm), "error", err)
+	}
+	return nil
+}
+
+// multipathdWait bounds a request to multipathd that berth can do
+// without (device-mapper has done the work already).
+const multipathdWait = 3 * time.Second
+
 // removeMap stops the map from queueing I/O (so that its flush cannot hang
 // on dead paths) and removes it.
 func (t *Transport) removeMap(ctx context.Context, dm *devices.Device) error {
-	qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	_, err := t.run.run(qctx, t.opts.Multipathd, "disablequeueing", "map", mapName(dm))
-	cancel()
-	if err != nil {
-		t.log.Debug("multipathd disablequeueing", "map", mapName(dm), "error", err)
+	if err := t.failQueueing(ctx, dm); err != nil {
+		return fmt.Errorf("remove multipath map %s (%s): %w", mapName(dm), dm.Path, err)
 	}
 	if err := devices.RemoveMultipathMap(ctx, t.opts.Listener, dm); err != nil {
 		return fmt.Errorf("remove multipath map %s (%s): %w", mapName(dm), dm.Path, err)

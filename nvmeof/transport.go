@@ -515,9 +515,19 @@ func (g *Target) Detach(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("detach %s: %w", g.Key(), err)
 	}
+	if err := g.deleteControllers(ctx, keep); err != nil {
+		return fmt.Errorf("detach %s: %w", g.Key(), err)
+	}
+	return nil
+}
+
+// deleteControllers deletes the controllers of the volume's paths, but
+// those keep names.
+func (g *Target) deleteControllers(ctx context.Context, keep func(ctrl string) bool) error {
+	t := g.t
 	ctrls, err := readControllers(t.opts.SysRoot)
 	if err != nil {
-		return fmt.Errorf("detach %s: %w", g.Key(), err)
+		return err
 	}
 	var host string
 	if id, err := t.HostIdentity(); err == nil {
@@ -551,10 +561,53 @@ func (g *Target) Detach(ctx context.Context) error {
 			t.log.Info("nvmeof: disconnected", "target", g.Key(), "path", p.String(), "controller", c.Name)
 		}
 	}
-	if len(errs) > 0 {
-		return fmt.Errorf("detach %s: %w", g.Key(), errors.Join(errs...))
+	return errors.Join(errs...)
+}
+
+// StopQueueing makes the namespace's head fail I/O when none of the
+// subsystem's controllers is live. While a controller reconnects (with
+// ctrl_loss_tmo -1, forever), the head queues I/O for it, and an unmount
+// of its filesystem waits in the kernel; once the subsystem has no
+// controller left, the head fails its queued and new I/O. So the volume's
+// controllers are deleted now, as Detach would delete them after the
+// unmount. Controllers that other volumes need stay (see othersNeed): the
+// head then queues on until they reconnect or the other volumes let them
+// go. A head with a live controller is left as it is.
+func (g *Target) StopQueueing(ctx context.Context) (bool, error) {
+	t := g.t
+	unlock, err := t.locks.lock(ctx, g.vol.NQN)
+	if err != nil {
+		return false, fmt.Errorf("%s: %w", g.Key(), err)
 	}
-	return nil
+	defer unlock()
+	h, ok, err := g.head()
+	if err != nil || !ok {
+		return false, err
+	}
+	ctrls, err := readControllers(t.opts.SysRoot)
+	if err != nil {
+		return false, fmt.Errorf("%s: %w", g.Key(), err)
+	}
+	var states []string
+	for _, c := range ctrls {
+		if c.SubsysNQN != g.vol.NQN || c.Deleting() {
+			continue
+		}
+		if c.State == StateLive {
+			return false, nil
+		}
+		states = append(states, c.Name+" "+c.State)
+	}
+	keep, err := g.othersNeed(ctx)
+	if err != nil {
+		return false, fmt.Errorf("%s: %w", g.Key(), err)
+	}
+	t.log.Warn("nvmeof: no controller is live; deleting the volume's controllers so that its namespace fails I/O instead of queueing it",
+		"target", g.Key(), "namespace", h.Name, "controllers", strings.Join(states, ", "))
+	if err := g.deleteControllers(ctx, keep); err != nil {
+		return false, fmt.Errorf("%s: %w", g.Key(), err)
+	}
+	return true, nil
 }
 
 // expandSettle bounds how long Expand, which does not know the size to

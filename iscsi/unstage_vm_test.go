@@ -1,0 +1,315 @@
+package iscsi_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/fs"
+	"github.com/berth-csi/berth/iscsi"
+	"github.com/berth-csi/berth/test/csitest"
+	"github.com/berth-csi/berth/test/vm"
+)
+
+// rpcDeadline is the deadline of each unpublish and unstage below: the
+// kubelet gives far more, but a call that waits for a dead device waits
+// for any deadline.
+const rpcDeadline = 10 * time.Second
+
+// timedRPC runs one call with rpcDeadline and fails the test when it ran
+// past it. The client's own deadline ends the wait in any case, so what
+// the server did shows in the next call: a handler still blocked in the
+// kernel holds the volume's lock.
+func timedRPC(t *testing.T, what string, call func(ctx context.Context) error) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), rpcDeadline)
+	defer cancel()
+	start := time.Now()
+	err := call(ctx)
+	el := time.Since(start)
+	t.Logf("%s: %v in %v", what, err, el.Round(time.Millisecond))
+	if el > rpcDeadline+time.Second {
+		t.Fatalf("%s ran %v, past its %v deadline", what, el, rpcDeadline)
+	}
+	return err
+}
+
+// deviceOf looks up a block device by number.
+func deviceOf(major, minor uint32) (*devices.Device, error) {
+	link, err := os.Readlink(fmt.Sprintf("/sys/dev/block/%d:%d", major, minor))
+	if err != nil {
+		return nil, err
+	}
+	return devices.Lookup(filepath.Base(link))
+}
+
+// isMountRoot reports whether something is mounted at p.
+func isMountRoot(t *testing.T, p string) bool {
+	t.Helper()
+	st, err := fs.StatPath(p)
+	if errors.Is(err, os.ErrNotExist) {
+		return false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st.MountRoot
+}
+
+// writer writes into dir until stop closes or its budget is used: dirty
+// pages in the page cache, as a pod leaves them behind.
+func writer(dir string, stop <-chan struct{}) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		f, err := os.OpenFile(filepath.Join(dir, "log"), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+		if err != nil {
+			done <- err
+			return
+		}
+		buf := make([]byte, 64<<10)
+		for i := 0; i < 128; i++ { // 8 MiB at most
+			select {
+			case <-stop:
+				done <- f.Close()
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+			if _, err := f.Write(buf); err != nil {
+				f.Close()
+				done <- err
+				return
+			}
+		}
+		done <- f.Close()
+	}()
+	return done
+}
+
+// queueForever makes multipathd build maps that queue I/O for as long as
+// no path works (no_path_retry queue), whatever its hardware table says
+// of the target.
+func queueForever(t *testing.T) {
+	t.Helper()
+	iscsi.StartMultipathd(t)
+	conf := "/etc/multipath/conf.d/queue.conf"
+	if err := os.MkdirAll(filepath.Dir(conf), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(conf, []byte("overrides {\n\tno_path_retry queue\n}\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	run(t, "multipathd", "reconfigure")
+	t.Cleanup(func() {
+		os.Remove(conf)
+		exec.Command("multipathd", "reconfigure").Run()
+	})
+}
+
+// mapFeatures returns the feature words of a map's table.
+func mapFeatures(t *testing.T, dmName string) string {
+	t.Helper()
+	out, err := exec.Command("dmsetup", "table", dmName).CombinedOutput()
+	if err != nil {
+		t.Fatalf("dmsetup table %s: %v: %s", dmName, err, out)
+	}
+	return strings.TrimSpace(string(out))
+}
+
+// TestMultipathISCSIAgentUnstageDeadPaths: every path of a map that
+// queues I/O while no path works is gone, with the volume staged,
+// published and written to. Unpublish and unstage each return within
+// their deadline, and (the paths still gone) a retry leaves nothing: no
+// map, no session, no mount.
+func TestMultipathISCSIAgentUnstageDeadPaths(t *testing.T) {
+	vm.RequireGuest(t)
+	queueForever(t)
+	logger := slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelDebug}))
+	node := startAgent(t, logger)
+	lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260", "127.0.0.2:3260")
+	wwid := lt.AddLUN(0, 64<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+
+	dir := t.TempDir()
+	staging := filepath.Join(dir, "staging")
+	targetPath := filepath.Join(dir, "pod", "vol")
+	os.MkdirAll(staging, 0o750)
+	os.MkdirAll(filepath.Dir(targetPath), 0o750)
+	id := "vol-deadpaths"
+	vctx := map[string]string{"portals": `["127.0.0.1:3260","127.0.0.2:3260"]`, "iqn": lt.IQN, "lun": "0", "wwid": wwid,
+		"multipath": "true", iscsi.ParamReplacementTimeout: "2"}
+	capability := csitest.MountCap("ext4")
+	if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		VolumeCapability: capability, VolumeContext: vctx}); err != nil {
+		t.Fatalf("NodeStageVolume: %v", err)
+	}
+	st, err := fs.StatPath(staging)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dm, err := deviceOf(st.Major, st.Minor)
+	if err != nil || dm.ID.Kind != devices.KindDM {
+		t.Fatalf("staging mount is on %d:%d (%v, %v), not a map", st.Major, st.Minor, dm, err)
+	}
+	if f := mapFeatures(t, dm.ID.DMName); !strings.Contains(f, "queue_if_no_path") {
+		t.Fatalf("map %s does not queue: %s", dm.ID.DMName, f)
+	}
+	// Whatever happens below, the map stops queueing when the test
+	// ends, so that nothing stays blocked in the guest.
+	t.Cleanup(func() { exec.Command("dmsetup", "message", dm.ID.DMName, "0", "fail_if_no_path").Run() })
+	if _, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		TargetPath: targetPath, VolumeCapability: capability, VolumeContext: vctx}); err != nil {
+		t.Fatalf("NodePublishVolume: %v", err)
+	}
+
+	stop := make(chan struct{})
+	done := writer(targetPath, stop)
+	time.Sleep(300 * time.Millisecond)
+	lt.Vanish(1)
+	lt.Vanish(2)
+	waitFor(t, 30*time.Second, "the map to fail both paths", func() bool {
+		ps, err := devices.MultipathPaths(dm)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range ps {
+			if p.Active {
+				return false
+			}
+		}
+		return true
+	})
+	close(stop)
+	select {
+	case err := <-done:
+		t.Logf("writer ended: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the writer is stuck")
+	}
+
+	if err := timedRPC(t, "NodeUnpublishVolume", func(ctx context.Context) error {
+		_, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: targetPath})
+		return err
+	}); err != nil {
+		t.Fatalf("NodeUnpublishVolume: %v", err)
+	}
+	unstage := func(ctx context.Context) error {
+		_, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+		return err
+	}
+	if err := timedRPC(t, "NodeUnstageVolume", unstage); err != nil {
+		// A first call may end at its deadline; the retry must finish.
+		if err := timedRPC(t, "NodeUnstageVolume (retry)", unstage); err != nil {
+			t.Fatalf("NodeUnstageVolume retry with every path gone: %v", err)
+		}
+	}
+	if isMountRoot(t, staging) {
+		t.Errorf("%s is still mounted", staging)
+	}
+	if _, err := os.Stat("/sys/class/block/" + dm.Name); err == nil {
+		t.Errorf("map %s (%s) still exists", dm.Name, dm.ID.DMName)
+	}
+	if n := iscsiSessions(t, lt.IQN); n != 0 {
+		t.Errorf("%d sessions left", n)
+	}
+}
+
+// TestGuestISCSIAgentUnstageLeakedMount: a bind of the staging mount made
+// outside berth (a mount propagated into another namespace, an operator's
+// bind) keeps the filesystem, and so the disk, in use after the staging
+// mount is gone. Unstage refuses and names the holder, and the disk stays;
+// once that mount is gone, unstage finishes.
+func TestGuestISCSIAgentUnstageLeakedMount(t *testing.T) {
+	vm.RequireGuest(t)
+	node := startAgent(t, slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelDebug})))
+	lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
+	wwid := lt.AddLUN(0, 32<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	dir := t.TempDir()
+	staging := filepath.Join(dir, "staging")
+	leak := filepath.Join(dir, "leak")
+	os.MkdirAll(staging, 0o750)
+	os.MkdirAll(leak, 0o750)
+	id := "vol-leak"
+	vctx := map[string]string{"targetPortal": lt.Portal(1), "iqn": lt.IQN, "lun": "0", "wwid": wwid}
+	if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		VolumeCapability: csitest.MountCap("ext4"), VolumeContext: vctx}); err != nil {
+		t.Fatalf("NodeStageVolume: %v", err)
+	}
+	st, err := fs.StatPath(staging)
+	if err != nil {
+		t.Fatal(err)
+	}
+	disk, err := deviceOf(st.Major, st.Minor)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(staging, "data"), []byte("still here"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount(staging, leak, "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(leak, unix.MNT_DETACH) })
+
+	unstage := func(ctx context.Context) error {
+		_, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+		return err
+	}
+	for _, what := range []string{"NodeUnstageVolume", "NodeUnstageVolume (retry)"} {
+		err := timedRPC(t, what, unstage)
+		if c := status.Code(err); c != codes.FailedPrecondition && c != codes.Aborted {
+			t.Fatalf("%s with the filesystem mounted at %s: %v, want FailedPrecondition or Aborted", what, leak, err)
+		}
+		if !strings.Contains(err.Error(), leak) {
+			t.Errorf("%s: the error does not name the mount at %s: %v", what, leak, err)
+		}
+		if _, err := os.Stat("/sys/class/block/" + disk.Name); err != nil {
+			t.Fatalf("the disk %s was deleted under the mount at %s: %v", disk.Name, leak, err)
+		}
+		if b, err := os.ReadFile(filepath.Join(leak, "data")); err != nil || string(b) != "still here" {
+			t.Fatalf("read through the leaked mount: %q, %v", b, err)
+		}
+	}
+	if n := iscsiSessions(t, lt.IQN); n != 1 {
+		t.Fatalf("%d sessions, want the volume's one", n)
+	}
+	if err := unix.Unmount(leak, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := timedRPC(t, "NodeUnstageVolume (leak gone)", unstage); err != nil {
+		t.Fatalf("NodeUnstageVolume after the leaked mount went: %v", err)
+	}
+	if _, err := os.Stat("/sys/class/block/" + disk.Name); err == nil {
+		t.Errorf("disk %s still exists", disk.Name)
+	}
+	if n := iscsiSessions(t, lt.IQN); n != 0 {
+		t.Errorf("%d sessions left", n)
+	}
+}
+
+func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	end := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(end) {
+			t.Fatalf("timed out after %v waiting for %s", d, what)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}

@@ -1,0 +1,162 @@
+package nvmeof_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/berth-csi/berth/fs"
+	"github.com/berth-csi/berth/test/csitest"
+	"github.com/berth-csi/berth/test/vm"
+	"github.com/berth-csi/berth/test/vm/target"
+)
+
+// rpcDeadline is the deadline of each unpublish and unstage below.
+const rpcDeadline = 10 * time.Second
+
+// timedRPC runs one call with rpcDeadline and fails the test when it ran
+// past it. The client's own deadline ends the wait in any case, so what
+// the server did shows in the next call: a handler still blocked in the
+// kernel holds the volume's lock.
+func timedRPC(t *testing.T, what string, call func(ctx context.Context) error) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), rpcDeadline)
+	defer cancel()
+	start := time.Now()
+	err := call(ctx)
+	el := time.Since(start)
+	t.Logf("%s: %v in %v", what, err, el.Round(time.Millisecond))
+	if el > rpcDeadline+time.Second {
+		t.Fatalf("%s ran %v, past its %v deadline", what, el, rpcDeadline)
+	}
+	return err
+}
+
+// controllerStates maps the controllers of subsystem nqn to their state.
+func controllerStates(nqn string) map[string]string {
+	out := map[string]string{}
+	ents, _ := os.ReadDir("/sys/class/nvme")
+	for _, e := range ents {
+		d := filepath.Join("/sys/class/nvme", e.Name())
+		b, err := os.ReadFile(filepath.Join(d, "subsysnqn"))
+		if err != nil || strings.TrimSpace(string(b)) != nqn {
+			continue
+		}
+		s, _ := os.ReadFile(filepath.Join(d, "state"))
+		out[e.Name()] = strings.TrimSpace(string(s))
+	}
+	return out
+}
+
+// TestGuestAgentUnstageDeadController: the subsystem's ports are gone
+// while the volume is staged, published and written to, and its
+// controllers reconnect forever (ctrl_loss_tmo -1), so the namespace head
+// queues I/O. Unpublish and unstage each return within their deadline,
+// and a retry (the ports still gone) leaves no controller and no mount.
+func TestGuestAgentUnstageDeadController(t *testing.T) {
+	vm.RequireGuest(t)
+	logger := slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelDebug}))
+	node := startAgent(t, logger)
+	nqn := "nqn.2026-01.io.berth:deadctrl"
+	ports := []string{"127.0.0.1:4450", "127.0.0.1:4451"}
+	tgt := target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: ports, Namespaces: []target.NVMeNamespace{{Size: 64 << 20}}})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	// Whatever happens below, the controllers go when the test ends, so
+	// that nothing stays blocked in the guest.
+	t.Cleanup(func() {
+		for c := range controllerStates(nqn) {
+			os.WriteFile(filepath.Join("/sys/class/nvme", c, "delete_controller"), []byte("1"), 0o200)
+		}
+	})
+
+	dir := t.TempDir()
+	staging := filepath.Join(dir, "staging")
+	targetPath := filepath.Join(dir, "pod", "vol")
+	os.MkdirAll(staging, 0o750)
+	os.MkdirAll(filepath.Dir(targetPath), 0o750)
+	id := "vol-deadctrl"
+	vctx := map[string]string{"nqn": nqn, "nsid": "1", "targets": strings.Join(ports, ","), "ctrlLossTmo": "-1", "reconnectDelay": "1"}
+	capability := csitest.MountCap("ext4")
+	if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		VolumeCapability: capability, VolumeContext: vctx}); err != nil {
+		t.Fatalf("NodeStageVolume: %v", err)
+	}
+	if _, err := node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		TargetPath: targetPath, VolumeCapability: capability, VolumeContext: vctx}); err != nil {
+		t.Fatalf("NodePublishVolume: %v", err)
+	}
+	f, err := os.OpenFile(filepath.Join(targetPath, "log"), os.O_WRONLY|os.O_CREATE, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 64<<10)
+	for range 32 {
+		if _, err := f.Write(buf); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, p := range ports {
+		tgt.RemovePort(p)
+	}
+	// More writes land in the page cache while the controllers are down.
+	for range 32 {
+		if _, err := f.Write(buf); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	end := time.Now().Add(30 * time.Second)
+	for {
+		states := controllerStates(nqn)
+		live := 0
+		for _, s := range states {
+			if s == "live" {
+				live++
+			}
+		}
+		if live == 0 && len(states) == len(ports) {
+			t.Logf("controllers: %v", states)
+			break
+		}
+		if time.Now().After(end) {
+			t.Fatalf("controllers did not all drop: %v", states)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+
+	if err := timedRPC(t, "NodeUnpublishVolume", func(ctx context.Context) error {
+		_, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: targetPath})
+		return err
+	}); err != nil {
+		t.Fatalf("NodeUnpublishVolume: %v", err)
+	}
+	unstage := func(ctx context.Context) error {
+		_, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+		return err
+	}
+	if err := timedRPC(t, "NodeUnstageVolume", unstage); err != nil {
+		// A first call may end at its deadline; the retry must finish.
+		if err := timedRPC(t, "NodeUnstageVolume (retry)", unstage); err != nil {
+			t.Fatalf("NodeUnstageVolume retry with every controller down: %v", err)
+		}
+	}
+	if st, err := fs.StatPath(staging); err == nil && st.MountRoot {
+		t.Errorf("%s is still mounted", staging)
+	} else if err != nil && !errors.Is(err, os.ErrNotExist) {
+		t.Fatal(err)
+	}
+	if states := controllerStates(nqn); len(states) != 0 {
+		t.Errorf("controllers left: %v", fmt.Sprint(states))
+	}
+}
