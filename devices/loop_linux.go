@@ -41,10 +41,21 @@ const loopMarker = "berth:"
 // the free loop device we were given before we do (EBUSY).
 const maxFreeLoopAttempts = 16
 
-// loopAllocMu serialises, within the agent, the two ioctls that take a free
-// loop device, so concurrent attaches do not all race for the same one; other
-// processes are handled by the EBUSY retry.
-var loopAllocMu sync.Mutex
+// loopClaims holds the numbers of the loop devices this process is
+// configuring right now. LOOP_CTL_GET_FREE answers the same device to
+// every caller until one of them has bound it, and the kernel makes the
+// others wait for that bind only to refuse them (EBUSY); attaches of this
+// process therefore each take a device no other of them holds, and only
+// a device taken by another process costs a retry. The lock covers the
+// choice only, never an ioctl on a device or a wait.
+var loopClaims = struct {
+	sync.Mutex
+	held map[int]struct{}
+}{held: make(map[int]struct{})}
+
+// beforeConfigureHook, when set by a test, is called with the name of the
+// free loop device an attach is about to configure.
+var beforeConfigureHook func(name string)
 
 // loopConfigureMissing caches that the kernel has no LOOP_CONFIGURE (before
 // 5.8); LOOP_SET_FD and LOOP_SET_STATUS64 are used instead.
@@ -154,9 +165,10 @@ func loopBackingPath(file string) (string, error) {
 	return path, nil
 }
 
-// configureFreeLoop asks loop-control for a free device and binds the
-// backing file to it. Another process may take the same free device between
-// the two steps; the kernel then answers EBUSY and we ask again.
+// configureFreeLoop asks loop-control for a free device, claims it (see
+// loopClaims) and binds the backing file to it. Another process may take
+// the same free device between the two steps; the kernel then answers
+// EBUSY and we ask again.
 func configureFreeLoop(ctx context.Context, backing *os.File, path string, readOnly bool) (string, error) {
 	ctl, err := os.OpenFile(filepath.Join(devRoot, "loop-control"), os.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -167,15 +179,16 @@ func configureFreeLoop(ctx context.Context, backing *os.File, path string, readO
 		if err := ctx.Err(); err != nil {
 			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
 		}
-		loopAllocMu.Lock()
-		n, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
+		n, release, err := claimFreeLoop(ctl)
 		if err != nil {
-			loopAllocMu.Unlock()
-			return "", fmt.Errorf("attach loop device for %s: LOOP_CTL_GET_FREE: %w", path, err)
+			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
 		}
 		name := "loop" + strconv.Itoa(n)
+		if h := beforeConfigureHook; h != nil {
+			h(name)
+		}
 		err = configureLoop(name, backing, path, readOnly)
-		loopAllocMu.Unlock()
+		release()
 		if err == nil {
 			return name, nil
 		}
@@ -183,6 +196,50 @@ func configureFreeLoop(ctx context.Context, backing *os.File, path string, readO
 			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
 		}
 	}
+}
+
+// claimFreeLoop returns the number of a loop device that no other attach
+// of this process is configuring and that was unbound when looked at: the
+// one LOOP_CTL_GET_FREE names, or when that is claimed, the next unbound
+// one after it, created with LOOP_CTL_ADD if it does not exist yet.
+// release gives the claim back.
+func claimFreeLoop(ctl *os.File) (n int, release func(), err error) {
+	free, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
+	if err != nil {
+		return 0, nil, fmt.Errorf("LOOP_CTL_GET_FREE: %w", err)
+	}
+	exists := true
+	loopClaims.Lock()
+	for n = free; ; n++ {
+		if _, claimed := loopClaims.held[n]; claimed {
+			continue
+		}
+		if n == free {
+			break
+		}
+		sys := filepath.Join(sysfsRoot, "class", "block", "loop"+strconv.Itoa(n))
+		if _, err := os.Lstat(sys); err != nil {
+			exists = false
+			break
+		}
+		if f, err := readAttr(sys, "loop/backing_file"); err != nil || f == "" {
+			break
+		}
+	}
+	loopClaims.held[n] = struct{}{}
+	loopClaims.Unlock()
+	release = func() {
+		loopClaims.Lock()
+		delete(loopClaims.held, n)
+		loopClaims.Unlock()
+	}
+	if !exists {
+		if err := unix.IoctlSetInt(int(ctl.Fd()), unix.LOOP_CTL_ADD, n); err != nil && !errors.Is(err, unix.EEXIST) {
+			release()
+			return 0, nil, fmt.Errorf("LOOP_CTL_ADD %d: %w", n, err)
+		}
+	}
+	return n, release, nil
 }
 
 func configureLoop(name string, backing *os.File, path string, readOnly bool) error {

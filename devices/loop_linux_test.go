@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -660,5 +661,65 @@ func TestFindDeletedLoopOnlyBerths(t *testing.T) {
 	}
 	if got, err := FindDeletedLoop(theirs); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("FindDeletedLoop(%s) = %v, %v; want ErrNotFound", theirs, got, err)
+	}
+}
+
+// TestAttachLoopNotSerialised holds one attach between taking a free loop
+// device and configuring it; an attach of another file meanwhile must not
+// wait for it: the kernel serialises the two only on the same device.
+func TestAttachLoopNotSerialised(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	first, second := testFile(t, dir, "first.img", 1<<20), testFile(t, dir, "second.img", 1<<20)
+	held, release := make(chan string, 1), make(chan struct{})
+	var taken atomic.Bool
+	beforeConfigureHook = func(name string) {
+		if taken.CompareAndSwap(false, true) {
+			held <- name
+			<-release
+		}
+	}
+	defer func() { beforeConfigureHook = nil }()
+	releaseOnce := sync.OnceFunc(func() { close(release) })
+	defer releaseOnce()
+
+	type result struct {
+		d   *Device
+		err error
+	}
+	firstDone := make(chan result, 1)
+	go func() {
+		d, err := AttachLoop(ctx, l, first, false)
+		firstDone <- result{d, err}
+	}()
+	heldName := <-held
+	secondDone := make(chan result, 1)
+	go func() {
+		d, err := AttachLoop(ctx, l, second, false)
+		secondDone <- result{d, err}
+	}()
+	var r2 result
+	select {
+	case r2 = <-secondDone:
+	case <-time.After(5 * time.Second):
+		t.Errorf("the attach of %s waited 5s for the attach of %s, held before configuring %s", second, first, heldName)
+		releaseOnce()
+		r2 = <-secondDone
+	}
+	releaseOnce()
+	r1 := <-firstDone
+	for _, r := range []result{r1, r2} {
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		t.Cleanup(func() { detachForTest(t, r.d) })
+	}
+	if r1.d.Name == r2.d.Name {
+		t.Errorf("both files attached to %s", r1.d.Name)
+	}
+	if r1.d.ID.BackingFile != first || r2.d.ID.BackingFile != second {
+		t.Errorf("backing files %s, %s; want %s, %s", r1.d.ID.BackingFile, r2.d.ID.BackingFile, first, second)
 	}
 }
