@@ -168,7 +168,8 @@ func loopBackingPath(file string) (string, error) {
 // configureFreeLoop asks loop-control for a free device, claims it (see
 // loopClaims) and binds the backing file to it. Another process may take
 // the same free device between the two steps; the kernel then answers
-// EBUSY and we ask again.
+// EBUSY and we ask again, as we do when the device cannot be opened
+// (ENXIO) because another caller is still adding or removing it.
 func configureFreeLoop(ctx context.Context, backing *os.File, path string, readOnly bool) (string, error) {
 	ctl, err := os.OpenFile(filepath.Join(devRoot, "loop-control"), os.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -180,19 +181,21 @@ func configureFreeLoop(ctx context.Context, backing *os.File, path string, readO
 			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
 		}
 		n, release, err := claimFreeLoop(ctl)
-		if err != nil {
-			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
-		}
-		name := "loop" + strconv.Itoa(n)
-		if h := beforeConfigureHook; h != nil {
-			h(name)
-		}
-		err = configureLoop(name, backing, path, readOnly)
-		release()
 		if err == nil {
-			return name, nil
+			name := "loop" + strconv.Itoa(n)
+			if h := beforeConfigureHook; h != nil {
+				h(name)
+			}
+			err = configureLoop(name, backing, path, readOnly)
+			release()
+			if err == nil {
+				return name, nil
+			}
 		}
-		if !errors.Is(err, unix.EBUSY) || attempt == maxFreeLoopAttempts {
+		// EBUSY: another process bound the device first. ENXIO: the
+		// device is being added or removed by someone else and cannot be
+		// opened now.
+		if !(errors.Is(err, unix.EBUSY) || errors.Is(err, unix.ENXIO)) || attempt == maxFreeLoopAttempts {
 			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
 		}
 	}
@@ -201,14 +204,20 @@ func configureFreeLoop(ctx context.Context, backing *os.File, path string, readO
 // claimFreeLoop returns the number of a loop device that no other attach
 // of this process is configuring and that was unbound when looked at: the
 // one LOOP_CTL_GET_FREE names, or when that is claimed, the next unbound
-// one after it, created with LOOP_CTL_ADD if it does not exist yet.
-// release gives the claim back.
+// one after it; when none of the existing devices is left, a new one
+// (LOOP_CTL_ADD, which returns once the device can be opened). release
+// gives the claim back. An error wrapping EBUSY asks the caller to try
+// again.
 func claimFreeLoop(ctl *os.File) (n int, release func(), err error) {
 	free, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
 	if err != nil {
 		return 0, nil, fmt.Errorf("LOOP_CTL_GET_FREE: %w", err)
 	}
-	exists := true
+	release = func() {
+		loopClaims.Lock()
+		delete(loopClaims.held, n)
+		loopClaims.Unlock()
+	}
 	loopClaims.Lock()
 	for n = free; ; n++ {
 		if _, claimed := loopClaims.held[n]; claimed {
@@ -219,26 +228,33 @@ func claimFreeLoop(ctl *os.File) (n int, release func(), err error) {
 		}
 		sys := filepath.Join(sysfsRoot, "class", "block", "loop"+strconv.Itoa(n))
 		if _, err := os.Lstat(sys); err != nil {
-			exists = false
+			n = -1 // past the existing devices
 			break
 		}
 		if f, err := readAttr(sys, "loop/backing_file"); err != nil || f == "" {
 			break
 		}
 	}
-	loopClaims.held[n] = struct{}{}
-	loopClaims.Unlock()
-	release = func() {
-		loopClaims.Lock()
-		delete(loopClaims.held, n)
+	if n >= 0 {
+		loopClaims.held[n] = struct{}{}
 		loopClaims.Unlock()
+		return n, release, nil
 	}
-	if !exists {
-		if err := unix.IoctlSetInt(int(ctl.Fd()), unix.LOOP_CTL_ADD, n); err != nil && !errors.Is(err, unix.EEXIST) {
-			release()
-			return 0, nil, fmt.Errorf("LOOP_CTL_ADD %d: %w", n, err)
-		}
+	loopClaims.Unlock()
+	// A number of our own choosing could be one the kernel is adding for
+	// another caller right now, which cannot be opened yet; LOOP_CTL_ADD
+	// with -1 picks a free number and adds the device completely.
+	r, _, errno := unix.Syscall(unix.SYS_IOCTL, ctl.Fd(), unix.LOOP_CTL_ADD, ^uintptr(0))
+	if errno != 0 {
+		return 0, nil, fmt.Errorf("LOOP_CTL_ADD: %w", errno)
 	}
+	n = int(r)
+	loopClaims.Lock()
+	defer loopClaims.Unlock()
+	if _, claimed := loopClaims.held[n]; claimed {
+		return 0, nil, fmt.Errorf("new loop device %d: taken by another attach: %w", n, unix.EBUSY)
+	}
+	loopClaims.held[n] = struct{}{}
 	return n, release, nil
 }
 
@@ -366,28 +382,44 @@ func fileIDOf(f *os.File) (fileID, error) {
 // differs: it shows some of the same bytes, and writing through both
 // corrupts what either holds. Without strict such devices are passed
 // over.
+//
+// Each bound loop device is asked for its backing inode first
+// (LOOP_GET_STATUS64); only the devices of the file are read from sysfs
+// in full. On a node with hundreds of loop devices this scan runs for
+// every attach and every volume's health check.
 func findLoopFile(path string, id fileID, strict bool) (*Device, error) {
+	dir := filepath.Join(sysfsRoot, "class", "block")
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("list block devices: %w", err)
+	}
 	var found *Device
 	var others []string
-	err := scanBlock(KindLoop, boundLoop{}, func(d *Device) bool {
-		if d.ID.Kind != KindLoop || d.ID.BackingFile == "" {
-			return false
+	for _, e := range ents {
+		if !nameMayBeKind(e.Name(), KindLoop) {
+			continue
 		}
-		info, err := loopStatus(d)
+		sysPath := filepath.Join(dir, e.Name())
+		if !(boundLoop{}).mayMatch(sysPath) {
+			continue
+		}
+		info, dev, err := loopStatusByName(e.Name())
 		if err != nil || info.Device != id.dev || info.Inode != id.ino {
-			return false
+			continue
+		}
+		// The whole device, checked to be the one whose status was read.
+		d, err := readDevice(sysPath, KindLoop)
+		if err != nil || d.ID.Kind != KindLoop || d.ID.BackingFile == "" ||
+			d.Major != unix.Major(dev) || d.Minor != unix.Minor(dev) {
+			continue
 		}
 		if diff := loopDiff(info); diff != "" {
 			others = append(others, d.Path+" ("+diff+")")
-			return false
+			continue
 		}
 		if found == nil {
 			found = d
 		}
-		return false
-	})
-	if err != nil {
-		return nil, err
 	}
 	if strict && len(others) > 0 {
 		return nil, fmt.Errorf("loop device for %s: %s already attached to it, showing other bytes than the whole file; berth neither adopts nor replaces it: detach it (losetup -d) or use another file: %w",
@@ -397,6 +429,25 @@ func findLoopFile(path string, id fileID, strict bool) (*Device, error) {
 		return nil, fmt.Errorf("loop device backed by %s: %w", path, errdefs.ErrNotFound)
 	}
 	return found, nil
+}
+
+// loopStatusByName reads the status of the loop device /dev/<name> and
+// returns it with the device number of the node it opened.
+func loopStatusByName(name string) (*unix.LoopInfo64, uint64, error) {
+	f, err := openLoopFlags(name, os.O_RDONLY)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, 0, fmt.Errorf("fstat /dev/%s: %w", name, err)
+	}
+	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err != nil {
+		return nil, 0, fmt.Errorf("LOOP_GET_STATUS64 /dev/%s: %w", name, err)
+	}
+	return info, st.Rdev, nil
 }
 
 // loopDiff says how a loop device's view differs from its whole backing

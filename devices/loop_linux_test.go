@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -722,4 +724,55 @@ func TestAttachLoopNotSerialised(t *testing.T) {
 	if r1.d.ID.BackingFile != first || r2.d.ID.BackingFile != second {
 		t.Errorf("backing files %s, %s; want %s, %s", r1.d.ID.BackingFile, r2.d.ID.BackingFile, first, second)
 	}
+}
+
+// When every existing loop device is claimed by an attach of this process,
+// claimFreeLoop adds a device instead of handing out a claimed one.
+func TestClaimFreeLoopAddsDevice(t *testing.T) {
+	requireRoot(t)
+	ents, err := os.ReadDir("/sys/class/block")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var fake []int
+	loopClaims.Lock()
+	for _, e := range ents {
+		if n, err := strconv.Atoi(strings.TrimPrefix(e.Name(), "loop")); err == nil && strings.HasPrefix(e.Name(), "loop") {
+			if _, held := loopClaims.held[n]; !held {
+				loopClaims.held[n] = struct{}{}
+				fake = append(fake, n)
+			}
+		}
+	}
+	loopClaims.Unlock()
+	defer func() {
+		loopClaims.Lock()
+		for _, n := range fake {
+			delete(loopClaims.held, n)
+		}
+		loopClaims.Unlock()
+	}()
+	ctl, err := os.OpenFile("/dev/loop-control", os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ctl.Close()
+	n, release, err := claimFreeLoop(ctl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer release()
+	defer func() {
+		if err := unix.IoctlSetInt(int(ctl.Fd()), unix.LOOP_CTL_REMOVE, n); err != nil {
+			t.Errorf("remove loop%d again: %v", n, err)
+		}
+	}()
+	if slices.Contains(fake, n) {
+		t.Fatalf("claimFreeLoop handed out loop%d, which another attach holds", n)
+	}
+	f, err := openLoop("loop" + strconv.Itoa(n))
+	if err != nil {
+		t.Fatalf("the new loop%d cannot be opened: %v", n, err)
+	}
+	f.Close()
 }
