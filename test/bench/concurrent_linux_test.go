@@ -30,7 +30,7 @@ const concurrentGoal = 1.15
 // benchmark.
 func TestBenchConcurrentStage(t *testing.T) {
 	requireBench(t, "losetup", "mkfs.ext4", "mount", "umount")
-	rounds := envInt("BERTH_BENCH_ROUNDS", 3)
+	rounds := envInt("BERTH_BENCH_ROUNDS", 5)
 	counts := []int{1, 8, 32}
 	if s := os.Getenv("BERTH_BENCH_COUNTS"); s != "" {
 		counts = nil

@@ -76,7 +76,7 @@ func mountTableChild(t *testing.T, dir, parentNS string) {
 	if err != nil || parentNS == "" || self == parentNS {
 		t.Fatalf("refusing to add %d mounts to the mount namespace of the parent (%s, %s; %v)", manyMounts, self, parentNS, err)
 	}
-	rounds := envInt("BERTH_BENCH_ROUNDS", 3)
+	rounds := envInt("BERTH_BENCH_ROUNDS", 5)
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
 	n := startNode(t, dir)
