@@ -231,7 +231,7 @@ func claimFreeLoop(ctl *os.File) (n int, release func(), err error) {
 			n = -1 // past the existing devices
 			break
 		}
-		if f, err := readAttr(sys, "loop/backing_file"); err != nil || f == "" {
+		if !loopBound(sys) {
 			break
 		}
 	}
@@ -400,7 +400,7 @@ func findLoopFile(path string, id fileID, strict bool) (*Device, error) {
 			continue
 		}
 		sysPath := filepath.Join(dir, e.Name())
-		if !(boundLoop{}).mayMatch(sysPath) {
+		if !loopBound(sysPath) {
 			continue
 		}
 		info, dev, err := loopStatusByName(e.Name())
@@ -496,20 +496,13 @@ func cString(b []byte) string {
 	return string(b)
 }
 
-// boundLoop passes, in a scan, the loop devices that have a backing file.
-type boundLoop struct{}
-
-func (boundLoop) Match(d *Device) bool {
-	return d != nil && d.ID.Kind == KindLoop && d.ID.BackingFile != ""
-}
-
-func (boundLoop) String() string { return "loop device with a backing file" }
-
-func (boundLoop) kind() string { return KindLoop }
-
-func (boundLoop) mayMatch(sysPath string) bool {
-	f, err := readAttr(sysPath, "loop/backing_file")
-	return err == nil && f != ""
+// loopBound reports whether the loop device at sysPath has a backing
+// file: the kernel adds its "loop" attribute directory when it binds one
+// and removes it when it unbinds. One stat, not a read of backing_file,
+// since a scan asks this of every loop device on the node.
+func loopBound(sysPath string) bool {
+	_, err := os.Lstat(filepath.Join(sysPath, "loop"))
+	return err == nil
 }
 
 // DetachLoop detaches dev from its backing file. It does nothing when the
