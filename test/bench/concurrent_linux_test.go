@@ -158,8 +158,14 @@ func rawStage(t *testing.T, ctx context.Context, vols []volume) time.Duration {
 	for i, v := range vols {
 		wg.Go(func() {
 			if out, err := exec.CommandContext(ctx, losetup, loops[i], v.image).CombinedOutput(); err != nil {
-				errs[i] = fmt.Errorf("losetup: %v: %s", err, out)
-				return
+				// Another process on the node took the device since it
+				// was chosen: let losetup find one, as it would by hand.
+				out, err = exec.CommandContext(ctx, losetup, "--find", "--show", v.image).CombinedOutput()
+				if err != nil {
+					errs[i] = fmt.Errorf("losetup: %v: %s", err, out)
+					return
+				}
+				loops[i] = strings.TrimSpace(string(out))
 			}
 			attached[i] = true
 			if out, err := exec.CommandContext(ctx, mkfs, "-q", "-t", "ext4", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", loops[i]).CombinedOutput(); err != nil {
