@@ -168,19 +168,22 @@ func loopBackingPath(file string) (string, error) {
 // configureFreeLoop asks loop-control for a free device, claims it (see
 // loopClaims) and binds the backing file to it. Another process may take
 // the same free device between the two steps; the kernel then answers
-// EBUSY and we ask again, as we do when the device cannot be opened
-// (ENXIO) because another caller is still adding or removing it.
+// EBUSY and we ask again. A device found by number (claimFreeLoop) may
+// still be being added by another caller and not open yet (ENOENT,
+// ENXIO); the next attempt then takes a device LOOP_CTL_ADD has finished
+// adding.
 func configureFreeLoop(ctx context.Context, backing *os.File, path string, readOnly bool) (string, error) {
 	ctl, err := os.OpenFile(filepath.Join(devRoot, "loop-control"), os.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return "", fmt.Errorf("attach loop device for %s: %w (is the loop module loaded?)", path, err)
 	}
 	defer ctl.Close()
+	added := false
 	for attempt := 1; ; attempt++ {
 		if err := ctx.Err(); err != nil {
 			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
 		}
-		n, release, err := claimFreeLoop(ctl)
+		n, release, err := claimFreeLoop(ctl, added)
 		if err == nil {
 			name := "loop" + strconv.Itoa(n)
 			if h := beforeConfigureHook; h != nil {
@@ -192,58 +195,63 @@ func configureFreeLoop(ctx context.Context, backing *os.File, path string, readO
 				return name, nil
 			}
 		}
-		// EBUSY: another process bound the device first. ENXIO: the
-		// device is being added or removed by someone else and cannot be
-		// opened now.
-		if !(errors.Is(err, unix.EBUSY) || errors.Is(err, unix.ENXIO)) || attempt == maxFreeLoopAttempts {
-			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
+		switch {
+		case attempt == maxFreeLoopAttempts:
+		case errors.Is(err, unix.EBUSY):
+			added = false
+			continue
+		case errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENXIO):
+			added = true
+			continue
 		}
+		return "", fmt.Errorf("attach loop device for %s: %w", path, err)
 	}
 }
 
 // claimFreeLoop returns the number of a loop device that no other attach
 // of this process is configuring and that was unbound when looked at: the
 // one LOOP_CTL_GET_FREE names, or when that is claimed, the next unbound
-// one after it; when none of the existing devices is left, a new one
-// (LOOP_CTL_ADD, which returns once the device can be opened). release
-// gives the claim back. An error wrapping EBUSY asks the caller to try
-// again.
-func claimFreeLoop(ctl *os.File) (n int, release func(), err error) {
-	free, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
-	if err != nil {
-		return 0, nil, fmt.Errorf("LOOP_CTL_GET_FREE: %w", err)
-	}
+// one after it. Past the existing devices, or with add, it is a new one
+// that LOOP_CTL_ADD has finished adding. release gives the claim back. An
+// error wrapping EBUSY asks the caller to try again.
+func claimFreeLoop(ctl *os.File, add bool) (n int, release func(), err error) {
 	release = func() {
 		loopClaims.Lock()
 		delete(loopClaims.held, n)
 		loopClaims.Unlock()
 	}
-	loopClaims.Lock()
-	for n = free; ; n++ {
-		if _, claimed := loopClaims.held[n]; claimed {
-			continue
+	if !add {
+		free, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
+		if err != nil {
+			return 0, nil, fmt.Errorf("LOOP_CTL_GET_FREE: %w", err)
 		}
-		if n == free {
-			break
+		loopClaims.Lock()
+		for n = free; ; n++ {
+			if _, claimed := loopClaims.held[n]; claimed {
+				continue
+			}
+			if n == free {
+				break
+			}
+			sys := filepath.Join(sysfsRoot, "class", "block", "loop"+strconv.Itoa(n))
+			if _, err := os.Lstat(sys); err != nil {
+				n = -1 // past the existing devices
+				break
+			}
+			if !loopBound(sys) {
+				break
+			}
 		}
-		sys := filepath.Join(sysfsRoot, "class", "block", "loop"+strconv.Itoa(n))
-		if _, err := os.Lstat(sys); err != nil {
-			n = -1 // past the existing devices
-			break
+		if n >= 0 {
+			loopClaims.held[n] = struct{}{}
+			loopClaims.Unlock()
+			return n, release, nil
 		}
-		if !loopBound(sys) {
-			break
-		}
-	}
-	if n >= 0 {
-		loopClaims.held[n] = struct{}{}
 		loopClaims.Unlock()
-		return n, release, nil
 	}
-	loopClaims.Unlock()
 	// A number of our own choosing could be one the kernel is adding for
 	// another caller right now, which cannot be opened yet; LOOP_CTL_ADD
-	// with -1 picks a free number and adds the device completely.
+	// with -1 picks a free number and returns once the device is added.
 	r, _, errno := unix.Syscall(unix.SYS_IOCTL, ctl.Fd(), unix.LOOP_CTL_ADD, ^uintptr(0))
 	if errno != 0 {
 		return 0, nil, fmt.Errorf("LOOP_CTL_ADD: %w", errno)

@@ -757,7 +757,7 @@ func TestClaimFreeLoopAddsDevice(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ctl.Close()
-	n, release, err := claimFreeLoop(ctl)
+	n, release, err := claimFreeLoop(ctl, false)
 	if err != nil {
 		t.Fatal(err)
 	}
