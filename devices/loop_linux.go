@@ -147,6 +147,8 @@ func (m *loopAttachMatcher) Match(d *Device) bool {
 	return m.loopMatcher.Match(d) && d.Name == m.name
 }
 
+func (m *loopAttachMatcher) deviceName() string { return m.name }
+
 func loopBackingPath(file string) (string, error) {
 	if file == "" {
 		return "", fmt.Errorf("loop backing file: empty path: %w", errdefs.ErrInvalidArgument)
