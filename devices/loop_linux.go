@@ -41,10 +41,21 @@ const loopMarker = "berth:"
 // the free loop device we were given before we do (EBUSY).
 const maxFreeLoopAttempts = 16
 
-// loopAllocMu serialises, within the agent, the two ioctls that take a free
-// loop device, so concurrent attaches do not all race for the same one; other
-// processes are handled by the EBUSY retry.
-var loopAllocMu sync.Mutex
+// loopClaims holds the numbers of the loop devices this process is
+// configuring right now. LOOP_CTL_GET_FREE answers the same device to
+// every caller until one of them has bound it, and the kernel makes the
+// others wait for that bind only to refuse them (EBUSY); attaches of this
+// process therefore each take a device no other of them holds, and only
+// a device taken by another process costs a retry. The lock covers the
+// choice only, never an ioctl on a device or a wait.
+var loopClaims = struct {
+	sync.Mutex
+	held map[int]struct{}
+}{held: make(map[int]struct{})}
+
+// beforeConfigureHook, when set by a test, is called with the name of the
+// free loop device an attach is about to configure.
+var beforeConfigureHook func(name string)
 
 // loopConfigureMissing caches that the kernel has no LOOP_CONFIGURE (before
 // 5.8); LOOP_SET_FD and LOOP_SET_STATUS64 are used instead.
@@ -136,6 +147,8 @@ func (m *loopAttachMatcher) Match(d *Device) bool {
 	return m.loopMatcher.Match(d) && d.Name == m.name
 }
 
+func (m *loopAttachMatcher) deviceName() string { return m.name }
+
 func loopBackingPath(file string) (string, error) {
 	if file == "" {
 		return "", fmt.Errorf("loop backing file: empty path: %w", errdefs.ErrInvalidArgument)
@@ -154,35 +167,105 @@ func loopBackingPath(file string) (string, error) {
 	return path, nil
 }
 
-// configureFreeLoop asks loop-control for a free device and binds the
-// backing file to it. Another process may take the same free device between
-// the two steps; the kernel then answers EBUSY and we ask again.
+// configureFreeLoop asks loop-control for a free device, claims it (see
+// loopClaims) and binds the backing file to it. Another process may take
+// the same free device between the two steps; the kernel then answers
+// EBUSY and we ask again. A device found by number (claimFreeLoop) may
+// still be being added by another caller and not open yet (ENOENT,
+// ENXIO); the next attempt then takes a device LOOP_CTL_ADD has finished
+// adding.
 func configureFreeLoop(ctx context.Context, backing *os.File, path string, readOnly bool) (string, error) {
 	ctl, err := os.OpenFile(filepath.Join(devRoot, "loop-control"), os.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return "", fmt.Errorf("attach loop device for %s: %w (is the loop module loaded?)", path, err)
 	}
 	defer ctl.Close()
+	added := false
 	for attempt := 1; ; attempt++ {
 		if err := ctx.Err(); err != nil {
 			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
 		}
-		loopAllocMu.Lock()
-		n, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
-		if err != nil {
-			loopAllocMu.Unlock()
-			return "", fmt.Errorf("attach loop device for %s: LOOP_CTL_GET_FREE: %w", path, err)
-		}
-		name := "loop" + strconv.Itoa(n)
-		err = configureLoop(name, backing, path, readOnly)
-		loopAllocMu.Unlock()
+		n, release, err := claimFreeLoop(ctl, added)
 		if err == nil {
-			return name, nil
+			name := "loop" + strconv.Itoa(n)
+			if h := beforeConfigureHook; h != nil {
+				h(name)
+			}
+			err = configureLoop(name, backing, path, readOnly)
+			release()
+			if err == nil {
+				return name, nil
+			}
 		}
-		if !errors.Is(err, unix.EBUSY) || attempt == maxFreeLoopAttempts {
-			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
+		switch {
+		case attempt == maxFreeLoopAttempts:
+		case errors.Is(err, unix.EBUSY):
+			added = false
+			continue
+		case errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENXIO):
+			added = true
+			continue
 		}
+		return "", fmt.Errorf("attach loop device for %s: %w", path, err)
 	}
+}
+
+// claimFreeLoop returns the number of a loop device that no other attach
+// of this process is configuring and that was unbound when looked at: the
+// one LOOP_CTL_GET_FREE names, or when that is claimed, the next unbound
+// one after it. Past the existing devices, or with add, it is a new one
+// that LOOP_CTL_ADD has finished adding. release gives the claim back. An
+// error wrapping EBUSY asks the caller to try again.
+func claimFreeLoop(ctl *os.File, add bool) (n int, release func(), err error) {
+	release = func() {
+		loopClaims.Lock()
+		delete(loopClaims.held, n)
+		loopClaims.Unlock()
+	}
+	if !add {
+		free, err := unix.IoctlRetInt(int(ctl.Fd()), unix.LOOP_CTL_GET_FREE)
+		if err != nil {
+			return 0, nil, fmt.Errorf("LOOP_CTL_GET_FREE: %w", err)
+		}
+		loopClaims.Lock()
+		for n = free; ; n++ {
+			if _, claimed := loopClaims.held[n]; claimed {
+				continue
+			}
+			if n == free {
+				break
+			}
+			sys := filepath.Join(sysfsRoot, "class", "block", "loop"+strconv.Itoa(n))
+			if _, err := os.Lstat(sys); err != nil {
+				n = -1 // past the existing devices
+				break
+			}
+			if !loopBound(sys) {
+				break
+			}
+		}
+		if n >= 0 {
+			loopClaims.held[n] = struct{}{}
+			loopClaims.Unlock()
+			return n, release, nil
+		}
+		loopClaims.Unlock()
+	}
+	// A number of our own choosing could be one the kernel is adding for
+	// another caller right now, which cannot be opened yet; LOOP_CTL_ADD
+	// with -1 picks a free number and returns once the device is added.
+	r, _, errno := unix.Syscall(unix.SYS_IOCTL, ctl.Fd(), unix.LOOP_CTL_ADD, ^uintptr(0))
+	if errno != 0 {
+		return 0, nil, fmt.Errorf("LOOP_CTL_ADD: %w", errno)
+	}
+	n = int(r)
+	loopClaims.Lock()
+	defer loopClaims.Unlock()
+	if _, claimed := loopClaims.held[n]; claimed {
+		return 0, nil, fmt.Errorf("new loop device %d: taken by another attach: %w", n, unix.EBUSY)
+	}
+	loopClaims.held[n] = struct{}{}
+	return n, release, nil
 }
 
 func configureLoop(name string, backing *os.File, path string, readOnly bool) error {
@@ -309,28 +392,44 @@ func fileIDOf(f *os.File) (fileID, error) {
 // differs: it shows some of the same bytes, and writing through both
 // corrupts what either holds. Without strict such devices are passed
 // over.
+//
+// Each bound loop device is asked for its backing inode first
+// (LOOP_GET_STATUS64); only the devices of the file are read from sysfs
+// in full. On a node with hundreds of loop devices this scan runs for
+// every attach and every volume's health check.
 func findLoopFile(path string, id fileID, strict bool) (*Device, error) {
+	dir := filepath.Join(sysfsRoot, "class", "block")
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("list block devices: %w", err)
+	}
 	var found *Device
 	var others []string
-	err := scanBlock(KindLoop, boundLoop{}, func(d *Device) bool {
-		if d.ID.Kind != KindLoop || d.ID.BackingFile == "" {
-			return false
+	for _, e := range ents {
+		if !nameMayBeKind(e.Name(), KindLoop) {
+			continue
 		}
-		info, err := loopStatus(d)
+		sysPath := filepath.Join(dir, e.Name())
+		if !loopBound(sysPath) {
+			continue
+		}
+		info, dev, err := loopStatusByName(e.Name())
 		if err != nil || info.Device != id.dev || info.Inode != id.ino {
-			return false
+			continue
+		}
+		// The whole device, checked to be the one whose status was read.
+		d, err := readDevice(sysPath, KindLoop)
+		if err != nil || d.ID.Kind != KindLoop || d.ID.BackingFile == "" ||
+			d.Major != unix.Major(dev) || d.Minor != unix.Minor(dev) {
+			continue
 		}
 		if diff := loopDiff(info); diff != "" {
 			others = append(others, d.Path+" ("+diff+")")
-			return false
+			continue
 		}
 		if found == nil {
 			found = d
 		}
-		return false
-	})
-	if err != nil {
-		return nil, err
 	}
 	if strict && len(others) > 0 {
 		return nil, fmt.Errorf("loop device for %s: %s already attached to it, showing other bytes than the whole file; berth neither adopts nor replaces it: detach it (losetup -d) or use another file: %w",
@@ -340,6 +439,25 @@ func findLoopFile(path string, id fileID, strict bool) (*Device, error) {
 		return nil, fmt.Errorf("loop device backed by %s: %w", path, errdefs.ErrNotFound)
 	}
 	return found, nil
+}
+
+// loopStatusByName reads the status of the loop device /dev/<name> and
+// returns it with the device number of the node it opened.
+func loopStatusByName(name string) (*unix.LoopInfo64, uint64, error) {
+	f, err := openLoopFlags(name, os.O_RDONLY)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, 0, fmt.Errorf("fstat /dev/%s: %w", name, err)
+	}
+	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err != nil {
+		return nil, 0, fmt.Errorf("LOOP_GET_STATUS64 /dev/%s: %w", name, err)
+	}
+	return info, st.Rdev, nil
 }
 
 // loopDiff says how a loop device's view differs from its whole backing
@@ -388,20 +506,13 @@ func cString(b []byte) string {
 	return string(b)
 }
 
-// boundLoop passes, in a scan, the loop devices that have a backing file.
-type boundLoop struct{}
-
-func (boundLoop) Match(d *Device) bool {
-	return d != nil && d.ID.Kind == KindLoop && d.ID.BackingFile != ""
-}
-
-func (boundLoop) String() string { return "loop device with a backing file" }
-
-func (boundLoop) kind() string { return KindLoop }
-
-func (boundLoop) mayMatch(sysPath string) bool {
-	f, err := readAttr(sysPath, "loop/backing_file")
-	return err == nil && f != ""
+// loopBound reports whether the loop device at sysPath has a backing
+// file: the kernel adds its "loop" attribute directory when it binds one
+// and removes it when it unbinds. One stat, not a read of backing_file,
+// since a scan asks this of every loop device on the node.
+func loopBound(sysPath string) bool {
+	_, err := os.Lstat(filepath.Join(sysPath, "loop"))
+	return err == nil
 }
 
 // DetachLoop detaches dev from its backing file. It does nothing when the

@@ -6,8 +6,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -661,4 +664,115 @@ func TestFindDeletedLoopOnlyBerths(t *testing.T) {
 	if got, err := FindDeletedLoop(theirs); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("FindDeletedLoop(%s) = %v, %v; want ErrNotFound", theirs, got, err)
 	}
+}
+
+// TestAttachLoopNotSerialised holds one attach between taking a free loop
+// device and configuring it; an attach of another file meanwhile must not
+// wait for it: the kernel serialises the two only on the same device.
+func TestAttachLoopNotSerialised(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	first, second := testFile(t, dir, "first.img", 1<<20), testFile(t, dir, "second.img", 1<<20)
+	held, release := make(chan string, 1), make(chan struct{})
+	var taken atomic.Bool
+	beforeConfigureHook = func(name string) {
+		if taken.CompareAndSwap(false, true) {
+			held <- name
+			<-release
+		}
+	}
+	defer func() { beforeConfigureHook = nil }()
+	releaseOnce := sync.OnceFunc(func() { close(release) })
+	defer releaseOnce()
+
+	type result struct {
+		d   *Device
+		err error
+	}
+	firstDone := make(chan result, 1)
+	go func() {
+		d, err := AttachLoop(ctx, l, first, false)
+		firstDone <- result{d, err}
+	}()
+	heldName := <-held
+	secondDone := make(chan result, 1)
+	go func() {
+		d, err := AttachLoop(ctx, l, second, false)
+		secondDone <- result{d, err}
+	}()
+	var r2 result
+	select {
+	case r2 = <-secondDone:
+	case <-time.After(5 * time.Second):
+		t.Errorf("the attach of %s waited 5s for the attach of %s, held before configuring %s", second, first, heldName)
+		releaseOnce()
+		r2 = <-secondDone
+	}
+	releaseOnce()
+	r1 := <-firstDone
+	for _, r := range []result{r1, r2} {
+		if r.err != nil {
+			t.Fatal(r.err)
+		}
+		t.Cleanup(func() { detachForTest(t, r.d) })
+	}
+	if r1.d.Name == r2.d.Name {
+		t.Errorf("both files attached to %s", r1.d.Name)
+	}
+	if r1.d.ID.BackingFile != first || r2.d.ID.BackingFile != second {
+		t.Errorf("backing files %s, %s; want %s, %s", r1.d.ID.BackingFile, r2.d.ID.BackingFile, first, second)
+	}
+}
+
+// When every existing loop device is claimed by an attach of this process,
+// claimFreeLoop adds a device instead of handing out a claimed one.
+func TestClaimFreeLoopAddsDevice(t *testing.T) {
+	requireRoot(t)
+	ents, err := os.ReadDir("/sys/class/block")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var fake []int
+	loopClaims.Lock()
+	for _, e := range ents {
+		if n, err := strconv.Atoi(strings.TrimPrefix(e.Name(), "loop")); err == nil && strings.HasPrefix(e.Name(), "loop") {
+			if _, held := loopClaims.held[n]; !held {
+				loopClaims.held[n] = struct{}{}
+				fake = append(fake, n)
+			}
+		}
+	}
+	loopClaims.Unlock()
+	defer func() {
+		loopClaims.Lock()
+		for _, n := range fake {
+			delete(loopClaims.held, n)
+		}
+		loopClaims.Unlock()
+	}()
+	ctl, err := os.OpenFile("/dev/loop-control", os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ctl.Close()
+	n, release, err := claimFreeLoop(ctl, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer release()
+	defer func() {
+		if err := unix.IoctlSetInt(int(ctl.Fd()), unix.LOOP_CTL_REMOVE, n); err != nil {
+			t.Errorf("remove loop%d again: %v", n, err)
+		}
+	}()
+	if slices.Contains(fake, n) {
+		t.Fatalf("claimFreeLoop handed out loop%d, which another attach holds", n)
+	}
+	f, err := openLoop("loop" + strconv.Itoa(n))
+	if err != nil {
+		t.Fatalf("the new loop%d cannot be opened: %v", n, err)
+	}
+	f.Close()
 }

@@ -252,16 +252,24 @@ func parseUeventFile(b []byte) map[string]string {
 // devices then costs one read per device.
 func scanBlock(kind string, m Matcher, fn func(*Device) bool) error {
 	dir := filepath.Join(sysfsRoot, "class", "block")
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return fmt.Errorf("list block devices: %w", err)
+	var names []string
+	if nm, ok := m.(namedMatcher); ok && nm.deviceName() != "" {
+		names = []string{nm.deviceName()}
+	} else {
+		ents, err := os.ReadDir(dir)
+		if err != nil {
+			return fmt.Errorf("list block devices: %w", err)
+		}
+		for _, e := range ents {
+			names = append(names, e.Name())
+		}
 	}
 	pf, _ := m.(prefilter)
-	for _, e := range ents {
-		if kind != "" && !nameMayBeKind(e.Name(), kind) {
+	for _, name := range names {
+		if kind != "" && !nameMayBeKind(name, kind) {
 			continue
 		}
-		sysPath := filepath.Join(dir, e.Name())
+		sysPath := filepath.Join(dir, name)
 		if pf != nil && !pf.mayMatch(sysPath) {
 			continue
 		}
@@ -274,6 +282,13 @@ func scanBlock(kind string, m Matcher, fn func(*Device) bool) error {
 		}
 	}
 	return nil
+}
+
+// namedMatcher is implemented by matchers that, once deviceName is not
+// empty, can only match the block device of that kernel name: a scan then
+// reads that one device instead of every device on the node.
+type namedMatcher interface {
+	deviceName() string
 }
 
 // prefilter is implemented by matchers that can rule a device out from a

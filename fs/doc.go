@@ -81,6 +81,7 @@
 //
 // # Concurrency
 //
-// mkfs, fsck and resize are CPU and I/O heavy; at most 2*NumCPU of them
-// run at once in a process. Waiting for a slot honours the context.
+// mkfs, fsck and resize are CPU and I/O heavy; at most 8*NumCPU of them
+// (at least 32) run at once in a process. Waiting for a slot honours the
+// context.
 package fs

@@ -16,8 +16,14 @@ import (
 	"github.com/berth-csi/berth/internal/failpoint"
 )
 
-// heavy bounds the mkfs, fsck and resize runs of this process.
-var heavy = make(chan struct{}, 2*runtime.NumCPU())
+// heavy bounds the mkfs, fsck and resize runs of this process: 8 per
+// CPU, at least 32. With lazy initialisation mkfs, like fsck of a clean
+// filesystem, spends most of its time waiting for the device, so a burst
+// of stages (a node's pods started at once) runs its tools together, as
+// an administrator's script would; fewer slots than that (2 per CPU
+// before) made a burst of 32 stages on 2 cores queue for mkfs in 8 waves
+// while the CPUs waited. The bound stays for bursts of hundreds.
+var heavy = make(chan struct{}, max(32, 8*runtime.NumCPU()))
 
 // acquireHeavy takes a slot for a heavy tool run; release it with the
 // returned function.

@@ -3,11 +3,14 @@ package fs
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/berth-csi/berth/internal/errdefs"
 )
@@ -198,4 +201,25 @@ func TestAcquireHeavyHonoursContext(t *testing.T) {
 		t.Fatal(err)
 	}
 	r()
+}
+
+// A burst of stages (a node's pods started at once) formats or checks
+// its volumes together, as the tools run by hand would: on any node 32
+// mkfs/fsck runs start without waiting for each other.
+func TestHeavyBurstDoesNotWait(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	var releases []func()
+	defer func() {
+		for _, r := range releases {
+			r()
+		}
+	}()
+	for i := range 32 {
+		r, err := acquireHeavy(ctx, fmt.Sprintf("format %d", i))
+		if err != nil {
+			t.Fatalf("heavy run %d of a burst of 32 on %d CPUs had to wait: %v", i+1, runtime.NumCPU(), err)
+		}
+		releases = append(releases, r)
+	}
 }

@@ -197,6 +197,37 @@ func TestBenchNVMeoFStage(t *testing.T) {
 	b16 := berth(many)
 	r16 := raw(many, filepath.Join(dir, "raw"))
 
+	// Expand of namespace 1: berth's Target.Expand (no size given, as
+	// NodeExpandVolume without a required size) once with no change and
+	// once after the target grew, against a rescan written by hand and
+	// a poll of the device's size after the same grow.
+	dev, err := tg.Attach(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	size := int64(64 << 20)
+	var en, eg, rg []time.Duration
+	for i := 0; i < iterations; i++ {
+		start := time.Now()
+		if got, err := tg.Expand(ctx); err != nil || got != size {
+			t.Fatalf("Expand with no change: %d, %v; want %d", got, err, size)
+		}
+		en = append(en, time.Since(start))
+		size += 8 << 20
+		tgt.Grow(1, size)
+		start = time.Now()
+		if got, err := tg.Expand(ctx); err != nil || got != size {
+			t.Fatalf("Expand after a grow: %d, %v; want %d", got, err, size)
+		}
+		eg = append(eg, time.Since(start))
+		size += 8 << 20
+		tgt.Grow(1, size)
+		rg = append(rg, rawRescan(t, ctx, nqn, dev.Name, size))
+	}
+	if err := tg.Detach(ctx); err != nil {
+		t.Fatal(err)
+	}
+
 	t.Logf("BENCH nvmeof stage (NVMe/TCP loopback, ext4 64 MiB, TCG guest, median of %d):", iterations)
 	// Each round stages with berth, then by hand: the ratio within a
 	// round is free of the host's slow and fast phases.
@@ -210,5 +241,38 @@ func TestBenchNVMeoFStage(t *testing.T) {
 	t.Logf("BENCH   berth steps, %s", singleSteps)
 	t.Logf("BENCH   attach   : berth Target.Attach %s, raw connect + device %s", ms(median(ba)), ms(median(ra)))
 	t.Logf("BENCH  %d volumes: berth %s (%s per volume), raw %s (%s per volume)", benchVolumes, ms(b16), ms(b16/benchVolumes), ms(r16), ms(r16/benchVolumes))
-	t.Logf("BENCH   single runs: berth stage %v; raw stage %v; berth attach %v; raw attach %v", b1, r1, ba, ra)
+	t.Logf("BENCH   expand   : berth Target.Expand with no size, no change %s; after the target grew %s, raw rescan + size poll %s (berth/raw %.2f)",
+		ms(median(en)), ms(median(eg)), ms(median(rg)), float64(median(eg))/float64(median(rg)))
+	t.Logf("BENCH   single runs: berth stage %v; raw stage %v; berth attach %v; raw attach %v; berth expand %v; raw expand %v", b1, r1, ba, ra, eg, rg)
+}
+
+// rawRescan writes rescan_controller of the controllers of subsystem nqn
+// and polls the size of block device name until it shows want bytes; it
+// returns the time that took.
+func rawRescan(t *testing.T, ctx context.Context, nqn, name string, want int64) time.Duration {
+	t.Helper()
+	start := time.Now()
+	ents, _ := os.ReadDir("/sys/class/nvme")
+	for _, e := range ents {
+		b, _ := os.ReadFile(filepath.Join("/sys/class/nvme", e.Name(), "subsysnqn"))
+		if strings.TrimSpace(string(b)) == nqn {
+			if err := os.WriteFile(filepath.Join("/sys/class/nvme", e.Name(), "rescan_controller"), []byte("1"), 0); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for {
+		b, err := os.ReadFile(filepath.Join("/sys/block", name, "size"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n, _ := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); n*512 == want {
+			return time.Since(start)
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("%s: size %s, want %d bytes", name, strings.TrimSpace(string(b)), want)
+		case <-time.After(time.Millisecond):
+		}
+	}
 }

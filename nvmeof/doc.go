@@ -78,7 +78,11 @@
 // the kernel updates the device and sends a "change" uevent. ExpandTo
 // waits for the size a caller needs, bounded by its context, and says so
 // when the target never announced it. Expand, which knows no size, asks
-// for a rescan and returns what arrives within a second.
+// a live controller for the namespace's size (Identify Namespace, an
+// admin command on the controller's character device): when the kernel
+// has that size already Expand returns at once, else it asks for a rescan
+// and returns as soon as the kernel shows the new size. Only when no
+// controller answers does it wait up to a second for a change.
 //
 // # RDMA
 //

@@ -22,3 +22,5 @@ func deleteController(string, string) error                       { return errNo
 func rescanController(string, string) error                       { return errNotLinux }
 func flushDevice(string) error                                    { return errNotLinux }
 func openedExclusively(string) bool                               { return false }
+
+func identifyNamespaceSize(string, string, uint32) (int64, error) { return 0, errNotLinux }

@@ -611,13 +611,20 @@ func (g *Target) StopQueueing(ctx context.Context) (bool, error) {
 }
 
 // expandSettle bounds how long Expand, which does not know the size to
-// expect, waits for a size change after asking for a rescan.
+// expect, waits for a size change after asking for a rescan when no
+// controller answers an Identify Namespace command.
 const expandSettle = time.Second
 
-// Expand asks the namespace's live controllers to rescan and returns its
-// size: the new one if a change arrives within a second, else the
-// current one. A caller that knows the size it needs should use
-// ExpandTo, which waits for exactly that.
+// expandRescanWait bounds how long Expand waits for the kernel to take a
+// size a controller already reports (a rescan takes milliseconds).
+const expandRescanWait = 10 * time.Second
+
+// Expand returns the namespace's size as its controller reports it now.
+// It asks a live controller (Identify Namespace): when the kernel already
+// has that size it returns at once; when the target grew, it asks the
+// controllers to rescan and returns once the kernel shows the new size.
+// A caller that knows the size it needs should use ExpandTo, which waits
+// for exactly that.
 func (g *Target) Expand(ctx context.Context) (int64, error) {
 	return g.expand(ctx, 0)
 }
@@ -646,6 +653,27 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 	if !ok {
 		return 0, fmt.Errorf("expand %s: namespace not attached: %w", g.Key(), errdefs.ErrNotFound)
 	}
+	var live []string
+	if paths, err := readNamespacePaths(t.opts.SysRoot, h.Name); err == nil {
+		ctrls, _ := readControllers(t.opts.SysRoot)
+		for _, p := range paths {
+			for _, c := range ctrls {
+				if c.Name == p.Controller && c.State == StateLive {
+					live = append(live, c.Name)
+				}
+			}
+		}
+	}
+	// Without a size to wait for, the controller says which: the target's
+	// size now, which the kernel has or takes with the rescan below.
+	reported := false
+	if minBytes <= 0 {
+		if size, err := g.reportedSize(live, h); err == nil {
+			minBytes, reported = size, true
+		} else {
+			t.log.Debug("nvmeof: expand: no controller reported the namespace's size; waiting for a change instead", "target", g.Key(), "error", err)
+		}
+	}
 	sizeOf := func() (int64, error) { return readSize(filepath.Join(t.opts.SysRoot, "block", h.Name)) }
 	// Subscribe first, then read: a change between the two is not lost.
 	m := &sizeMatcher{name: h.Name, min: minBytes, not: -1}
@@ -659,16 +687,9 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 		return size, nil
 	}
 	m.setNot(size)
-	if paths, err := readNamespacePaths(t.opts.SysRoot, h.Name); err == nil {
-		ctrls, _ := readControllers(t.opts.SysRoot)
-		for _, p := range paths {
-			for _, c := range ctrls {
-				if c.Name == p.Controller && c.State == StateLive {
-					if err := rescanController(t.opts.SysRoot, c.Name); err != nil {
-						t.log.Debug("nvmeof: rescan", "controller", c.Name, "error", err)
-					}
-				}
-			}
+	for _, c := range live {
+		if err := rescanController(t.opts.SysRoot, c); err != nil {
+			t.log.Debug("nvmeof: rescan", "controller", c, "error", err)
 		}
 	}
 	start := time.Now()
@@ -682,6 +703,24 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 		}
 		return sizeOf()
 	}
+	if reported {
+		wctx, cancel := context.WithTimeout(ctx, expandRescanWait)
+		defer cancel()
+		dev, err := w.Wait(wctx)
+		if err == nil {
+			return dev.Size, nil
+		}
+		if ctx.Err() != nil {
+			return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
+		}
+		cur, err := sizeOf()
+		if err != nil {
+			return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
+		}
+		t.log.Warn("nvmeof: expand: the controller reports a size the kernel has not taken after a rescan", "target", g.Key(),
+			"device", h.Name, "reported_bytes", minBytes, "device_bytes", cur, "waited", time.Since(start).Round(time.Millisecond))
+		return cur, nil
+	}
 	dev, err := w.Wait(ctx)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -692,6 +731,23 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 		return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
 	}
 	return dev.Size, nil
+}
+
+// reportedSize asks the live controllers ctrls, one after another until
+// one answers, for the size of the namespace h.
+func (g *Target) reportedSize(ctrls []string, h Head) (int64, error) {
+	if len(ctrls) == 0 {
+		return 0, fmt.Errorf("namespace %s: no live controller", h.Name)
+	}
+	var errs []error
+	for _, c := range ctrls {
+		size, err := identifyNamespaceSize(g.t.opts.DevRoot, c, h.NSID)
+		if err == nil {
+			return size, nil
+		}
+		errs = append(errs, err)
+	}
+	return 0, errors.Join(errs...)
 }
 
 // sizeMatcher matches a block device once it has at least min bytes
