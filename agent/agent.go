@@ -323,12 +323,6 @@ type VolumeStatus struct {
 	Paths map[string]int
 }
 
-// PathReporter is implemented by targets with several storage paths
-// (NVMe/TCP controllers, iSCSI sessions): PathStates counts them by state.
-type PathReporter interface {
-	PathStates(ctx context.Context) (map[string]int, error)
-}
-
 // Volumes returns the state of every volume in the agent's records, for
 // metrics and diagnostics. It reads memory, sysfs and the mount table;
 // it does not take the per-volume locks, so it never answers Aborted.
@@ -361,17 +355,13 @@ func (a *Agent) recordedTarget(r *volumeRecord) Target {
 	return t
 }
 
-// pathStates asks the volume's target for its paths, when it reports
-// them; nil otherwise or when it cannot tell.
+// pathStates asks the volume's target for its paths; nil for a target
+// without several paths or when it cannot tell.
 func (a *Agent) pathStates(ctx context.Context, r *volumeRecord, t Target) map[string]int {
 	if !r.Staged || t == nil {
 		return nil
 	}
-	pr, ok := t.(PathReporter)
-	if !ok {
-		return nil
-	}
-	states, err := pr.PathStates(ctx)
+	states, err := t.PathStates(ctx)
 	if err != nil {
 		a.log.DebugContext(ctx, "path states unavailable", slog.String("volume_id", r.VolumeID), slog.String("error", err.Error()))
 		return nil

@@ -326,6 +326,9 @@ func (t *fakeTarget) Attach(ctx context.Context) (*devices.Device, error) {
 }
 
 func (t *fakeTarget) Preflight(context.Context) error { return nil }
+func (t *fakeTarget) PathStates(context.Context) (map[string]int, error) {
+	return nil, nil
+}
 func (t *fakeTarget) StopQueueing(context.Context) (bool, error) {
 	t.ft.mu.Lock()
 	defer t.ft.mu.Unlock()

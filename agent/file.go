@@ -137,6 +137,9 @@ func (f *fileTarget) check() error {
 	return nil
 }
 
+// PathStates implements Target: an image has no paths.
+func (f *fileTarget) PathStates(context.Context) (map[string]int, error) { return nil, nil }
+
 // Preflight checks that the image is there and reached without
 // symbolic links.
 func (f *fileTarget) Preflight(context.Context) error { return f.check() }

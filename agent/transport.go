@@ -62,6 +62,11 @@ type Target interface {
 	// Expand makes the node see the target's current size (rescan) and
 	// returns the device size in bytes.
 	Expand(ctx context.Context) (int64, error)
+	// PathStates counts the target's paths to its storage by state
+	// ("live" for a working one; NVMe/TCP controllers, iSCSI sessions):
+	// the berth_volume_paths metric. A target without several paths (an
+	// image file) returns nil.
+	PathStates(ctx context.Context) (map[string]int, error)
 	// Health reports whether the connection to the target is abnormal.
 	Health(ctx context.Context) (abnormal bool, message string)
 }

@@ -28,3 +28,25 @@ func TestHealthNamesPortalWithoutSession(t *testing.T) {
 		}
 	}
 }
+
+// PathStates counts one path per portal: the live session of the sample
+// tree and a portal with no session.
+func TestPathStates(t *testing.T) {
+	tr := &Transport{log: slog.New(slog.DiscardHandler), sys: sysfs{root: "testdata/sys"}}
+	v, err := ParseVolume(map[string]string{"iqn": testIQN, "lun": "1",
+		"portals": `["10.0.0.1:3260","10.0.0.9:3260"]`}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := (&Target{t: tr, v: v}).PathStates(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	total := 0
+	for _, n := range got {
+		total += n
+	}
+	if total != 2 || got["missing"] != 1 || got["live"]+got["no-lun"] != 1 {
+		t.Fatalf("PathStates = %v, want one path per portal, the second missing", got)
+	}
+}

@@ -732,6 +732,11 @@ func TestMultipathISCSIFailoverAndExpand(t *testing.T) {
 		t.Fatalf("want a dm map over two paths, got %s kind %s slaves %v", dm.Name, dm.ID.Kind, slaves)
 	}
 
+	// berth_volume_paths: both sessions live.
+	if ps, err := tg.PathStates(ctx); err != nil || ps["live"] != 2 || len(ps) != 1 {
+		t.Fatalf("PathStates with both portals up: %v, %v; want 2 live", ps, err)
+	}
+
 	stop := make(chan struct{})
 	var writes int
 	var werr error
@@ -745,6 +750,11 @@ func TestMultipathISCSIFailoverAndExpand(t *testing.T) {
 		abnormal, msg := tg.Health(ctx)
 		return abnormal && strings.Contains(msg, "127.0.0.2")
 	})
+	if ps, err := tg.PathStates(ctx); err != nil || ps["live"] != 1 || len(ps) != 2 {
+		t.Errorf("PathStates with one portal gone: %v, %v; want 1 live and 1 in another state", ps, err)
+	} else {
+		t.Logf("path states with one portal gone: %v", ps)
+	}
 	before := count.Load()
 	time.Sleep(2 * time.Second)
 	lt.Restore(2)
