@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -877,9 +876,4 @@ func (tg *Target) Health(ctx context.Context) (bool, string) {
 		return true, strings.Join(bad, "; ")
 	}
 	return false, fmt.Sprintf("%d path(s) up", up)
-}
-
-// holdersDir lists the holders of a disk in sysfs.
-func (t *Transport) holdersDir(name string) string {
-	return filepath.Join(t.sys.root, "class", "block", name, "holders")
 }

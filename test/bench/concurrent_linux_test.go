@@ -157,10 +157,10 @@ func rawStage(t *testing.T, ctx context.Context, vols []volume) time.Duration {
 	start := time.Now()
 	for i, v := range vols {
 		wg.Go(func() {
-			if out, err := exec.CommandContext(ctx, losetup, loops[i], v.image).CombinedOutput(); err != nil {
+			if err := exec.CommandContext(ctx, losetup, loops[i], v.image).Run(); err != nil {
 				// Another process on the node took the device since it
 				// was chosen: let losetup find one, as it would by hand.
-				out, err = exec.CommandContext(ctx, losetup, "--find", "--show", v.image).CombinedOutput()
+				out, err := exec.CommandContext(ctx, losetup, "--find", "--show", v.image).CombinedOutput()
 				if err != nil {
 					errs[i] = fmt.Errorf("losetup: %v: %s", err, out)
 					return

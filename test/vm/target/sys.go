@@ -32,11 +32,6 @@ func writeAttr(path, value string) error {
 	return nil
 }
 
-func readAttr(path string) (string, error) {
-	b, err := os.ReadFile(path)
-	return strings.TrimSpace(string(b)), err
-}
-
 func mustWrite(t testing.TB, path, value string) {
 	t.Helper()
 	if err := writeAttr(path, value); err != nil {
