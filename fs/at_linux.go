@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
@@ -44,10 +45,75 @@ func openErr(path string, err error) error {
 		return fmt.Errorf("%w: %w", err, errdefs.ErrNotFound)
 	case errors.Is(err, unix.ENOTDIR):
 		return fmt.Errorf("%w (a component is not a directory): %w", err, errdefs.ErrInvalidArgument)
-	case errors.Is(err, unix.ENOSYS):
-		return fmt.Errorf("%w (openat2 needs Linux 5.6 or later): %w", err, errdefs.ErrUnsupported)
 	}
 	return err
+}
+
+// openat2 is refused with ENOSYS by kernels before 5.6 and by seccomp
+// filters that cannot inspect its arguments (systemd's RestrictSUIDSGID=
+// blocks it so that programs fall back to openat). Then each component is
+// opened on its own with openat(O_PATH|O_NOFOLLOW), which resolves no
+// symbolic link either: a component that is one is refused with ELOOP.
+var noOpenat2 atomic.Bool
+
+// openNoFollow opens path (absolute, or one element relative to dirfd)
+// with O_PATH, following no symbolic link in any component.
+func openNoFollow(dirfd int, path string, resolve uint64) (int, error) {
+	if !noOpenat2.Load() {
+		fd, err := unix.Openat2(dirfd, path, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: resolveHow | resolve})
+		if !errors.Is(err, unix.ENOSYS) {
+			return fd, err
+		}
+		if noOpenat2.CompareAndSwap(false, true) {
+			log().Info("openat2 is not available (old kernel or a seccomp filter); paths are resolved one component at a time with O_NOFOLLOW")
+		}
+	}
+	if resolve&^unix.RESOLVE_BENEATH != 0 {
+		// RESOLVE_NO_XDEV: only asked on kernels whose statx does not
+		// flag mount roots, which have no openat2 either.
+		return -1, unix.ENOSYS
+	}
+	start := dirfd
+	if filepath.IsAbs(path) {
+		start = unix.AT_FDCWD
+		path = strings.TrimPrefix(path, "/")
+		if path == "" {
+			return unix.Open("/", unix.O_PATH|unix.O_CLOEXEC|unix.O_DIRECTORY, 0)
+		}
+		root, err := unix.Open("/", unix.O_PATH|unix.O_CLOEXEC|unix.O_DIRECTORY, 0)
+		if err != nil {
+			return -1, err
+		}
+		defer unix.Close(root)
+		start = root
+	}
+	fd := start
+	for _, comp := range strings.Split(path, "/") {
+		if comp == "" || comp == "." || comp == ".." {
+			if fd != start {
+				unix.Close(fd)
+			}
+			return -1, unix.EINVAL
+		}
+		next, err := unix.Openat(fd, comp, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if fd != start {
+			unix.Close(fd)
+		}
+		if err != nil {
+			return -1, err
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(next, &st); err != nil {
+			unix.Close(next)
+			return -1, err
+		}
+		if st.Mode&unix.S_IFMT == unix.S_IFLNK {
+			unix.Close(next)
+			return -1, unix.ELOOP
+		}
+		fd = next
+	}
+	return fd, nil
 }
 
 // OpenPath opens an absolute path with openat2(RESOLVE_NO_SYMLINKS |
@@ -60,7 +126,7 @@ func OpenPath(path string) (*Handle, error) {
 		return nil, err
 	}
 	path = filepath.Clean(path)
-	fd, err := unix.Openat2(unix.AT_FDCWD, path, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: resolveHow})
+	fd, err := openNoFollow(unix.AT_FDCWD, path, 0)
 	if err != nil {
 		return nil, openErr(path, err)
 	}
@@ -115,7 +181,7 @@ func (h *Handle) Stat() (PathStat, error) {
 		return PathStat{}, fmt.Errorf("stat %s: %w", h.path, err)
 	}
 	if !st.MountRoot && h.dir != nil && mountCheckMethod() != viaStatx {
-		fd, err := unix.Openat2(h.dir.fd, h.name, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: resolveHow | unix.RESOLVE_NO_XDEV})
+		fd, err := openNoFollow(h.dir.fd, h.name, unix.RESOLVE_NO_XDEV)
 		switch {
 		case err == nil:
 			unix.Close(fd)
@@ -148,7 +214,7 @@ func (h *Handle) OpenAt(name string) (*Handle, error) {
 	if err := checkName(name); err != nil {
 		return nil, err
 	}
-	fd, err := unix.Openat2(h.fd, name, &unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: resolveHow | unix.RESOLVE_BENEATH})
+	fd, err := openNoFollow(h.fd, name, unix.RESOLVE_BENEATH)
 	if err != nil {
 		return nil, openErr(h.child(name), err)
 	}

@@ -11,7 +11,22 @@ import (
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
+// Both ways of resolving: openat2, and the walk with O_NOFOLLOW that
+// berth falls back to where openat2 is refused (old kernels, systemd's
+// RestrictSUIDSGID= seccomp filter).
 func TestOpenPathRefusesSymlinks(t *testing.T) {
+	t.Run("openat2", testOpenPathRefusesSymlinks)
+	t.Run("component walk", func(t *testing.T) {
+		was := noOpenat2.Swap(true)
+		defer noOpenat2.Store(was)
+		testOpenPathRefusesSymlinks(t)
+		if _, err := OpenPath("/proc/self/root/etc"); !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("OpenPath through /proc/self = %v, want ErrInvalidArgument", err)
+		}
+	})
+}
+
+func testOpenPathRefusesSymlinks(t *testing.T) {
 	dir := t.TempDir()
 	real := filepath.Join(dir, "real")
 	if err := os.Mkdir(real, 0o755); err != nil {

@@ -166,7 +166,7 @@ func TestGuestSystemdUnits(t *testing.T) {
 			sawTimeout = true
 		}
 		if strings.HasPrefix(msg, "liveness check failed") && e["_PID"] == pid &&
-			e["PRIORITY"] == "3" && e["SYSLOG_IDENTIFIER"] == "berth" && e["WATCHDOG_INTERVAL"] == "6s" &&
+			e["PRIORITY"] == "3" && e["SYSLOG_IDENTIFIER"] == "berth" && e["WATCHDOG_INTERVAL"] == "6" &&
 			errField != "" {
 			sawFields = true
 		}
