@@ -62,7 +62,7 @@ func runCrashGuest(t *testing.T, transport, run string, opts ...vm.Option) {
 			"BERTH_FAILPOINT_BIN": "/usr/bin/berth",
 			boundariesEnv:         strings.Join(sourceBoundaries(t, transport), ","),
 		}),
-		vm.WithTimeout(25*time.Minute))
+		vm.WithTimeout(30*time.Minute))
 	m := vm.Boot(t, opts...)
 	m.ReportTests(t)
 	var rows []string
