@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -539,8 +540,9 @@ const tableHeader = "| transport/lifecycle | crash points | converged | RPC atte
 // must converge: every RPC succeeds in the end, the data written before
 // the crash reads back, the filesystem is the one first made (never
 // formatted again), and nothing is left behind. The boundaries passed
-// are added to reached.
-func crashEveryStep(t *testing.T, bin, transport string, lc lifecycle, mk newBackend, reached map[string]bool) tally {
+// are added to reached. Up to parallel crash runs go at once, each with
+// a volume, a berth and a state directory of its own.
+func crashEveryStep(t *testing.T, bin, transport string, lc lifecycle, mk newBackend, reached map[string]bool, parallel int) tally {
 	r := tally{name: transport + "/" + lc.name}
 	start := time.Now()
 	t.Run(lc.name, func(t *testing.T) {
@@ -557,29 +559,45 @@ func crashEveryStep(t *testing.T, bin, transport string, lc lifecycle, mk newBac
 			t.Fatal("no boundary traced: is the binary built with -tags failpoints?")
 		}
 		r.points = len(hits)
+		var (
+			mu  sync.Mutex // guards r
+			wg  sync.WaitGroup
+			sem = make(chan struct{}, max(parallel, 1))
+		)
 		for _, h := range hits {
 			reached[h.name] = true
-			t.Run(fmt.Sprintf("%03d-%s", h.n, h.name), func(t *testing.T) {
-				e := newEnv(t, bin, lc, mk)
-				runStart := time.Now()
-				defer func() {
-					r.attempts += e.attempts
-					r.lost += e.lost
-					progress("%s %d/%d %s: failed=%v, %v", r.name, h.n, len(hits), h.name, t.Failed(), time.Since(runStart).Round(time.Millisecond))
-				}()
-				e.start(fmt.Sprintf("BERTH_FAILPOINT_AT=%d", h.n))
-				e.run()
-				e.stop()
-				if e.crashes != 1 {
-					t.Fatalf("berth was killed %d times, want once (at boundary %d, %s)", e.crashes, h.n, h.name)
-				}
-				if left := e.leftovers(); len(left) > 0 {
-					r.leaks += len(left)
-					t.Fatalf("after a crash at boundary %d (%s): left %q", h.n, h.name, left)
-				}
-				r.converged++
-			})
+			sem <- struct{}{}
+			wg.Add(1)
+			go func() {
+				defer func() { <-sem; wg.Done() }()
+				t.Run(fmt.Sprintf("%03d-%s", h.n, h.name), func(t *testing.T) {
+					e := newEnv(t, bin, lc, mk)
+					runStart := time.Now()
+					leaks, converged := 0, 0
+					defer func() {
+						mu.Lock()
+						r.attempts += e.attempts
+						r.lost += e.lost
+						r.leaks += leaks
+						r.converged += converged
+						mu.Unlock()
+						progress("%s %d/%d %s: failed=%v, %v", r.name, h.n, len(hits), h.name, t.Failed(), time.Since(runStart).Round(time.Millisecond))
+					}()
+					e.start(fmt.Sprintf("BERTH_FAILPOINT_AT=%d", h.n))
+					e.run()
+					e.stop()
+					if e.crashes != 1 {
+						t.Fatalf("berth was killed %d times, want once (at boundary %d, %s)", e.crashes, h.n, h.name)
+					}
+					if left := e.leftovers(); len(left) > 0 {
+						leaks = len(left)
+						t.Fatalf("after a crash at boundary %d (%s): left %q", h.n, h.name, left)
+					}
+					converged = 1
+				})
+			}()
 		}
+		wg.Wait()
 		t.Logf("%s: %d crash runs in %v", r.name, len(hits), time.Since(start).Round(time.Millisecond))
 	})
 	r.took = time.Since(start)
@@ -651,7 +669,7 @@ func TestCrashAtEveryStep(t *testing.T) {
 	reached := map[string]bool{}
 	var rows []string
 	for _, lc := range lifecycles(t) {
-		rows = append(rows, crashEveryStep(t, bin, "file", lc, newFileBackend, reached).row())
+		rows = append(rows, crashEveryStep(t, bin, "file", lc, newFileBackend, reached, 1).row())
 	}
 	reportTable(t, rows)
 	if t.Failed() {
