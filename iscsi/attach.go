@@ -15,6 +15,7 @@ import (
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/failpoint"
 )
 
 // Preflight checks the secrets the volume needs, the iscsi_tcp module
@@ -216,6 +217,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 			return nil, err
 		}
 		loggedIn = true
+		failpoint.Hit("iscsi.logged_in")
 		if sess, err = t.findSession(v.IQN, p, v.Iface); err != nil {
 			return nil, err
 		}
@@ -257,6 +259,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 		if err := t.sys.Scan(sess, v.LUN); err != nil {
 			return nil, fmt.Errorf("scan LUN %d of %s: %w", v.LUN, v.IQN, err)
 		}
+		failpoint.Hit("iscsi.scanned")
 		// The scan write returns once the kernel probed the LUN: if no
 		// SCSI device exists now, the target has no such LUN.
 		if hctl, ok, err = t.sessionLUN(sess.ID, v.LUN); err != nil {
@@ -427,6 +430,7 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 			return err
 		}
 	}
+	failpoint.Hit("iscsi.record_written")
 	_, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeLogin(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...)
 	if native && exitCode(err) == ISCSI_ERR_NO_OBJS_FOUND {
 		dir, _ := t.db.nodeDir()
@@ -641,6 +645,7 @@ func (t *Transport) detachPath(ctx context.Context, v *Volume, p path) error {
 		if err := t.removeDisk(ctx, sess, h); err != nil {
 			return err
 		}
+		failpoint.Hit("iscsi.disk_removed")
 	}
 	return t.logoutIfUnused(ctx, v, p, sess)
 }
@@ -755,6 +760,7 @@ func (t *Transport) logout(ctx context.Context, v *Volume, p path, sess *Session
 			return t.iscsiadmError(fmt.Sprintf("log out of session %d (%s at %s)", sess.ID, v.IQN, p), err)
 		}
 	}
+	failpoint.Hit("iscsi.logged_out")
 	return t.deleteRecord(ctx, v, p)
 }
 

@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 )
 
 // Controller states as /sys/class/nvme/nvmeN/state prints them.
@@ -100,8 +101,12 @@ var pathNameRE = regexp.MustCompile(`^nvme([0-9]+)c([0-9]+)n([0-9]+)$`)
 // headNameRE matches a namespace head (or non-multipath namespace) device.
 var headNameRE = regexp.MustCompile(`^nvme([0-9]+)n([0-9]+)$`)
 
+// readFile reads a sysfs attribute (a variable for tests that need an
+// error only the kernel gives).
+var readFile = os.ReadFile
+
 func readAttr(dir, name string) (string, error) {
-	b, err := os.ReadFile(filepath.Join(dir, name))
+	b, err := readFile(filepath.Join(dir, name))
 	if err != nil {
 		return "", err
 	}
@@ -109,8 +114,10 @@ func readAttr(dir, name string) (string, error) {
 }
 
 // readControllers lists every controller under sysRoot/class/nvme. A
-// controller that disappears while it is read is left out; a missing
-// class directory (nvme-core not loaded) is an empty list.
+// controller that disappears while it is read is left out (its files are
+// gone, or the kernel tore it down already and its attributes answer
+// ENODEV); a missing class directory (nvme-core not loaded) is an empty
+// list.
 func readControllers(sysRoot string) ([]Controller, error) {
 	dir := filepath.Join(sysRoot, "class", "nvme")
 	ents, err := os.ReadDir(dir)
@@ -126,7 +133,7 @@ func readControllers(sysRoot string) ([]Controller, error) {
 			continue
 		}
 		c, err := readController(filepath.Join(dir, e.Name()))
-		if errors.Is(err, fs.ErrNotExist) {
+		if errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENODEV) {
 			continue
 		}
 		if err != nil {

@@ -1,10 +1,12 @@
 package nvmeof
 
 import (
+	"io/fs"
 	"os"
 	"path/filepath"
 	"reflect"
 	"strings"
+	"syscall"
 	"testing"
 )
 
@@ -301,5 +303,30 @@ func TestPathStatusHealthy(t *testing.T) {
 		if got := tc.s.Healthy(); got != tc.want {
 			t.Errorf("%+v.Healthy() = %v", tc.s, got)
 		}
+	}
+}
+
+// A controller torn down while it is listed (another volume's detach,
+// ctrl-loss-tmo) answers ENODEV from its attributes: it is left out, as
+// one whose directory went away, and does not fail the listing.
+func TestReadControllersSkipsControllerTornDown(t *testing.T) {
+	root := sampleSys(t)
+	t.Cleanup(func() { readFile = os.ReadFile })
+	readFile = func(name string) ([]byte, error) {
+		if strings.HasSuffix(name, filepath.Join("nvme3", "address")) {
+			return nil, &fs.PathError{Op: "read", Path: name, Err: syscall.ENODEV}
+		}
+		return os.ReadFile(name)
+	}
+	cs, err := readControllers(root)
+	if err != nil {
+		t.Fatalf("readControllers: %v", err)
+	}
+	var names []string
+	for _, c := range cs {
+		names = append(names, c.Name)
+	}
+	if want := []string{"nvme0", "nvme1", "nvme2"}; !reflect.DeepEqual(names, want) {
+		t.Fatalf("controllers %v, want %v", names, want)
 	}
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/failpoint"
 	"github.com/berth-csi/berth/internal/kmutex"
 )
 
@@ -403,6 +404,7 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 	}
 	r.ctrl = fmt.Sprintf("nvme%d", inst)
 	r.created = true
+	failpoint.Hit("nvmeof.connected")
 	t.log.Info("nvmeof: connected", "target", g.Key(), "path", p.String(), "controller", r.ctrl)
 	return r
 }
@@ -506,6 +508,7 @@ func (g *Target) Detach(ctx context.Context) error {
 		if err := flushDevice(dev); err != nil {
 			return fmt.Errorf("detach %s: %w", g.Key(), err)
 		}
+		failpoint.Hit("nvmeof.flushed")
 	}
 	t.mu.Lock()
 	t.released[g.Key()] = true
@@ -559,6 +562,7 @@ func (g *Target) deleteControllers(ctx context.Context, keep func(ctrl string) b
 				continue
 			}
 			t.log.Info("nvmeof: disconnected", "target", g.Key(), "path", p.String(), "controller", c.Name)
+			failpoint.Hit("nvmeof.disconnected")
 		}
 	}
 	return errors.Join(errs...)

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -18,9 +19,12 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+
+	"github.com/berth-csi/berth/test/vm"
 )
 
 const mib = 1 << 20
@@ -45,18 +49,37 @@ func lifecycles(t *testing.T) []lifecycle {
 	return ls
 }
 
-// env is one berth process tree's world: a file root, a state directory,
-// staging and target paths, all below a temporary directory.
+// A backend is the storage side of a crash run: the transport berth
+// serves, the volume's context, how the storage grows, and what of the
+// transport a run can leave behind on the node.
+type backend interface {
+	// args are the flags of `berth serve` that enable the transport.
+	args() []string
+	volumeContext() map[string]string
+	// grow enlarges the volume on the storage side to size bytes.
+	grow(t *testing.T, size int64)
+	// leftovers lists the transport's objects still on the node:
+	// loop devices, controllers, sessions, node records, dm maps.
+	leftovers() []string
+}
+
+// newBackend makes the storage of one volume of size bytes; dir is the
+// run's own temporary directory. What it sets up it tears down with
+// t.Cleanup.
+type newBackend func(t *testing.T, dir string, size int64) backend
+
+// env is one berth process tree's world: a volume of a backend, a state
+// directory, staging and target paths, all below a temporary directory.
 type env struct {
 	t        *testing.T
 	bin      string
 	dir      string
-	root     string
 	state    string
 	sock     string
 	staging  string
 	target   string
 	lc       lifecycle
+	be       backend
 	cmd      *exec.Cmd
 	logs     *bytes.Buffer
 	node     csi.NodeClient
@@ -65,42 +88,100 @@ type env struct {
 	uuid     string
 	payload  []byte
 	attempts int
+	lost     int // payload bytes that did not read back
 }
 
-func newEnv(t *testing.T, bin string, lc lifecycle) *env {
+func newEnv(t *testing.T, bin string, lc lifecycle, mk newBackend) *env {
 	dir := t.TempDir()
-	e := &env{t: t, bin: bin, dir: dir, root: filepath.Join(dir, "images"), state: filepath.Join(dir, "state"),
+	e := &env{t: t, bin: bin, dir: dir, state: filepath.Join(dir, "state"),
 		sock: filepath.Join(dir, "csi.sock"), staging: filepath.Join(dir, "staging"), target: filepath.Join(dir, "pod", "vol"), lc: lc}
-	for _, d := range []string{e.root, e.staging, filepath.Dir(e.target)} {
+	for _, d := range []string{e.staging, filepath.Dir(e.target)} {
 		if err := os.MkdirAll(d, 0o750); err != nil {
 			t.Fatal(err)
 		}
 	}
-	f, err := os.Create(filepath.Join(e.root, "vol.img"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Truncate(lc.size); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
+	// The backend's cleanup runs after the env's: berth stopped and
+	// the volume unmounted before the storage goes.
+	e.be = mk(t, dir, lc.size)
 	t.Cleanup(e.cleanup)
 	return e
+}
+
+// fileBackend is a file transport volume: an image below the file root.
+type fileBackend struct {
+	root string
+	img  string
+}
+
+func newFileBackend(t *testing.T, dir string, size int64) backend {
+	b := &fileBackend{root: filepath.Join(dir, "images")}
+	b.img = filepath.Join(b.root, "vol.img")
+	if err := os.MkdirAll(b.root, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(b.img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(b.img, size); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for _, dev := range b.loops() {
+			_ = exec.Command("losetup", "-d", "/dev/"+dev).Run()
+		}
+	})
+	return b
+}
+
+func (b *fileBackend) args() []string { return []string{"--file-root", b.root, "--transports", ""} }
+
+func (b *fileBackend) volumeContext() map[string]string { return map[string]string{"file": "vol.img"} }
+
+func (b *fileBackend) grow(t *testing.T, size int64) {
+	if err := os.Truncate(b.img, size); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// loops lists the loop devices of the image.
+func (b *fileBackend) loops() []string {
+	var out []string
+	entries, _ := os.ReadDir("/sys/block")
+	for _, en := range entries {
+		bf, err := os.ReadFile(filepath.Join("/sys/block", en.Name(), "loop", "backing_file"))
+		if err == nil && strings.HasPrefix(strings.TrimSpace(string(bf)), b.img) {
+			out = append(out, en.Name())
+		}
+	}
+	return out
+}
+
+func (b *fileBackend) leftovers() []string {
+	var out []string
+	for _, dev := range b.loops() {
+		out = append(out, "loop device "+dev)
+	}
+	return out
 }
 
 // start runs berth; env adds the failpoint variables of this run.
 func (e *env) start(extraEnv ...string) {
 	t := e.t
 	e.logs = &bytes.Buffer{}
-	cmd := exec.Command(e.bin, "serve", "--endpoint", "unix://"+e.sock, "--node-id", "crash-node",
-		"--state-dir", e.state, "--file-root", e.root, "--transports", "", "--log-format", "text", "--log-level", "debug")
+	args := append([]string{"serve", "--endpoint", "unix://" + e.sock, "--node-id", "crash-node",
+		"--state-dir", e.state, "--log-format", "text", "--log-level", "debug"}, e.be.args()...)
+	cmd := exec.Command(e.bin, args...)
 	cmd.Env = append(os.Environ(), extraEnv...)
 	cmd.Stdout, cmd.Stderr = e.logs, e.logs
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	e.cmd = cmd
-	conn, err := grpc.NewClient("unix://"+e.sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	// berth listens within milliseconds of its start; gRPC's default
+	// reconnect backoff (1 s at first) would make every restart cost a
+	// second.
+	conn, err := grpc.NewClient("unix://"+e.sock, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{BaseDelay: 10 * time.Millisecond, Multiplier: 1.6, MaxDelay: 200 * time.Millisecond}, MinConnectTimeout: 5 * time.Second}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -191,7 +272,7 @@ func (e *env) call(name string, rpc func(ctx context.Context) error) {
 	}
 }
 
-func (e *env) vctx() map[string]string { return map[string]string{"file": "vol.img"} }
+func (e *env) vctx() map[string]string { return e.be.volumeContext() }
 
 func (e *env) stage() {
 	e.call("NodeStageVolume", func(ctx context.Context) error {
@@ -222,10 +303,7 @@ func (e *env) unstage() {
 }
 
 func (e *env) expandVolume() {
-	img := filepath.Join(e.root, "vol.img")
-	if err := os.Truncate(img, 2*e.lc.size); err != nil {
-		e.t.Fatal(err)
-	}
+	e.be.grow(e.t, 2*e.lc.size)
 	path := e.target
 	e.call("NodeExpandVolume", func(ctx context.Context) error {
 		r, err := e.node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: "vol", VolumePath: path, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * e.lc.size}, VolumeCapability: e.capability()})
@@ -280,20 +358,35 @@ func (e *env) check(when string) {
 		defer f.Close()
 		got = make([]byte, len(e.payload))
 		if _, err := f.ReadAt(got, 1*mib); err != nil {
+			e.lost = len(e.payload)
 			e.t.Fatal(err)
 		}
 	} else {
 		var err error
 		if got, err = os.ReadFile(filepath.Join(e.target, "data")); err != nil {
+			e.lost = len(e.payload)
 			e.t.Fatalf("%s: %v", when, err)
 		}
 		if u := e.fsUUID(); u != e.uuid {
+			e.lost = len(e.payload)
 			e.t.Fatalf("%s: filesystem UUID %s, was %s: the volume was formatted again", when, u, e.uuid)
 		}
 	}
 	if !bytes.Equal(got, e.payload) {
+		e.lost = lostBytes(got, e.payload)
 		e.t.Fatalf("%s: data %q, want %q", when, got, e.payload)
 	}
+}
+
+// lostBytes counts the bytes of want that got does not hold.
+func lostBytes(got, want []byte) int {
+	n := 0
+	for i := range want {
+		if i >= len(got) || got[i] != want[i] {
+			n++
+		}
+	}
+	return n
 }
 
 func (e *env) fsUUID() string {
@@ -324,9 +417,9 @@ func (e *env) run() {
 	e.unstage()
 }
 
-// leftovers lists what the lifecycle left on the host: mounts below the
-// test directory, loop devices of its image, state records and
-// temporary files, the pod's path.
+// leftovers lists what the lifecycle left on the node: mounts below the
+// test directory, the backend's devices, sessions and records, state
+// records and temporary files, the pod's path.
 func (e *env) leftovers() []string {
 	var out []string
 	b, _ := os.ReadFile("/proc/self/mountinfo")
@@ -335,14 +428,7 @@ func (e *env) leftovers() []string {
 			out = append(out, "mount "+f[4])
 		}
 	}
-	img := filepath.Join(e.root, "vol.img")
-	entries, _ := os.ReadDir("/sys/block")
-	for _, en := range entries {
-		bf, err := os.ReadFile(filepath.Join("/sys/block", en.Name(), "loop", "backing_file"))
-		if err == nil && strings.HasPrefix(strings.TrimSpace(string(bf)), img) {
-			out = append(out, "loop device "+en.Name())
-		}
-	}
+	out = append(out, e.be.leftovers()...)
 	states, _ := os.ReadDir(filepath.Join(e.state, "volumes"))
 	for _, s := range states {
 		out = append(out, "state file "+s.Name())
@@ -364,14 +450,6 @@ func (e *env) cleanup() {
 	}
 	for i := len(mounts) - 1; i >= 0; i-- {
 		_ = unix.Unmount(mounts[i], unix.MNT_DETACH)
-	}
-	img := filepath.Join(e.root, "vol.img")
-	entries, _ := os.ReadDir("/sys/block")
-	for _, en := range entries {
-		bf, err := os.ReadFile(filepath.Join("/sys/block", en.Name(), "loop", "backing_file"))
-		if err == nil && strings.HasPrefix(strings.TrimSpace(string(bf)), img) {
-			_ = exec.Command("losetup", "-d", "/dev/"+en.Name()).Run()
-		}
 	}
 }
 
@@ -444,35 +522,73 @@ func requireRoot(t *testing.T) {
 	t.Skip("needs root (loop devices, mounts)")
 }
 
-// TestCrashAtEveryStep kills berth at every step boundary of a volume's
-// whole life, one boundary per run, restarts it and retries the RPC as
-// kubelet would. Each run must converge: every RPC succeeds in the end,
-// the data written before the crash reads back, the filesystem is the
-// one first made (never formatted again), and nothing is left behind.
-func TestCrashAtEveryStep(t *testing.T) {
-	requireRoot(t)
-	bin := failpointBinary(t)
-	reached := map[string]bool{}
-	var table []string
-	for _, lc := range lifecycles(t) {
-		t.Run(lc.name, func(t *testing.T) {
-			e := newEnv(t, bin, lc)
-			trace := filepath.Join(e.dir, "trace")
-			e.start("BERTH_FAILPOINT_TRACE=" + trace)
-			e.run()
-			e.stop()
-			if left := e.leftovers(); len(left) > 0 {
-				t.Fatalf("the lifecycle without crashes left %q", left)
-			}
-			hits := readTrace(t, trace)
-			if len(hits) == 0 {
-				t.Fatal("no boundary traced: is the binary built with -tags failpoints?")
-			}
-			converged, retries := 0, 0
-			for _, h := range hits {
-				reached[h.name] = true
+// A tally is one line of the reliability table: a transport's lifecycle
+// crashed at each of its boundaries.
+type tally struct {
+	name      string // transport/lifecycle
+	points    int    // boundaries traced, one crash run each
+	converged int    // crash runs that converged with nothing left
+	attempts  int    // RPCs sent in all crash runs, retries included
+	lost      int    // payload bytes that did not read back
+	leaks     int    // objects left behind after the runs
+	took      time.Duration
+}
+
+func (r tally) row() string {
+	return fmt.Sprintf("| %s | %d | %d | %d | %d | %d | %.0fs |", r.name, r.points, r.converged, r.attempts, r.lost, r.leaks, r.took.Seconds())
+}
+
+const tableHeader = "| transport/lifecycle | crash points | converged | RPC attempts | bytes lost | leaks | time |\n|---|---|---|---|---|---|---|"
+
+// crashEveryStep runs lc once on a backend made by mk, tracing the
+// boundaries berth passes, then once per traced boundary killing berth
+// there, restarting it and retrying the RPC as kubelet would. Each run
+// must converge: every RPC succeeds in the end, the data written before
+// the crash reads back, the filesystem is the one first made (never
+// formatted again), and nothing is left behind. The boundaries passed
+// are added to reached. Up to parallel crash runs go at once, each with
+// a volume, a berth and a state directory of its own.
+func crashEveryStep(t *testing.T, bin, transport string, lc lifecycle, mk newBackend, reached map[string]bool, parallel int) tally {
+	r := tally{name: transport + "/" + lc.name}
+	start := time.Now()
+	t.Run(lc.name, func(t *testing.T) {
+		e := newEnv(t, bin, lc, mk)
+		trace := filepath.Join(e.dir, "trace")
+		e.start("BERTH_FAILPOINT_TRACE=" + trace)
+		e.run()
+		e.stop()
+		if left := e.leftovers(); len(left) > 0 {
+			t.Fatalf("the lifecycle without crashes left %q", left)
+		}
+		hits := readTrace(t, trace)
+		if len(hits) == 0 {
+			t.Fatal("no boundary traced: is the binary built with -tags failpoints?")
+		}
+		r.points = len(hits)
+		var (
+			mu  sync.Mutex // guards r
+			wg  sync.WaitGroup
+			sem = make(chan struct{}, max(parallel, 1))
+		)
+		for _, h := range hits {
+			reached[h.name] = true
+			sem <- struct{}{}
+			wg.Add(1)
+			go func() {
+				defer func() { <-sem; wg.Done() }()
 				t.Run(fmt.Sprintf("%03d-%s", h.n, h.name), func(t *testing.T) {
-					e := newEnv(t, bin, lc)
+					e := newEnv(t, bin, lc, mk)
+					runStart := time.Now()
+					leaks, converged := 0, 0
+					defer func() {
+						mu.Lock()
+						r.attempts += e.attempts
+						r.lost += e.lost
+						r.leaks += leaks
+						r.converged += converged
+						mu.Unlock()
+						progress("%s %d/%d %s: failed=%v, %v", r.name, h.n, len(hits), h.name, t.Failed(), time.Since(runStart).Round(time.Millisecond))
+					}()
 					e.start(fmt.Sprintf("BERTH_FAILPOINT_AT=%d", h.n))
 					e.run()
 					e.stop()
@@ -480,24 +596,92 @@ func TestCrashAtEveryStep(t *testing.T) {
 						t.Fatalf("berth was killed %d times, want once (at boundary %d, %s)", e.crashes, h.n, h.name)
 					}
 					if left := e.leftovers(); len(left) > 0 {
+						leaks = len(left)
 						t.Fatalf("after a crash at boundary %d (%s): left %q", h.n, h.name, left)
 					}
-					converged++
-					retries += e.attempts
+					converged = 1
 				})
-			}
-			table = append(table, fmt.Sprintf("| file/%s | %d | %d | %d | 0 | 0 |", lc.name, len(hits), converged, retries))
-		})
+			}()
+		}
+		wg.Wait()
+		t.Logf("%s: %d crash runs in %v", r.name, len(hits), time.Since(start).Round(time.Millisecond))
+	})
+	r.took = time.Since(start)
+	return r
+}
+
+// progress shows a guest's progress on its console, which the host
+// logs as it comes (the test output arrives when the guest is done).
+func progress(format string, args ...any) {
+	if !vm.InGuest() {
+		return
 	}
+	f, err := os.OpenFile("/dev/console", os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	fmt.Fprintf(f, "crash suite: "+format+"\n", args...)
+}
+
+// rowMarker starts a table line in a guest's output.
+const rowMarker = "BERTH-RELIABILITY-ROW "
+
+// reportTable prints the table of rows, and appends the rows to the file
+// named by BERTH_RELIABILITY_TABLE (make reliability prints the rows of
+// every suite as one table). In a guest the rows go to the output, each
+// behind rowMarker, for the host half to collect.
+func reportTable(t *testing.T, rows []string) {
+	if vm.InGuest() {
+		for _, r := range rows {
+			fmt.Printf("%s%s\n", rowMarker, r)
+		}
+		return
+	}
+	fmt.Printf("\n%s\n%s\n", tableHeader, strings.Join(rows, "\n"))
+	p := os.Getenv("BERTH_RELIABILITY_TABLE")
+	if p == "" {
+		return
+	}
+	f, err := os.OpenFile(p, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err == nil && st.Size() == 0 {
+		fmt.Fprintln(f, tableHeader)
+	}
+	for _, r := range rows {
+		fmt.Fprintln(f, r)
+	}
+}
+
+// requireReached fails t for each boundary of want that no run reached.
+func requireReached(t *testing.T, want []string, reached map[string]bool) {
+	t.Helper()
+	for _, name := range want {
+		if !reached[name] {
+			t.Errorf("step boundary %q is in the code but no crash test reaches it: extend the lifecycle", name)
+		}
+	}
+}
+
+// TestCrashAtEveryStep crashes berth at every step boundary of a file
+// volume's whole life (see crashEveryStep), for each filesystem and raw
+// block, and fails when a boundary in the host packages is never reached.
+func TestCrashAtEveryStep(t *testing.T) {
+	requireRoot(t)
+	bin := failpointBinary(t)
+	reached := map[string]bool{}
+	var rows []string
+	for _, lc := range lifecycles(t) {
+		rows = append(rows, crashEveryStep(t, bin, "file", lc, newFileBackend, reached, 1).row())
+	}
+	reportTable(t, rows)
 	if t.Failed() {
 		return
 	}
 	t.Run("every boundary is covered", func(t *testing.T) {
-		for _, name := range sourceBoundaries(t) {
-			if !reached[name] {
-				t.Errorf("step boundary %q is in the code but no crash test reaches it: extend the lifecycle", name)
-			}
-		}
+		requireReached(t, sourceBoundaries(t, hostPackages...), reached)
 	})
-	fmt.Printf("\n| lifecycle | crash points | converged | RPC attempts | bytes lost | leaks |\n|---|---|---|---|---|---|\n%s\n", strings.Join(table, "\n"))
 }

@@ -51,9 +51,11 @@
 //
 // Options: WithTestRun, WithTestArgs, WithPackage, WithModules, WithTimeout,
 // WithMemory, WithCPUs, WithUdev, WithIscsid, WithMultipathd, WithSystemd,
-// WithExtraFiles, WithEnv, WithNIC, WithName. WithSystemd boots the Debian
-// root (a snapshot of a disk image) with systemd as PID 1 instead of the
-// busybox init; the tests then run from a service after multi-user.target.
+// WithExtraFiles, WithEnv, WithBerthTags, WithNIC, WithName. WithSystemd
+// boots the Debian root (a snapshot of a disk image) with systemd as PID 1
+// instead of the busybox init; the tests then run from a service after
+// multi-user.target. WithBerthTags builds the guest's berth with build tags
+// (the crash suites use "failpoints").
 //
 // Timing under TCG on two host cores: the initramfs guest starts its tests
 // 2-10 s after QEMU starts (depending on host load), the systemd guest much

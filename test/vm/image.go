@@ -27,10 +27,6 @@ var (
 	imageErr  error
 	imageLog  string
 
-	berthOnce sync.Once
-	berthBin  string
-	berthErr  error
-
 	rootOnce sync.Once
 	rootDir  string
 	rootErr  error
@@ -150,30 +146,38 @@ func processDir() (string, error) {
 	return dir, os.MkdirAll(dir, 0o755)
 }
 
-// buildBerth builds the berth binary from the module root once per process.
-func buildBerth() (string, error) {
-	berthOnce.Do(func() {
+var berthBinaries sync.Map // build tags -> *builtBinary
+
+// buildBerth builds the berth binary from the module root, with the given
+// build tags (comma-separated, "" for none), once per process and tags.
+func buildBerth(tags string) (string, error) {
+	v, _ := berthBinaries.LoadOrStore(tags, &builtBinary{})
+	b := v.(*builtBinary)
+	b.once.Do(func() {
 		root, err := moduleRoot()
 		if err != nil {
-			berthErr = err
+			b.err = err
 			return
 		}
 		dir, err := processDir()
 		if err != nil {
-			berthErr = err
+			b.err = err
 			return
 		}
-		berthBin = filepath.Join(dir, "berth")
+		b.path = filepath.Join(dir, "berth")
+		if tags != "" {
+			b.path += "-" + strings.ReplaceAll(tags, ",", "-")
+		}
 		// Without symbol table and DWARF: a smaller initramfs loads faster
 		// (panics keep their stack traces).
-		cmd := exec.Command(goTool(), "build", "-ldflags=-s -w", "-o", berthBin, ".")
+		cmd := exec.Command(goTool(), "build", "-tags", tags, "-ldflags=-s -w", "-o", b.path, ".")
 		cmd.Dir = root
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 		if out, err := cmd.CombinedOutput(); err != nil {
-			berthErr = fmt.Errorf("go build berth: %w\n%s", err, out)
+			b.err = fmt.Errorf("go build -tags %q berth: %w\n%s", tags, err, out)
 		}
 	})
-	return berthBin, berthErr
+	return b.path, b.err
 }
 
 type builtBinary struct {

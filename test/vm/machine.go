@@ -148,7 +148,7 @@ func (m *Machine) prepare(img *image) error {
 	if err != nil {
 		return err
 	}
-	berth, err := buildBerth()
+	berth, err := buildBerth(cfg.berthTags)
 	if err != nil {
 		return err
 	}
@@ -512,6 +512,14 @@ func (m *Machine) reproduce() string {
 	cmd := strings.Replace(m.Command(), "socket,id=io,path="+filepath.Join(m.dir, "io.sock"),
 		"file,id=io,path="+filepath.Join(m.dir, "guest-output.txt"), 1)
 	return "reproduce with (test output in " + filepath.Join(m.dir, "guest-output.txt") + "):\n  " + cmd
+}
+
+// Output is the in-guest test binary's output so far (test2json framing
+// included, carriage returns removed).
+func (m *Machine) Output() string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.guestOut.String()
 }
 
 // Kill stops the guest at once (like pulling the power cord).

@@ -23,6 +23,7 @@ type config struct {
 	multipathd bool
 	systemd    bool
 	files      map[string]string
+	berthTags  string
 	env        map[string]string
 	nics       []nic
 	// hangFirstBoot makes the first boot's init stop before the tests
@@ -112,6 +113,10 @@ func WithExtraFiles(files map[string]string) Option {
 		}
 	}
 }
+
+// WithBerthTags builds the guest's /usr/bin/berth with these build tags
+// (comma-separated), e.g. "failpoints".
+func WithBerthTags(tags string) Option { return func(c *config) { c.berthTags = tags } }
 
 // WithEnv sets environment variables of the in-guest test binary.
 func WithEnv(kv map[string]string) Option {
