@@ -9,7 +9,7 @@ COMMIT    ?= $(shell git rev-parse HEAD 2>/dev/null)
 LDFLAGS   := -s -w -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 PREFIX    ?= /usr/local
 
-.PHONY: all build deps test unit-test sanity-test manifest-test vm-test reliability vm-image bench demo install clean fuzz
+.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test reliability vm-image bench demo install clean fuzz
 
 all: build
 
@@ -20,9 +20,20 @@ build:
 deps:
 	./scripts/install-deps.sh
 
-# The whole suite: unit and host tests (root, loop devices), csi-sanity,
-# VMs, crash at every step.
-test: deps unit-test sanity-test manifest-test vm-test reliability
+# go vet and staticcheck (pinned, installed once into a cache outside the
+# repository).
+STATICCHECK_VERSION ?= v0.8.2
+TOOLS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/berth-tools
+lint:
+	@test -x $(TOOLS)/staticcheck-$(STATICCHECK_VERSION) || { \
+		GOBIN=$(TOOLS)/tmp $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION) && \
+		mv $(TOOLS)/tmp/staticcheck $(TOOLS)/staticcheck-$(STATICCHECK_VERSION); }
+	$(GO) vet ./...
+	$(TOOLS)/staticcheck-$(STATICCHECK_VERSION) ./...
+
+# The whole suite: lint, unit and host tests (root, loop devices),
+# csi-sanity, VMs, crash at every step.
+test: deps lint unit-test sanity-test manifest-test vm-test reliability
 
 # Unit tests and host tests on loop devices. VM entry tests are named TestVM*;
 # the host crash suite runs in reliability.

@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -493,8 +492,6 @@ func hasCapSysResource() bool {
 	}
 	return false
 }
-
-var errNoBinary = errors.New("no failpoint binary")
 
 // failpointBinary builds berth with failpoints (or takes
 // BERTH_FAILPOINT_BIN).
