@@ -589,6 +589,15 @@ func TestGuestMultipathd(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("map %s (%s, %s) found %v after the second path", dm, dm.ID.DMName, dm.ID.WWID, time.Since(start))
+	// A reload shows both slaves in sysfs when multipathd loads the new
+	// table, a moment before it resumes the map with it: the live table's
+	// paths follow within the reload.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		ps, err := MultipathPaths(dm)
+		if err == nil && len(ps) == len(paths) || time.Now().After(deadline) {
+			break
+		}
+	}
 	checkMap(t, ctx, l, dm, paths)
 }
 
