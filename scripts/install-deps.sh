@@ -10,6 +10,7 @@ need e2fsprogs xfsprogs util-linux mount
 need fdisk # sfdisk: fs host tests write partition tables
 need qemu-system-x86 qemu-utils busybox-static cpio mmdebstrap kmod zstd
 need systemd
+need cryptsetup-bin # LUKS2 volumes: cryptsetup luksFormat/open/resize/close
 # test/vm/image/build.sh: guest kernel, mmdebstrap root and initramfs; QEMU with its firmware
 need qemu-system-x86 seabios ipxe-qemu busybox-static cpio mmdebstrap kmod gzip
 

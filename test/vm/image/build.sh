@@ -63,7 +63,7 @@ suite=${VERSION_CODENAME:?no VERSION_CODENAME in /etc/os-release}
 # Guest packages (the Debian root) and the tools copied into the initramfs.
 packages=(
 	open-iscsi e2fsprogs xfsprogs util-linux mount nvme-cli multipath-tools udev kmod
-	systemd dbus iproute2 sg3-utils procps fdisk
+	systemd dbus iproute2 sg3-utils procps fdisk cryptsetup-bin
 )
 tools=(
 	/usr/sbin/iscsiadm /usr/sbin/iscsid /usr/sbin/iscsi-iname
@@ -80,6 +80,7 @@ tools=(
 	/usr/lib/udev/scsi_id /usr/lib/udev/ata_id /usr/lib/udev/cdrom_id
 	/usr/bin/sg_inq /usr/bin/sg_vpd /usr/bin/sg_readcap
 	/usr/sbin/ip
+	/usr/sbin/cryptsetup
 )
 # Kernel modules available in every guest (loaded on demand with modprobe).
 modules=(
@@ -91,6 +92,7 @@ modules=(
 	xfs ext4 virtio_net virtio_pci virtio_blk virtio_console virtio_rng
 	crc32c_generic crc32c_intel crct10dif_pclmul crc64_rocksoft af_packet
 	overlay squashfs
+	dm_crypt xts essiv aesni_intel cryptd crypto_simd af_alg algif_skcipher algif_hash sha512_generic
 )
 
 sha() { sha256sum | cut -c1-16; }
