@@ -89,23 +89,55 @@ func connectError(err error) error {
 	return fmt.Errorf("connect: %w", err)
 }
 
-// deleteController removes a fabrics controller through sysfs. The
-// write returns once the kernel has torn the controller down. A
-// controller that is already gone is success.
-func deleteController(sysRoot, name string) error {
-	p := filepath.Join(sysRoot, "class", "nvme", name, "delete_controller")
-	f, err := os.OpenFile(p, os.O_WRONLY|unix.O_CLOEXEC, 0)
-	if errors.Is(err, fs.ErrNotExist) {
+// deleteController removes the fabrics controller called name through
+// sysfs if it still is the controller is describes. Controller names are
+// reused as soon as a controller is gone, so the name alone may by now
+// stand for another subsystem's new controller (another volume's, another
+// agent's): the controller's sysfs directory is opened once, its
+// attributes are read and checked through that descriptor, and the delete
+// is written through it too. A directory removed meanwhile answers ENOENT
+// or ENODEV through the descriptor even when a new controller took the
+// name. The write returns once the kernel has torn the controller down. A
+// controller that is already gone, or whose name now stands for another
+// controller, is success.
+func deleteController(sysRoot, name string, is func(*Controller) bool) error {
+	dir, err := os.OpenFile(filepath.Join(sysRoot, "class", "nvme", name), os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if gone(err) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("delete controller %s: %w", name, err)
+	}
+	defer dir.Close()
+	at := fmt.Sprintf("/proc/self/fd/%d", dir.Fd())
+	cur, err := readController(at)
+	if gone(err) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("delete controller %s: %w", name, err)
+	}
+	cur.Name = name
+	if !is(&cur) {
+		return nil
+	}
+	f, err := os.OpenFile(filepath.Join(at, "delete_controller"), os.O_WRONLY|unix.O_CLOEXEC, 0)
+	if gone(err) {
 		return nil
 	}
 	if err != nil {
 		return fmt.Errorf("delete controller %s: %w", name, err)
 	}
 	defer f.Close()
-	if _, err := f.Write([]byte("1")); err != nil && !errors.Is(err, fs.ErrNotExist) && !errors.Is(err, unix.ENODEV) {
+	if _, err := f.Write([]byte("1")); err != nil && !gone(err) {
 		return fmt.Errorf("delete controller %s: %w", name, err)
 	}
 	return nil
+}
+
+// gone reports whether err says a sysfs object was removed.
+func gone(err error) bool {
+	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENODEV)
 }
 
 // rescanController asks a controller to identify its namespaces again,

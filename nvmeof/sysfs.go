@@ -93,6 +93,15 @@ func (c *Controller) Deleting() bool {
 	return false
 }
 
+// same reports whether c and d, read at different times, describe one
+// controller: same subsystem, host and address. The local address of its
+// socket is left out, as it changes when the controller reconnects.
+func (c *Controller) same(d *Controller) bool {
+	a, b := c.Address, d.Address
+	a.SrcAddr, b.SrcAddr = "", ""
+	return c.SubsysNQN == d.SubsysNQN && c.Transport == d.Transport && c.HostNQN == d.HostNQN && a == b
+}
+
 var ctrlNameRE = regexp.MustCompile(`^nvme[0-9]+$`)
 
 // pathNameRE matches a multipath path device: nvme<subsys>c<ctrl>n<ns>.

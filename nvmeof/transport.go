@@ -187,6 +187,7 @@ func (g *Target) resolve(ctx context.Context, p Path) (Path, error) {
 // pathResult is the outcome of attaching one path.
 type pathResult struct {
 	path    Path
+	rpath   Path   // path with its address resolved
 	ctrl    string // controller name
 	created bool
 	err     error
@@ -258,7 +259,7 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 	}
 	wg.Wait()
 
-	var created []string
+	var created []pathResult
 	var errs []error
 	connected := 0
 	for _, r := range results {
@@ -266,7 +267,7 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 		case r.err != nil:
 			errs = append(errs, fmt.Errorf("path %s: %w", r.path, r.err))
 		case r.created:
-			created = append(created, r.ctrl)
+			created = append(created, r)
 			connected++
 		default:
 			connected++
@@ -293,12 +294,13 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 			t.log.Warn("nvmeof: undo connect", "target", g.Key(), "error", err)
 			return
 		}
-		for _, c := range created {
-			if keep(c) {
+		for _, r := range created {
+			if keep(r.ctrl) {
 				continue
 			}
-			if err := deleteController(t.opts.SysRoot, c); err != nil {
-				t.log.Warn("nvmeof: undo connect", "controller", c, "error", err)
+			is := func(c *Controller) bool { return c.matches(g.vol.NQN, host.NQN, r.rpath) }
+			if err := deleteController(t.opts.SysRoot, r.ctrl, is); err != nil {
+				t.log.Warn("nvmeof: undo connect", "controller", r.ctrl, "error", err)
 			}
 		}
 	}()
@@ -354,6 +356,7 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 		r.err = err
 		return r
 	}
+	r.rpath = rp
 	find := func(cs []Controller) string {
 		for i := range cs {
 			if cs[i].matches(g.vol.NQN, host.NQN, rp) {
@@ -557,7 +560,8 @@ func (g *Target) deleteControllers(ctx context.Context, keep func(ctrl string) b
 				t.log.Debug("nvmeof: keeping controller for other volumes", "target", g.Key(), "controller", c.Name)
 				continue
 			}
-			if err := deleteController(t.opts.SysRoot, c.Name); err != nil {
+			is := func(cur *Controller) bool { return cur.same(c) }
+			if err := deleteController(t.opts.SysRoot, c.Name, is); err != nil {
 				errs = append(errs, err)
 				continue
 			}

@@ -3,6 +3,7 @@ package nvmeof
 import (
 	"context"
 	"errors"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -188,4 +189,56 @@ func readAttrT(t *testing.T, dir, name string) string {
 		t.Fatal(err)
 	}
 	return s
+}
+
+// TestDetachSparesAReusedControllerName: the kernel reuses a controller's
+// name as soon as the controller is gone. When the volume's controller
+// vanishes after detach listed it and another subsystem's new controller
+// takes its name, detach must not delete that one.
+func TestDetachSparesAReusedControllerName(t *testing.T) {
+	root := sampleSys(t)
+	dir := root + "/class/nvme/nvme1"
+	writeID(t, dir, "delete_controller", "")
+	vc := map[string]string{"nqn": subA, "nsid": "2", "traddr": "127.0.0.1"}
+	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tg, err := tr.Parse(vc, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Once nvme1 has been listed, it goes and a controller of another
+	// subsystem appears under its name.
+	other := "nqn.2026-01.io.berth:other"
+	swapped := false
+	orig := readFile
+	t.Cleanup(func() { readFile = orig })
+	readFile = func(p string) ([]byte, error) {
+		b, err := orig(p)
+		if p == dir+"/address" && !swapped {
+			swapped = true
+			if err := os.Rename(dir, dir+".gone"); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Mkdir(dir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			for name, v := range map[string]string{"transport": "tcp", "subsysnqn": other, "state": "live",
+				"hostnqn": hostA, "hostid": hidA, "address": "traddr=127.0.0.1,trsvcid=4420", "delete_controller": ""} {
+				writeID(t, dir, name, v)
+			}
+		}
+		return b, err
+	}
+	if err := tg.deleteControllers(context.Background(), func(string) bool { return false }); err != nil {
+		t.Fatal(err)
+	}
+	if !swapped {
+		t.Fatal("nvme1 was never listed")
+	}
+	if got := readAttrT(t, dir, "delete_controller"); got != "" {
+		t.Fatalf("the controller of %s that took the name nvme1 was deleted (delete_controller %q)", other, got)
+	}
 }

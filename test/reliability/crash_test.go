@@ -88,6 +88,26 @@ type env struct {
 	payload  []byte
 	attempts int
 	lost     int // payload bytes that did not read back
+	why      string
+}
+
+// fatalf fails the run, keeping a short account of why for the
+// progress line: a guest's test output reaches the host only when the
+// guest is done, and CI may show only part of it.
+func (e *env) fatalf(format string, args ...any) {
+	e.t.Helper()
+	msg := fmt.Sprintf(format, args...)
+	first, _, _ := strings.Cut(msg, "\n")
+	if len(first) > 400 {
+		first = first[:400] + "…"
+	}
+	var tail []string
+	if e.logs != nil {
+		lines := strings.Split(strings.TrimRight(e.logs.String(), "\n"), "\n")
+		tail = lines[max(0, len(lines)-15):]
+	}
+	e.why = first + "\n\tberth log, last lines:\n\t" + strings.Join(tail, "\n\t")
+	e.t.Fatal(msg)
 }
 
 func newEnv(t *testing.T, bin string, lc lifecycle, mk newBackend) *env {
@@ -165,7 +185,6 @@ func (b *fileBackend) leftovers() []string {
 
 // start runs berth; env adds the failpoint variables of this run.
 func (e *env) start(extraEnv ...string) {
-	t := e.t
 	e.logs = &bytes.Buffer{}
 	args := append([]string{"serve", "--endpoint", "unix://" + e.sock, "--node-id", "crash-node",
 		"--state-dir", e.state, "--log-format", "text", "--log-level", "debug"}, e.be.args()...)
@@ -173,7 +192,7 @@ func (e *env) start(extraEnv ...string) {
 	cmd.Env = append(os.Environ(), extraEnv...)
 	cmd.Stdout, cmd.Stderr = e.logs, e.logs
 	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
+		e.fatalf("%v", err)
 	}
 	e.cmd = cmd
 	// berth listens within milliseconds of its start; gRPC's default
@@ -182,7 +201,7 @@ func (e *env) start(extraEnv ...string) {
 	conn, err := grpc.NewClient("unix://"+e.sock, grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithConnectParams(grpc.ConnectParams{Backoff: backoff.Config{BaseDelay: 10 * time.Millisecond, Multiplier: 1.6, MaxDelay: 200 * time.Millisecond}, MinConnectTimeout: 5 * time.Second}))
 	if err != nil {
-		t.Fatal(err)
+		e.fatalf("%v", err)
 	}
 	e.conn, e.node = conn, csi.NewNodeClient(conn)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
@@ -194,7 +213,7 @@ func (e *env) start(extraEnv ...string) {
 			return
 		}
 		if ctx.Err() != nil || e.exited() {
-			t.Fatalf("berth not ready: %v\n%s", err, e.logs)
+			e.fatalf("berth not ready: %v\n%s", err, e.logs)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -248,7 +267,7 @@ func (e *env) call(name string, rpc func(ctx context.Context) error) {
 	t := e.t
 	for try := 0; ; try++ {
 		if try > 20 {
-			t.Fatalf("%s: no success after %d tries\n%s", name, try, e.logs)
+			e.fatalf("%s: no success after %d tries\n%s", name, try, e.logs)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		err := rpc(ctx)
@@ -264,7 +283,7 @@ func (e *env) call(name string, rpc func(ctx context.Context) error) {
 			continue
 		}
 		if e.crashes == 0 {
-			t.Fatalf("%s: %v\nberth log:\n%s", name, err, e.logs)
+			e.fatalf("%s: %v\nberth log:\n%s", name, err, e.logs)
 		}
 		t.Logf("%s after a crash: %v; retrying", name, err)
 		time.Sleep(100 * time.Millisecond)
@@ -320,28 +339,28 @@ func (e *env) write() {
 	if e.lc.fsType == "" {
 		f, err := os.OpenFile(e.target, os.O_WRONLY, 0)
 		if err != nil {
-			e.t.Fatal(err)
+			e.fatalf("%v", err)
 		}
 		defer f.Close()
 		if _, err := f.WriteAt(e.payload, 1*mib); err != nil {
-			e.t.Fatal(err)
+			e.fatalf("%v", err)
 		}
 		if err := f.Sync(); err != nil {
-			e.t.Fatal(err)
+			e.fatalf("%v", err)
 		}
 		return
 	}
 	p := filepath.Join(e.target, "data")
 	if err := os.WriteFile(p, e.payload, 0o644); err != nil {
-		e.t.Fatal(err)
+		e.fatalf("%v", err)
 	}
 	f, err := os.Open(p)
 	if err != nil {
-		e.t.Fatal(err)
+		e.fatalf("%v", err)
 	}
 	defer f.Close()
 	if err := f.Sync(); err != nil {
-		e.t.Fatal(err)
+		e.fatalf("%v", err)
 	}
 	e.uuid = e.fsUUID()
 }
@@ -352,28 +371,28 @@ func (e *env) check(when string) {
 	if e.lc.fsType == "" {
 		f, err := os.Open(e.target)
 		if err != nil {
-			e.t.Fatal(err)
+			e.fatalf("%v", err)
 		}
 		defer f.Close()
 		got = make([]byte, len(e.payload))
 		if _, err := f.ReadAt(got, 1*mib); err != nil {
 			e.lost = len(e.payload)
-			e.t.Fatal(err)
+			e.fatalf("%v", err)
 		}
 	} else {
 		var err error
 		if got, err = os.ReadFile(filepath.Join(e.target, "data")); err != nil {
 			e.lost = len(e.payload)
-			e.t.Fatalf("%s: %v", when, err)
+			e.fatalf("%s: %v", when, err)
 		}
 		if u := e.fsUUID(); u != e.uuid {
 			e.lost = len(e.payload)
-			e.t.Fatalf("%s: filesystem UUID %s, was %s: the volume was formatted again", when, u, e.uuid)
+			e.fatalf("%s: filesystem UUID %s, was %s: the volume was formatted again", when, u, e.uuid)
 		}
 	}
 	if !bytes.Equal(got, e.payload) {
 		e.lost = lostBytes(got, e.payload)
-		e.t.Fatalf("%s: data %q, want %q", when, got, e.payload)
+		e.fatalf("%s: data %q, want %q", when, got, e.payload)
 	}
 }
 
@@ -391,7 +410,7 @@ func lostBytes(got, want []byte) int {
 func (e *env) fsUUID() string {
 	out, err := exec.Command("findmnt", "-n", "-o", "UUID", "--target", e.target).Output()
 	if err != nil {
-		e.t.Fatalf("findmnt %s: %v", e.target, err)
+		e.fatalf("findmnt %s: %v", e.target, err)
 	}
 	return strings.TrimSpace(string(out))
 }
@@ -585,16 +604,19 @@ func crashEveryStep(t *testing.T, bin, transport string, lc lifecycle, mk newBac
 						r.converged += converged
 						mu.Unlock()
 						progress("%s %d/%d %s: failed=%v, %v", r.name, h.n, len(hits), h.name, t.Failed(), time.Since(runStart).Round(time.Millisecond))
+						if e.why != "" {
+							progress("%s %d/%d %s failed: %s", r.name, h.n, len(hits), h.name, e.why)
+						}
 					}()
 					e.start(fmt.Sprintf("BERTH_FAILPOINT_AT=%d", h.n))
 					e.run()
 					e.stop()
 					if e.crashes != 1 {
-						t.Fatalf("berth was killed %d times, want once (at boundary %d, %s)", e.crashes, h.n, h.name)
+						e.fatalf("berth was killed %d times, want once (at boundary %d, %s)", e.crashes, h.n, h.name)
 					}
 					if left := e.leftovers(); len(left) > 0 {
 						leaks = len(left)
-						t.Fatalf("after a crash at boundary %d (%s): left %q", h.n, h.name, left)
+						e.fatalf("after a crash at boundary %d (%s): left %q", h.n, h.name, left)
 					}
 					converged = 1
 				})
