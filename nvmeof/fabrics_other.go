@@ -17,10 +17,10 @@ var errDuplicate = errors.New("a controller with these options already exists")
 
 var errNotLinux = fmt.Errorf("NVMe over Fabrics needs Linux: %w", errdefs.ErrUnsupported)
 
-func fabricsConnect(context.Context, string, string) (int, error) { return 0, errNotLinux }
+func fabricsConnect(context.Context, string, string) (int, error)   { return 0, errNotLinux }
 func deleteController(string, string, func(*Controller) bool) error { return errNotLinux }
-func rescanController(string, string) error                       { return errNotLinux }
-func flushDevice(string) error                                    { return errNotLinux }
-func openedExclusively(string) bool                               { return false }
+func rescanController(string, string) error                         { return errNotLinux }
+func flushDevice(string) error                                      { return errNotLinux }
+func openedExclusively(string) bool                                 { return false }
 
 func identifyNamespaceSize(string, string, uint32) (int64, error) { return 0, errNotLinux }
