@@ -78,60 +78,6 @@ type kindMatcher interface {
 	kind() string
 }
 
-// MatchSCSI matches a SCSI disk by WWID and, when hctl is not empty, by its
-// host:channel:target:lun address or a prefix of it ("3:0:0:" matches every
-// LUN of that target; a prefix ending without a colon must match a whole
-// field, so "3:0:0:1" does not match "3:0:0:10"). The WWID may be given in the
-// kernel's form ("naa.6001405…"), udev's ID_SERIAL form ("36001405…") or as
-// "0x6001405…"; an empty wwid matches any disk at the address, which is only
-// safe when the caller owns the address (its own iSCSI session).
-func MatchSCSI(hctlPrefixOrEmpty, wwid string) Matcher {
-	return scsiMatcher{hctl: hctlPrefixOrEmpty, wwid: NormalizeWWID(wwid)}
-}
-
-type scsiMatcher struct{ hctl, wwid string }
-
-func (m scsiMatcher) kind() string { return KindSCSI }
-
-func (m scsiMatcher) Match(d *Device) bool {
-	if d == nil || d.ID.Kind != KindSCSI {
-		return false
-	}
-	if m.hctl != "" && !hctlHasPrefix(d.ID.HCTL, m.hctl) {
-		return false
-	}
-	if m.wwid == "" {
-		return m.hctl != ""
-	}
-	if NormalizeWWID(d.ID.WWID) == m.wwid {
-		return true
-	}
-	for _, id := range d.designators {
-		if NormalizeWWID(id) == m.wwid {
-			return true
-		}
-	}
-	return false
-}
-
-func (m scsiMatcher) String() string {
-	switch {
-	case m.hctl == "":
-		return fmt.Sprintf("SCSI disk with WWID %s", m.wwid)
-	case m.wwid == "":
-		return fmt.Sprintf("SCSI disk at %s", m.hctl)
-	}
-	return fmt.Sprintf("SCSI disk at %s with WWID %s", m.hctl, m.wwid)
-}
-
-func hctlHasPrefix(hctl, prefix string) bool {
-	if !strings.HasPrefix(hctl, prefix) {
-		return false
-	}
-	rest := hctl[len(prefix):]
-	return rest == "" || strings.HasSuffix(prefix, ":") || rest[0] == ':'
-}
-
 // MatchNVMe matches an NVMe namespace by subsystem NQN and namespace ID. A
 // non-empty uuid or nguid must also be equal (case and dashes are ignored).
 // nsid 0 matches any namespace ID, which is only useful together with a
@@ -188,12 +134,8 @@ func normHexID(s string) string {
 	return s
 }
 
-// MatchLoop matches the loop device whose backing file is file. Symbolic
-// links in file are resolved first, as the kernel reports the resolved path.
-func MatchLoop(backingFile string) Matcher {
-	return loopMatcher{file: canonicalFile(backingFile)}
-}
-
+// loopMatcher matches the loop device whose backing file is file (a
+// path canonicalFile returned: the kernel reports the resolved path).
 type loopMatcher struct{ file string }
 
 func (m loopMatcher) kind() string { return KindLoop }

@@ -25,34 +25,10 @@ type listenerConfig struct {
 	rcvbuf int
 }
 
-// WithUdev forces listening to udev (true) or to the kernel only (false)
-// instead of detecting systemd-udevd through /run/udev/control.
-func WithUdev(on bool) ListenerOption {
-	return func(c *listenerConfig) {
-		c.udev = -1
-		if on {
-			c.udev = 1
-		}
-	}
-}
-
-// WithEventHook calls fn, on the listener's receive goroutine, for every
-// uevent received, with its sequence number and arrival time. fn must not
-// block.
-func WithEventHook(fn func(EventInfo)) ListenerOption {
-	return func(c *listenerConfig) { c.hook = fn }
-}
-
 // WithLogger sets the logger for events the listener cannot return as an
 // error (a dropped message, a receive queue overflow).
 func WithLogger(l *slog.Logger) ListenerOption {
 	return func(c *listenerConfig) { c.log = l }
-}
-
-// WithReceiveBuffer sets the socket receive buffer in bytes (default 32 MiB;
-// SO_RCVBUFFORCE when permitted, SO_RCVBUF otherwise).
-func WithReceiveBuffer(n int) ListenerOption {
-	return func(c *listenerConfig) { c.rcvbuf = n }
 }
 
 // Listener receives uevents on one netlink socket and fans them out to the

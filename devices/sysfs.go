@@ -228,11 +228,6 @@ func readAttr(dir, attr string) (string, error) {
 	return string(bytes.TrimRight(b, "\n\x00 ")), nil
 }
 
-func exists(dir, attr string) bool {
-	_, err := os.Lstat(filepath.Join(dir, attr))
-	return err == nil
-}
-
 // parseUeventFile parses a sysfs uevent attribute (KEY=VALUE lines).
 func parseUeventFile(b []byte) map[string]string {
 	env := make(map[string]string)
@@ -305,14 +300,6 @@ func (m loopMatcher) mayMatch(sysPath string) bool {
 func (m nvmeMatcher) mayMatch(sysPath string) bool {
 	nqn, err := readAttr(sysPath, "device/subsysnqn")
 	return err == nil && nqn == m.nqn
-}
-
-func (m scsiMatcher) mayMatch(sysPath string) bool {
-	if m.hctl == "" {
-		return true
-	}
-	target, err := os.Readlink(filepath.Join(sysPath, "device"))
-	return err == nil && hctlHasPrefix(filepath.Base(target), m.hctl)
 }
 
 func (m dmMatcher) mayMatch(sysPath string) bool {

@@ -21,7 +21,10 @@ func (a *attrDir) close() {}
 
 func (a *attrDir) read(attr string) (string, error) { return readAttr(a.path, attr) }
 
-func (a *attrDir) exists(attr string) bool { return exists(a.path, attr) }
+func (a *attrDir) exists(attr string) bool {
+	_, err := os.Lstat(filepath.Join(a.path, attr))
+	return err == nil
+}
 
 func (a *attrDir) readlink(attr string) (string, error) {
 	return os.Readlink(filepath.Join(a.path, attr))

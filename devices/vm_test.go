@@ -771,6 +771,7 @@ func (a attrLatencies) probe(d *Device) {
 	// (whole paths through os.ReadFile, the number and node name from
 	// sysfs) and the way it is now (relative to the directory, number
 	// and node name from the event).
+	exists := func(dir, attr string) { os.Lstat(filepath.Join(dir, attr)) }
 	t0 = time.Now()
 	readAttr(d.sysPath, "dev")
 	readAttr(d.sysPath, "uevent")
