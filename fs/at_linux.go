@@ -309,9 +309,15 @@ func MountAt(source string, target *Handle, fsType string, flags uintptr, data s
 
 // BindMountAt bind-mounts what source refers to (the root of a mount, a
 // directory or a device node) on target, both through /proc/self/fd/N.
-// target must come from OpenAt: the per-mount flags (see BindMount) are
+// Per-mount flags (ro, nosuid, nodev, noexec, atime flags; readOnly adds
+// MS_RDONLY) are applied by a second MS_REMOUNT|MS_BIND call, since the
+// kernel ignores them on the first; the remount keeps the flags the bind
+// inherited from source. target must come from OpenAt: those flags are
 // set through a descriptor of the new mount, opened at target's name and
-// checked to show source; if that fails, the bind is undone.
+// checked to show source; if that fails, the bind is undone, so no
+// writable mount is left behind. A read-only bind is verified with
+// statfs. A read-only mount does not stop writes through a device node:
+// the device itself must be set read-only for that.
 func BindMountAt(source, target *Handle, readOnly bool, flags uintptr) (retErr error) {
 	if extra := flags &^ (perMountFlags | superblockFlags); extra != 0 {
 		return fmt.Errorf("bind mount %s on %s: flags %#x cannot be set on a bind mount: %w", source.path, target.path, extra, errdefs.ErrInvalidArgument)

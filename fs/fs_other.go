@@ -7,8 +7,6 @@ import (
 	"fmt"
 	"runtime"
 
-	"github.com/moby/sys/mountinfo"
-
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -41,27 +39,9 @@ func Resize(ctx context.Context, devPath, mountPath, fsType string) error {
 	return unsupported("resize " + devPath)
 }
 
-// Mount is only supported on Linux.
-func Mount(source, target, fsType string, flags uintptr, data string) error {
-	return unsupported("mount " + target)
-}
-
-// BindMount is only supported on Linux.
-func BindMount(source, target string, readOnly bool, flags uintptr) error {
-	return unsupported("bind mount " + target)
-}
-
-// Unmount is only supported on Linux.
-func Unmount(target string) error { return unsupported("unmount " + target) }
-
 // IsMountPoint is only supported on Linux.
 func IsMountPoint(path string) (bool, error) {
 	return false, unsupported("check mount point " + path)
-}
-
-// MountInfo is only supported on Linux.
-func MountInfo(path string) (*mountinfo.Info, error) {
-	return nil, unsupported("mount info " + path)
 }
 
 // FilesystemStats is only supported on Linux.

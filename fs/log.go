@@ -1,19 +1,8 @@
 package fs
 
-import (
-	"log/slog"
-	"sync/atomic"
-)
+import "log/slog"
 
-var logger atomic.Pointer[slog.Logger]
-
-// SetLogger sets the logger for the package's rare notices (a kernel
-// feature fallback). By default slog.Default() is used.
-func SetLogger(l *slog.Logger) { logger.Store(l) }
-
-func log() *slog.Logger {
-	if l := logger.Load(); l != nil {
-		return l
-	}
-	return slog.Default()
-}
+// log is the logger for the package's rare notices (a kernel feature
+// fallback, logged once per process): the process's default logger,
+// which berth sets to its own at start.
+func log() *slog.Logger { return slog.Default() }
