@@ -246,7 +246,7 @@ func resolveParent(path string) (string, error) {
 var mountTableReads atomic.Int64
 
 // MountTableReads returns how often this process has read its mount
-// table through package fs.
+// table through package fs (exported as berth_mount_table_reads_total).
 func MountTableReads() int64 { return mountTableReads.Load() }
 
 func getMounts(f mountinfo.FilterFunc) ([]*mountinfo.Info, error) {

@@ -2,6 +2,7 @@ package metrics
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -14,6 +15,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+
+	"github.com/berth-csi/berth/fs"
 )
 
 type identity struct {
@@ -125,6 +128,8 @@ func TestMetricsOverGRPCAndHTTP(t *testing.T) {
 		`berth_volume_paths{state="live",transport="nvmeof",volume_id="pvc-b"} 2`,
 		`berth_volume_abnormal{transport="iscsi",volume_id="pvc-a"} 0`,
 		`berth_volume_abnormal{transport="nvmeof",volume_id="pvc-b"} 1`,
+		"# TYPE berth_mount_table_reads_total counter",
+		fmt.Sprintf("berth_mount_table_reads_total %d", fs.MountTableReads()),
 	}
 	for _, le := range []string{"0.1", "0.25", "0.5", "1", "2.5", "5", "10", "15", "25", "50", "120", "300", "600", "+Inf"} {
 		want = append(want, op+`_bucket{driver_name="berth.test",grpc_status_code="OK",method_name="/csi.v1.Identity/Probe",le="`+le+`"} 3`)

@@ -5,6 +5,8 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,7 +19,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	dto "github.com/prometheus/client_model/go"
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/metrics"
@@ -161,11 +162,15 @@ func mountTableChild(t *testing.T, dir, parentNS string) {
 		}},
 		{fmt.Sprintf("metrics scrape of %d volumes", sweepSize), false, func() samples {
 			return timeN(t, 3, func() error {
-				mfs, err := scrape.Registry().Gather()
-				if err == nil && !hasVolumeSeries(mfs, sweepSize) {
-					err = fmt.Errorf("the scrape does not show %d volumes", sweepSize)
+				rec := httptest.NewRecorder()
+				scrape.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+				if rec.Code != http.StatusOK {
+					return fmt.Errorf("scrape: HTTP %d: %s", rec.Code, rec.Body)
 				}
-				return err
+				if n := strings.Count(rec.Body.String(), "\nberth_volume_staged{"); n != sweepSize {
+					return fmt.Errorf("the scrape shows %d volumes, want %d", n, sweepSize)
+				}
+				return nil
 			})
 		}},
 	}
@@ -301,14 +306,4 @@ func mountCount(t *testing.T) int {
 	b, err := os.ReadFile("/proc/self/mountinfo")
 	must(t, "read mountinfo", err)
 	return bytes.Count(b, []byte("\n"))
-}
-
-// hasVolumeSeries reports whether a scrape shows count staged volumes.
-func hasVolumeSeries(mfs []*dto.MetricFamily, count int) bool {
-	for _, mf := range mfs {
-		if mf.GetName() == "berth_volume_staged" {
-			return len(mf.GetMetric()) == count
-		}
-	}
-	return false
 }
