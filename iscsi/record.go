@@ -119,16 +119,6 @@ func recordKey(line string) (string, bool) {
 	return line[:i], true
 }
 
-// parseRecord returns the values of a record, the last line of a name
-// winning as in open-iscsi.
-func parseRecord(rec []byte) map[string]string {
-	m := map[string]string{}
-	for _, s := range recordLines(rec) {
-		m[s.name] = s.value
-	}
-	return m
-}
-
 // recordLines returns the "name = value" lines of a record or of
 // iscsid.conf in order, values trimmed; comments and other lines are
 // skipped.

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"strings"
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -37,23 +36,6 @@ type Options struct {
 	Listener *devices.Listener
 	// Logger; default slog.Default().
 	Logger *slog.Logger
-}
-
-// ParseParam validates one node-wide session parameter given as
-// "name=value" (a command-line flag).
-func ParseParam(s string) (string, int, error) {
-	name, value, ok := strings.Cut(s, "=")
-	if !ok {
-		return "", 0, fmt.Errorf("iSCSI parameter %q: want name=value: %w", s, errdefs.ErrInvalidArgument)
-	}
-	name = strings.TrimSpace(name)
-	r, ok := paramRanges[name]
-	if !ok {
-		return "", 0, fmt.Errorf("iSCSI parameter %q: unknown; supported: %s, %s, %s: %w", name,
-			ParamReplacementTimeout, ParamLoginTimeout, ParamLoginRetryMax, errdefs.ErrInvalidArgument)
-	}
-	n, err := parseIntField(name, value, r[0], r[1])
-	return name, n, err
 }
 
 // Transport attaches iSCSI volumes through open-iscsi. It is safe for

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -272,13 +273,20 @@ func TestSecretsNotPrinted(t *testing.T) {
 	}
 }
 
-func TestParseParam(t *testing.T) {
-	if n, v, err := ParseParam("node.session.timeo.replacement_timeout=15"); err != nil || n != ParamReplacementTimeout || v != 15 {
-		t.Fatal(n, v, err)
+// New takes node-wide session parameters (from berth's flags) only by
+// their names and in their ranges.
+func TestNewChecksParams(t *testing.T) {
+	ok := map[string]int{ParamReplacementTimeout: 15, ParamLoginTimeout: 5, ParamLoginRetryMax: 0}
+	if _, err := New(Options{Params: ok, Listener: new(devices.Listener)}); err != nil {
+		t.Fatalf("New(%v): %v", ok, err)
 	}
-	for _, bad := range []string{"node.session.timeo.replacement_timeout", "node.session.foo=1", "node.conn[0].timeo.login_timeout=0", "node.session.initial_login_retry_max=x"} {
-		if _, _, err := ParseParam(bad); !errors.Is(err, errdefs.ErrInvalidArgument) {
-			t.Errorf("%q: %v", bad, err)
+	for _, bad := range []map[string]int{
+		{"node.session.foo": 1},
+		{ParamLoginTimeout: 0},
+		{ParamReplacementTimeout: -1},
+	} {
+		if _, err := New(Options{Params: bad, Listener: new(devices.Listener)}); !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("New(%v): %v, want ErrInvalidArgument", bad, err)
 		}
 	}
 }
