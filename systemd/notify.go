@@ -42,11 +42,6 @@ func Stopping() error {
 	return notify("STOPPING=1\nSTATUS=draining in-flight operations")
 }
 
-// Status sets the one-line status `systemctl status berth` prints.
-func Status(msg string) error {
-	return notify("STATUS=" + msg)
-}
-
 // LivenessCheck reports whether berth can answer the kubelet right now. It
 // should take the path a real request takes (a Probe through the agent's
 // own socket, see ProbeEndpoint) so that a wedged accept loop or a
