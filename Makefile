@@ -20,16 +20,27 @@ build:
 deps:
 	./scripts/install-deps.sh
 
-# go vet and staticcheck (pinned, installed once into a cache outside the
-# repository).
+# go vet, staticcheck and deadcode (pinned, installed once into a cache
+# outside the repository). deadcode lists the functions the berth binary
+# never reaches; code only tests use lives in the tests (export_test.go),
+# so any line it prints fails the target.
 STATICCHECK_VERSION ?= v0.8.2
+DEADCODE_VERSION ?= v0.41.0
 TOOLS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/berth-tools
 lint:
 	@test -x $(TOOLS)/staticcheck-$(STATICCHECK_VERSION) || { \
 		GOBIN=$(TOOLS)/tmp $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION) && \
 		mv $(TOOLS)/tmp/staticcheck $(TOOLS)/staticcheck-$(STATICCHECK_VERSION); }
+	@test -x $(TOOLS)/deadcode-$(DEADCODE_VERSION) || { \
+		GOBIN=$(TOOLS)/tmp $(GO) install golang.org/x/tools/cmd/deadcode@$(DEADCODE_VERSION) && \
+		mv $(TOOLS)/tmp/deadcode $(TOOLS)/deadcode-$(DEADCODE_VERSION); }
 	$(GO) vet ./...
 	$(TOOLS)/staticcheck-$(STATICCHECK_VERSION) ./...
+	@echo "$(TOOLS)/deadcode-$(DEADCODE_VERSION) ."; \
+	out=$$($(TOOLS)/deadcode-$(DEADCODE_VERSION) . 2>&1) || { echo "$$out"; exit 1; }; \
+	if [ -n "$$out" ]; then \
+		echo "$$out"; echo "deadcode: the binary never reaches the functions above: remove them, use them, or move what only tests need into the tests"; exit 1; \
+	fi
 
 # The whole suite: lint, unit and host tests (root, loop devices),
 # csi-sanity, VMs, crash at every step.
