@@ -29,6 +29,7 @@ import (
 	"google.golang.org/grpc"
 
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/lockfile"
 )
 
 // DefaultDriverName is the CSI driver name berth registers with kubelet.
@@ -91,7 +92,7 @@ type Agent struct {
 	transports  map[string]Transport
 	listener    *devices.Listener
 	ownListener bool
-	stateLock   *pidLock
+	stateLock   *lockfile.Lock
 	ready       atomic.Bool
 
 	// verify re-checks that a device name still means the device found
@@ -236,12 +237,12 @@ func (a *Agent) Close() error {
 }
 
 // lockStateDir creates dir and takes its lock.
-func lockStateDir(dir string) (*pidLock, error) {
+func lockStateDir(dir string) (*lockfile.Lock, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create state directory: %w", err)
 	}
-	l, err := lockPID(filepath.Join(dir, "lock"))
-	var locked *lockedError
+	l, err := lockfile.Acquire(filepath.Join(dir, "lock"))
+	var locked *lockfile.HeldError
 	if errors.As(err, &locked) {
 		return nil, fmt.Errorf("state directory %s is in use by another berth: %w; stop it, or give each berth its own state directory", dir, err)
 	}

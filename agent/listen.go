@@ -10,6 +10,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/berth-csi/berth/internal/lockfile"
 )
 
 // SocketPath returns the filesystem path of a CSI endpoint:
@@ -116,9 +118,9 @@ func LockListener(l net.Listener, path string) (net.Listener, error) {
 	return &lockedListener{Listener: l, lock: lock}, nil
 }
 
-func lockEndpoint(path string) (*pidLock, error) {
-	l, err := lockPID(path + ".lock")
-	var locked *lockedError
+func lockEndpoint(path string) (*lockfile.Lock, error) {
+	l, err := lockfile.Acquire(path + ".lock")
+	var locked *lockfile.HeldError
 	if errors.As(err, &locked) {
 		return nil, fmt.Errorf("endpoint %s is in use by another berth: %w; stop it first", path, err)
 	}
@@ -127,7 +129,7 @@ func lockEndpoint(path string) (*pidLock, error) {
 
 type lockedListener struct {
 	net.Listener
-	lock *pidLock
+	lock *lockfile.Lock
 }
 
 func (l *lockedListener) Close() error {
@@ -143,7 +145,7 @@ type unixListener struct {
 	*net.UnixListener
 	path string
 	file os.FileInfo // the socket file as created
-	lock *pidLock
+	lock *lockfile.Lock
 	once sync.Once
 }
 

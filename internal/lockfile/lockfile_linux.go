@@ -1,4 +1,4 @@
-package agent
+package lockfile
 
 import (
 	"errors"
@@ -6,39 +6,16 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
 )
 
-// pidLock is an exclusive flock(2) on a file that also holds the pid of
-// the process that took it, so that a process refused the lock can say
-// which process to stop. The kernel drops the lock when the process ends,
-// however it ends; nothing stale is left to clean up. The file itself
-// stays: unlinking it would let a third process lock a new file at the
-// path while a second one still waits on the old one.
-type pidLock struct {
-	f    *os.File
-	once sync.Once
-}
-
-// lockedError is a lock another process holds.
-type lockedError struct {
-	path string
-	pid  int // 0: the holder has not written its pid yet
-}
-
-func (e *lockedError) Error() string {
-	if e.pid > 0 {
-		return fmt.Sprintf("lock %s is held by pid %d", e.path, e.pid)
-	}
-	return fmt.Sprintf("lock %s is held by a process that has not written its pid yet", e.path)
-}
-
-// lockPID takes the lock at path without waiting. A lock another process
-// holds is reported as a *lockedError naming its pid.
-func lockPID(path string) (*pidLock, error) {
+// Acquire takes the lock at path (an flock(2) on the file, created if
+// missing, not through a symbolic link) without waiting, and writes the
+// process's pid into it. A lock another process holds is reported as a
+// *HeldError naming its pid.
+func Acquire(path string) (*Lock, error) {
 	// O_CLOEXEC (set by os.OpenFile): the tools berth runs do not inherit
 	// the lock.
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o600)
@@ -48,7 +25,7 @@ func lockPID(path string) (*pidLock, error) {
 	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
 		defer f.Close()
 		if errors.Is(err, unix.EWOULDBLOCK) {
-			return nil, &lockedError{path: path, pid: holderPID(f)}
+			return nil, &HeldError{Path: path, PID: holderPID(f)}
 		}
 		return nil, fmt.Errorf("lock %s: %w", path, err)
 	}
@@ -61,7 +38,7 @@ func lockPID(path string) (*pidLock, error) {
 		f.Close()
 		return nil, fmt.Errorf("write pid to lock file %s: %w", path, err)
 	}
-	return &pidLock{f: f}, nil
+	return &Lock{f: f}, nil
 }
 
 // holderPID reads the pid the holder of f's lock wrote. The holder writes
@@ -78,11 +55,4 @@ func holderPID(f *os.File) int {
 		time.Sleep(10 * time.Millisecond)
 	}
 	return 0
-}
-
-// Close releases the lock. It may be called more than once.
-func (l *pidLock) Close() error {
-	var err error
-	l.once.Do(func() { err = l.f.Close() })
-	return err
 }
