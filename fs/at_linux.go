@@ -257,7 +257,9 @@ func (h *Handle) CreateAt(name string, mode uint32) error {
 }
 
 // RemoveAt removes name in h: an empty directory or any other file. A
-// symbolic link is removed, never followed.
+// symbolic link is removed, never followed. A directory that is not empty
+// and a mount point are left, with an error wrapping
+// errdefs.ErrFailedPrecondition.
 func (h *Handle) RemoveAt(name string) error {
 	if err := checkName(name); err != nil {
 		return err
@@ -267,7 +269,11 @@ func (h *Handle) RemoveAt(name string) error {
 		err = unix.Unlinkat(h.fd, name, unix.AT_REMOVEDIR)
 	}
 	if err != nil {
-		return &os.PathError{Op: "remove", Path: h.child(name), Err: err}
+		perr := &os.PathError{Op: "remove", Path: h.child(name), Err: err}
+		if errors.Is(err, unix.ENOTEMPTY) || errors.Is(err, unix.EBUSY) {
+			return fmt.Errorf("%w: %w", perr, errdefs.ErrFailedPrecondition)
+		}
+		return perr
 	}
 	return nil
 }

@@ -96,6 +96,59 @@ func testOpenPathRefusesSymlinks(t *testing.T) {
 	}
 }
 
+// RemoveAt leaves a directory with entries and a mount point, and says so
+// with ErrFailedPrecondition (the errno stays in the chain).
+func TestHostRemoveAtRefusesNonEmptyAndMounted(t *testing.T) {
+	needRoot(t)
+	dir := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(dir, "full", "sub"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(dir, "mnt"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	tmpfs(t, filepath.Join(dir, "mnt"))
+	d, err := OpenPath(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	for name, errno := range map[string]unix.Errno{"full": unix.ENOTEMPTY, "mnt": unix.EBUSY} {
+		err := d.RemoveAt(name)
+		if !errors.Is(err, errdefs.ErrFailedPrecondition) || !errors.Is(err, errno) {
+			t.Errorf("RemoveAt(%s) = %v, want ErrFailedPrecondition and %v", name, err, errno)
+		}
+		if _, err := os.Stat(filepath.Join(dir, name)); err != nil {
+			t.Errorf("RemoveAt(%s) removed it: %v", name, err)
+		}
+	}
+}
+
+// FileID is the device and inode pair stat reports, shared by hard links.
+func TestFileID(t *testing.T) {
+	dir := t.TempDir()
+	a, b := filepath.Join(dir, "a"), filepath.Join(dir, "b")
+	if err := os.WriteFile(a, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Link(a, b); err != nil {
+		t.Fatal(err)
+	}
+	fa, err := os.Lstat(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fb, err := os.Lstat(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	da, ia, ok := FileID(fa)
+	db, ib, okb := FileID(fb)
+	if want := devIno(t, a); !ok || !okb || [2]uint64{da, ia} != want || da != db || ia != ib {
+		t.Errorf("FileID = %d/%d (%v), %d/%d (%v); want %v for both links", da, ia, ok, db, ib, okb, want)
+	}
+}
+
 func tmpfs(t *testing.T, at string) {
 	t.Helper()
 	if err := unix.Mount("tmpfs", at, "tmpfs", 0, "size=1m"); err != nil {

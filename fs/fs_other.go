@@ -5,6 +5,7 @@ package fs
 import (
 	"context"
 	"fmt"
+	"os"
 	"runtime"
 
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -78,6 +79,9 @@ type PathStat struct {
 	Dir                  bool
 	Regular              bool
 }
+
+// FileID is only supported on Linux.
+func FileID(fi os.FileInfo) (dev, ino uint64, ok bool) { return 0, 0, false }
 
 // StatPath is only supported on Linux.
 func StatPath(path string) (PathStat, error) {

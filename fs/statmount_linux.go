@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 
@@ -107,4 +108,15 @@ func StatFd(fd int) (PathStat, error) {
 	}
 	st.FSType = fsTypeName(int64(sfs.Type))
 	return st, nil
+}
+
+// FileID returns the device and inode numbers fi reports (from os.Stat or
+// os.Lstat): the identity of a file, which every hard link to it shares.
+// ok is false when fi carries no stat data.
+func FileID(fi os.FileInfo) (dev, ino uint64, ok bool) {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return 0, 0, false
+	}
+	return st.Dev, st.Ino, true
 }
