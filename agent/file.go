@@ -7,9 +7,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/fs"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -106,11 +106,11 @@ func (f *fileTarget) Identity() (string, error) {
 		}
 		return "", fmt.Errorf("image file %s: %w", f.path, err)
 	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
+	dev, ino, ok := fs.FileID(fi)
 	if !ok || !fi.Mode().IsRegular() {
 		return "", invalid("image file %s: not a regular file", f.path)
 	}
-	return fmt.Sprintf("file inode %d on device %d", st.Ino, st.Dev), nil
+	return fmt.Sprintf("file inode %d on device %d", ino, dev), nil
 }
 
 // check makes sure the image exists, is a regular file and that the

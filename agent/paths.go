@@ -5,7 +5,6 @@ import (
 	"fmt"
 	iofs "io/fs"
 	"strings"
-	"syscall"
 
 	"github.com/berth-csi/berth/fs"
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -68,7 +67,7 @@ func removeTarget(p *heldPath) error {
 	switch {
 	case err == nil, errors.Is(err, iofs.ErrNotExist):
 		return nil
-	case errors.Is(err, syscall.ENOTEMPTY), errors.Is(err, syscall.EBUSY):
+	case errors.Is(err, errdefs.ErrFailedPrecondition):
 		// Files below an unmounted target were written into the
 		// directory itself (the mount was gone), or something is still
 		// mounted there: berth does not delete data it did not create.
