@@ -46,8 +46,9 @@ lint:
 # csi-sanity, VMs, crash at every step.
 test: deps lint unit-test sanity-test manifest-test vm-test reliability
 
-# Unit tests and host tests on loop devices. VM entry tests are named TestVM*;
-# the host crash suite runs in reliability.
+# Unit tests and host tests on loop devices, with internal/archtest's
+# import rule. VM entry tests are named TestVM*; the host crash suite runs in
+# reliability.
 unit-test: build
 	BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m -skip '^TestVM|^TestCrashAtEveryStep$$' ./...
 
