@@ -45,6 +45,9 @@ func IsMountPoint(path string) (bool, error) {
 	return false, unsupported("check mount point " + path)
 }
 
+// MountTableReads is 0: the mount table is only read on Linux.
+func MountTableReads() int64 { return 0 }
+
 // FilesystemStats is only supported on Linux.
 func FilesystemStats(path string) (Stats, error) {
 	return Stats{}, unsupported("filesystem stats " + path)
