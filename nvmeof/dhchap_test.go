@@ -44,6 +44,11 @@ func TestParseDHCHAPKey(t *testing.T) {
 		// The kernel transforms a key of any of the three sizes with
 		// any hash; so does berth.
 		{makeKey(1, 64, 8), 1, 64},
+		// Made by nvme-cli 2.4's gen-dhchap-key (--hmac=0..3).
+		{"DHHC-1:00:Pi0k1Lj5xvV7AbRnUcopIrPuwtqI8USmT7Q7yPFYxWbFJ6bn:", 0, 32},
+		{"DHHC-1:01:mN4hSGOpVgcveQTnCoXtUbEYjGquXEbtx5Sg17oEs18YWTAo:", 1, 32},
+		{"DHHC-1:02:eUvZcStlkuM5pxvkAZ+9O9GkqofyqBkdu8EFpdslhZg2gn8Ar69y1hh4Df4Ot4PN227ZGA==:", 2, 48},
+		{"DHHC-1:03:Qdwt9GiOJv3/uaz7qnzyk87doMyasOVnyf0E2TcSwXW0/MgAEVFan408Q8p8IzMTRRy7NbMCOOVmVQArkYaloCO6abQ=:", 3, 64},
 		// Without the base64 padding.
 		{strings.TrimRight(strings.TrimSuffix(makeKey(2, 48, 9), ":"), "=") + ":", 2, 48},
 	}
