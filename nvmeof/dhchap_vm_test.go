@@ -132,13 +132,19 @@ func TestGuestDHCHAP(t *testing.T) {
 			wantControllers(t, nqn, 0)
 		})
 	}
+	t.Run("authentication", func(t *testing.T) { guestDHCHAPAuth(t, ctx, tr, host.NQN, hostAuth, targetAuth, k1, k2, c1, c2) })
+}
+
+// guestDHCHAPAuth runs the cases that need in-band authentication in the
+// kernel, both host and target side.
+func guestDHCHAPAuth(t *testing.T, ctx context.Context, tr *Transport, hostNQN string, hostAuth, targetAuth bool, k1, k2, c1, c2 string) {
 	if !hostAuth || !targetAuth {
 		t.Skipf("SKIP: the guest kernel lacks NVMe in-band authentication (host side %v, target side %v: CONFIG_NVME_AUTH/CONFIG_NVME_HOST_AUTH, CONFIG_NVME_TARGET_AUTH); the DH-HMAC-CHAP cases need a guest kernel with both", hostAuth, targetAuth)
 	}
 
 	nqn := "nqn.2026-01.io.berth:dhchap"
 	port := "127.0.0.1:4471"
-	tgt := target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{port}, AllowedHosts: []string{host.NQN},
+	tgt := target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{port}, AllowedHosts: []string{hostNQN},
 		Namespaces: []target.NVMeNamespace{{Size: 16 << 20}, {Size: 16 << 20}},
 		DHCHAP:     &target.NVMeDHCHAP{Key: k1}})
 	vc := func(nsid string) map[string]string {
@@ -214,7 +220,7 @@ func TestGuestDHCHAP(t *testing.T) {
 		wantControllers(t, nqn, 0)
 	})
 	t.Run("bidirectional", func(t *testing.T) {
-		tgt.SetDHCHAP(host.NQN, target.NVMeDHCHAP{Key: k1, CtrlKey: c1})
+		tgt.SetDHCHAP(hostNQN, target.NVMeDHCHAP{Key: k1, CtrlKey: c1})
 		tg, err := tr.Parse(vc("1"), map[string]string{SecretDHCHAPKey: k1, SecretDHCHAPCtrlKey: c1})
 		if err != nil {
 			t.Fatal(err)
@@ -232,7 +238,7 @@ func TestGuestDHCHAP(t *testing.T) {
 		wantControllers(t, nqn, 0)
 	})
 	t.Run("key changed on the target while connected", func(t *testing.T) {
-		tgt.SetDHCHAP(host.NQN, target.NVMeDHCHAP{Key: k1})
+		tgt.SetDHCHAP(hostNQN, target.NVMeDHCHAP{Key: k1})
 		vcr := vc("1")
 		vcr["reconnectDelay"] = "1"
 		tg, err := tr.Parse(vcr, map[string]string{SecretDHCHAPKey: k1})
@@ -242,7 +248,7 @@ func TestGuestDHCHAP(t *testing.T) {
 		mustAttach(t, ctx, tg)
 		// The target takes another key and drops the connection: every
 		// reconnect with the old key fails.
-		tgt.SetDHCHAP(host.NQN, target.NVMeDHCHAP{Key: k2})
+		tgt.SetDHCHAP(hostNQN, target.NVMeDHCHAP{Key: k2})
 		tgt.RemovePort(port)
 		tgt.AddPort(port)
 		waitFor(t, 20*time.Second, "a reconnect", func() bool {
