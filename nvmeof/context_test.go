@@ -204,8 +204,11 @@ func TestTransportParse(t *testing.T) {
 	if tg.Key() != "nvmeof:"+subA+"/nsid=3" {
 		t.Errorf("Key %q", tg.Key())
 	}
-	if _, err := tr.Parse(map[string]string{"nqn": subA, "nsid": "3", "traddr": "127.0.0.1"}, map[string]string{"dhchapKey": "x"}); !errors.Is(err, errdefs.ErrUnsupported) {
-		t.Errorf("dhchap secret: %v", err)
+	// A misspelt DH-HMAC-CHAP key is refused (it would connect without
+	// authentication), naming the key, not the value.
+	if _, err := tr.Parse(map[string]string{"nqn": subA, "nsid": "3", "traddr": "127.0.0.1"}, map[string]string{"dhchapKey": "s3cret"}); !errors.Is(err, errdefs.ErrInvalidArgument) ||
+		!strings.Contains(err.Error(), "dhchapKey") || strings.Contains(err.Error(), "s3cret") {
+		t.Errorf("misspelt dhchap secret: %v", err)
 	}
 	if _, err := NewTransport(Options{Host: &HostIdentity{NQN: "bad", ID: hidA}}); !errors.Is(err, errdefs.ErrInvalidArgument) {
 		t.Errorf("bad fixed host: %v", err)

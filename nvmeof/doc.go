@@ -54,6 +54,23 @@
 // an existing controller, which the kernel would reject with a bare
 // EINVAL.
 //
+// # In-band authentication
+//
+// DH-HMAC-CHAP keys come from the stage secrets dhchapSecret (host key)
+// and dhchapCtrlSecret (controller key, bidirectional), or the kernel's
+// names dhchap_secret and dhchap_ctrl_secret, in nvme-cli's
+// DHHC-1:<hh>:<base64>: form; ParseAuth validates them (hash id, length,
+// CRC-32) and they are written nowhere but the connect string. A kernel
+// without in-band authentication (no dhchap_secret attribute on its
+// fabrics controllers) connects without authenticating when the target
+// asks for none, so Attach deletes such a controller and refuses
+// (errdefs.ErrUnsupported). A controller is reused only by a volume that
+// names the keys it was connected with, compared in constant time with
+// its sysfs dhchap_secret and dhchap_ctrl_secret; berth never changes
+// the keys of a connected controller. A rejected key is
+// errdefs.ErrPermissionDenied (EKEYREJECTED; ECONNREFUSED from kernels
+// before 6.7 while the target's port accepts TCP connections).
+//
 // # Paths and multipath
 //
 // Each distinct address is one controller. With native NVMe multipath

@@ -20,6 +20,11 @@ const DefaultFabricsDevice = "/dev/nvme-fabrics"
 // controller with the same options already exists.
 var errDuplicate = errors.New("a controller with these options already exists")
 
+// errRefused marks an ECONNREFUSED connect. Kernels before 6.7 also
+// answer a failed DH-HMAC-CHAP authentication so (newer ones say
+// EKEYREJECTED); the caller tells the two apart (see Target.authRefused).
+var errRefused = errors.New("connection refused")
+
 // connectResult is what one write to /dev/nvme-fabrics produced.
 type connectResult struct {
 	instance, cntlid int
@@ -76,13 +81,22 @@ func connectError(err error) error {
 	case unix.EALREADY, unix.EBUSY:
 		return fmt.Errorf("connect: %w (%v)", errDuplicate, errno)
 	case unix.ECONNREFUSED:
-		return fmt.Errorf("connect: the target refused the connection (no NVMe/TCP listener at that address and port?): %w", errdefs.ErrUnavailable)
+		return fmt.Errorf("connect: the target refused the connection (no NVMe/TCP listener at that address and port?): %w: %w", errRefused, errdefs.ErrUnavailable)
+	case unix.EKEYREJECTED:
+		return fmt.Errorf("connect: DH-HMAC-CHAP authentication failed (%v): the target rejected the host key (secret %q), or the controller did not prove the controller key (secret %q); check both against the target's keys for this hostnqn: %w",
+			errno, SecretDHCHAPKey, SecretDHCHAPCtrlKey, errdefs.ErrPermissionDenied)
+	case unix.ENOKEY:
+		return fmt.Errorf("connect: the target requires DH-HMAC-CHAP authentication and the volume gives no key (%v): set the host key in the secret %q (node stage secrets): %w",
+			errno, SecretDHCHAPKey, errdefs.ErrPermissionDenied)
+	case unix.EPROTONOSUPPORT:
+		return fmt.Errorf("connect: the target requires NVMe in-band authentication (DH-HMAC-CHAP), which this kernel does not support (%v; CONFIG_NVME_AUTH or CONFIG_NVME_HOST_AUTH is not set): %w",
+			errno, errdefs.ErrUnsupported)
 	case unix.ETIMEDOUT, unix.EHOSTUNREACH, unix.ENETUNREACH, unix.EHOSTDOWN:
 		return fmt.Errorf("connect: target unreachable (%v): %w", errno, errdefs.ErrUnavailable)
 	case unix.EINVAL:
 		return fmt.Errorf("connect: the kernel rejected the connect options (%v); check dmesg: a hostnqn paired with another hostid, a transport module missing, or a target refusing this host: %w", errno, errdefs.ErrFailedPrecondition)
 	case unix.EIO, unix.EPROTO, unix.ECONNRESET:
-		return fmt.Errorf("connect: the target rejected the connect (%v); check that the subsystem exists and allows this hostnqn: %w", errno, errdefs.ErrFailedPrecondition)
+		return fmt.Errorf("connect: the target rejected the connect (%v); check that the subsystem exists and allows this hostnqn, and whether it requires DH-HMAC-CHAP authentication (secrets %q, %q): %w", errno, SecretDHCHAPKey, SecretDHCHAPCtrlKey, errdefs.ErrFailedPrecondition)
 	case unix.ENOMEM, unix.ENOSPC:
 		return fmt.Errorf("connect: %v: %w", errno, errdefs.ErrResourceExhausted)
 	}

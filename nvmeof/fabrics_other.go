@@ -15,6 +15,8 @@ const DefaultFabricsDevice = "/dev/nvme-fabrics"
 
 var errDuplicate = errors.New("a controller with these options already exists")
 
+var errRefused = errors.New("connection refused")
+
 var errNotLinux = fmt.Errorf("NVMe over Fabrics needs Linux: %w", errdefs.ErrUnsupported)
 
 func fabricsConnect(context.Context, string, string) (int, error)   { return 0, errNotLinux }

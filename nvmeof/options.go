@@ -76,6 +76,11 @@ type ConnectOptions struct {
 	HostID     string // hostid: a UUID
 	HostTrAddr string // host_traddr: local IP address to connect from
 	HostIface  string // host_iface: local interface to connect through (tcp)
+	// DHCHAPSecret is the host's DH-HMAC-CHAP key (dhchap_secret);
+	// DHCHAPCtrlSecret, which needs it, the controller's
+	// (dhchap_ctrl_secret). Both print without their secrets.
+	DHCHAPSecret     *DHCHAPKey
+	DHCHAPCtrlSecret *DHCHAPKey
 	Tunables
 }
 
@@ -83,6 +88,9 @@ type ConnectOptions struct {
 // parses, such as
 //
 //	transport=tcp,traddr=10.0.0.5,trsvcid=4420,nqn=nqn.2014-08.org.example:vol1,...
+//
+// The DH-HMAC-CHAP keys come last; the returned string holds them in
+// clear and must go nowhere but the kernel.
 //
 // A field that holds a separator (comma, '=', newline, NUL) or has the
 // wrong format is an error wrapping errdefs.ErrInvalidArgument that names
@@ -124,6 +132,14 @@ func (o *ConnectOptions) Encode() (string, error) {
 		if p := *r.get(&o.Tunables); p != nil {
 			add(r.name, strconv.Itoa(*p))
 		}
+	}
+	// The keys are checked by ParseDHCHAPKey: base64, digits and
+	// colons, no separator.
+	if o.DHCHAPSecret != nil {
+		add("dhchap_secret", o.DHCHAPSecret.text)
+	}
+	if o.DHCHAPCtrlSecret != nil {
+		add("dhchap_ctrl_secret", o.DHCHAPCtrlSecret.text)
 	}
 	return b.String(), nil
 }
@@ -172,6 +188,9 @@ func (o *ConnectOptions) Validate() error {
 		if err := validateIface("host_iface", o.HostIface); err != nil {
 			return err
 		}
+	}
+	if o.DHCHAPCtrlSecret != nil && o.DHCHAPSecret == nil {
+		return invalidf("nvmeof option dhchap_ctrl_secret: needs dhchap_secret (the host authenticates first)")
 	}
 	return o.Tunables.validate(false)
 }

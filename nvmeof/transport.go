@@ -115,20 +115,19 @@ func NewTransport(opts Options) (*Transport, error) {
 // Name is the transport's volume_context "transport" value.
 func (t *Transport) Name() string { return "nvmeof" }
 
-// Parse validates a volume_context; see the package documentation for
-// its keys. Secrets are not used: NVMe in-band authentication is not
-// supported, and a volume that asks for it (dhchap keys) is refused.
+// Parse validates a volume_context and the DH-HMAC-CHAP keys in secrets
+// (see ParseAuth); see the package documentation for its keys. Errors
+// about a key name it, never its value.
 func (t *Transport) Parse(volumeContext, secrets map[string]string) (*Target, error) {
-	for k := range secrets {
-		if strings.Contains(strings.ToLower(k), "dhchap") {
-			return nil, fmt.Errorf("secret %q: NVMe in-band authentication (DH-HMAC-CHAP) is not supported: %w", k, errdefs.ErrUnsupported)
-		}
-	}
 	v, err := ParseVolumeContext(volumeContext)
 	if err != nil {
 		return nil, err
 	}
-	return &Target{t: t, vol: v}, nil
+	auth, err := ParseAuth(secrets)
+	if err != nil {
+		return nil, err
+	}
+	return &Target{t: t, vol: v, auth: auth}, nil
 }
 
 // HostIdentity returns the host NQN and ID, loading or creating them on
@@ -149,8 +148,9 @@ func (t *Transport) HostIdentity() (HostIdentity, error) {
 
 // Target is one parsed NVMe-oF volume.
 type Target struct {
-	t   *Transport
-	vol *Volume
+	t    *Transport
+	vol  *Volume
+	auth *Auth // nil: no in-band authentication (or not known: Detach, Health)
 }
 
 // Volume returns the parsed volume_context.
@@ -245,6 +245,9 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
 	}
 	if err := checkHostConflict(ctrls, host); err != nil {
+		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+	}
+	if err := g.checkKernelAuth(ctrls); err != nil {
 		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
 	}
 
@@ -366,6 +369,10 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 		return ""
 	}
 	if c := find(ctrls); c != "" {
+		if err := g.checkReuse(c); err != nil {
+			r.err = err
+			return r
+		}
 		t.log.Debug("nvmeof: reusing controller", "target", g.Key(), "path", p.String(), "controller", c)
 		r.ctrl = c
 		return r
@@ -381,6 +388,9 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 		HostIface:  rp.HostIface,
 		Tunables:   g.vol.Tunables,
 	}
+	if g.auth != nil {
+		o.DHCHAPSecret, o.DHCHAPCtrlSecret = g.auth.Host, g.auth.Ctrl
+	}
 	s, err := o.Encode()
 	if err != nil {
 		r.err = err
@@ -395,10 +405,18 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 			return r
 		}
 		if c := find(cs); c != "" {
+			if err := g.checkReuse(c); err != nil {
+				r.err = err
+				return r
+			}
 			r.ctrl = c
 			return r
 		}
 		r.err = fmt.Errorf("%w, but no such controller is visible in sysfs; retry: %w", err, errdefs.ErrUnavailable)
+		return r
+	}
+	if errors.Is(err, errRefused) && g.authRefused(ctx, rp) {
+		r.err = errAuthRefused(host.NQN)
 		return r
 	}
 	if err != nil {
@@ -406,6 +424,22 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 		return r
 	}
 	r.ctrl = fmt.Sprintf("nvme%d", inst)
+	if g.auth != nil {
+		// A kernel without in-band authentication takes the keys and
+		// connects without authenticating when the target asks for
+		// none: such a controller must not serve the volume.
+		ca, err := readCtrlAuth(t.opts.SysRoot, r.ctrl)
+		if err == nil && !ca.supported {
+			err = errNoKernelAuth(r.ctrl)
+		}
+		if err != nil {
+			if derr := deleteController(t.opts.SysRoot, r.ctrl); derr != nil {
+				err = errors.Join(err, derr)
+			}
+			r.err = err
+			return r
+		}
+	}
 	r.created = true
 	failpoint.Hit("nvmeof.connected")
 	t.log.Info("nvmeof: connected", "target", g.Key(), "path", p.String(), "controller", r.ctrl)
@@ -802,6 +836,9 @@ type PathStatus struct {
 	// visible through this controller.
 	Device   string
 	ANAState string // optimized, non-optimized, inaccessible, ...; "" without ANA
+	// DHCHAP: the controller was connected with a DH-HMAC-CHAP key, so
+	// every reconnect authenticates again with that key.
+	DHCHAP bool
 }
 
 // Healthy reports whether I/O can use this path.
@@ -824,6 +861,11 @@ func (s PathStatus) String() string {
 	}
 	if s.ANAState != "" {
 		st += ", " + s.ANAState
+	}
+	if s.DHCHAP && s.State != StateLive {
+		// The kernel does not say why a reconnect failed (dmesg
+		// aside); with authentication a changed key is one reason.
+		st += " (connected with DH-HMAC-CHAP: reconnects fail while the target's key for this host differs from the key the controller was connected with; if the key was changed on the target, unstage every volume of the subsystem on this node and stage with the new key)"
 	}
 	return st
 }
@@ -863,6 +905,9 @@ func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, e
 				if c := &ctrls[i]; c.matches(g.vol.NQN, hostNQN, rp) {
 					np := nsPath[c.Name]
 					st.Controller, st.State, st.Device, st.ANAState = c.Name, c.State, np.Name, np.ANAState
+					if ca, err := readCtrlAuth(t.opts.SysRoot, c.Name); err == nil {
+						st.DHCHAP = ca.host != ""
+					}
 					seen[c.Name] = true
 					break
 				}

@@ -28,7 +28,8 @@ var (
 	// ErrUnavailable: the node is not ready for this kind of volume
 	// (iscsid not running, module not loaded); retrying after a fix works.
 	ErrUnavailable = errors.New("unavailable")
-	// ErrPermissionDenied: the target refused our credentials (CHAP).
+	// ErrPermissionDenied: the target refused our credentials (iSCSI CHAP,
+	// NVMe DH-HMAC-CHAP), or requires credentials the request lacks.
 	ErrPermissionDenied = errors.New("permission denied")
 	// ErrBusy: another operation on the same object is in flight.
 	ErrBusy = errors.New("operation in progress")

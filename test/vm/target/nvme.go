@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 )
@@ -31,6 +32,19 @@ type NVMeConfig struct {
 	AllowedHosts []string        // host NQNs; empty: any host may connect
 	Namespaces   []NVMeNamespace // default: one of 64 MiB
 	Ports        []string        // "ip:port"; default 127.0.0.1:4420
+	// DHCHAP, when set, makes every allowed host authenticate with
+	// DH-HMAC-CHAP (it needs AllowedHosts: nvmet authenticates only
+	// the hosts it lists).
+	DHCHAP *NVMeDHCHAP
+}
+
+// NVMeDHCHAP is the in-band authentication of one allowed host: the
+// attributes of nvmet's hosts/<hostnqn> directory.
+type NVMeDHCHAP struct {
+	Key     string // dhchap_key: the host's key, DHHC-1 form
+	CtrlKey string // dhchap_ctrl_key: the controller's key (bidirectional); "" = none
+	Hash    string // dhchap_hash; default "hmac(sha256)"
+	DHGroup string // dhchap_dhgroup; default "null" (no Diffie-Hellman exchange)
 }
 
 // NVMeTarget is an nvmet subsystem exported over NVMe/TCP.
@@ -81,6 +95,9 @@ func NewNVMeTarget(t testing.TB, cfg NVMeConfig) *NVMeTarget {
 	mustMkdir(t, n.dir)
 	t.Cleanup(n.remove)
 
+	if cfg.DHCHAP != nil && len(cfg.AllowedHosts) == 0 {
+		t.Fatalf("nvme target %s: DH-HMAC-CHAP needs AllowedHosts", cfg.NQN)
+	}
 	if len(cfg.AllowedHosts) == 0 {
 		mustWrite(t, filepath.Join(n.dir, "attr_allow_any_host"), "1")
 	} else {
@@ -91,6 +108,9 @@ func NewNVMeTarget(t testing.TB, cfg NVMeConfig) *NVMeTarget {
 				mustMkdir(t, hd)
 			}
 			mustSymlink(t, hd, filepath.Join(n.dir, "allowed_hosts", h))
+			if cfg.DHCHAP != nil {
+				n.SetDHCHAP(h, *cfg.DHCHAP)
+			}
 		}
 	}
 	mustWrite(t, filepath.Join(n.dir, "attr_serial"), cfg.Serial)
@@ -128,6 +148,39 @@ func (n *NVMeTarget) addNamespace(ns NVMeNamespace) {
 	n.mu.Lock()
 	n.ns[ns.ID] = &nvmeNS{NVMeNamespace: ns, b: b}
 	n.mu.Unlock()
+}
+
+// SetDHCHAP sets the DH-HMAC-CHAP keys, hash and group host must use.
+// Controllers connected already keep their session; the keys apply at
+// the next (re)connect or re-authentication. An empty Key or CtrlKey
+// writes an empty value, which a kernel that cannot clear a key refuses
+// (t.Fatal).
+func (n *NVMeTarget) SetDHCHAP(host string, a NVMeDHCHAP) {
+	t := n.t
+	t.Helper()
+	if a.Hash == "" {
+		a.Hash = "hmac(sha256)"
+	}
+	if a.DHGroup == "" {
+		a.DHGroup = "null"
+	}
+	hd := filepath.Join(nvmetRoot, "hosts", host)
+	mustWrite(t, filepath.Join(hd, "dhchap_hash"), a.Hash)
+	mustWrite(t, filepath.Join(hd, "dhchap_dhgroup"), a.DHGroup)
+	mustWrite(t, filepath.Join(hd, "dhchap_key"), a.Key)
+	if a.CtrlKey != "" || hostAttr(hd, "dhchap_ctrl_key") != "" {
+		mustWrite(t, filepath.Join(hd, "dhchap_ctrl_key"), a.CtrlKey)
+	}
+}
+
+// hostAttr reads an attribute of an nvmet host ("" when unset or
+// unreadable).
+func hostAttr(dir, name string) string {
+	b, err := os.ReadFile(filepath.Join(dir, name))
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
 }
 
 // NQN is the subsystem NQN.
@@ -330,6 +383,8 @@ func (n *NVMeTarget) remove() {
 	rmdir(t, n.dir)
 	for _, h := range n.cfg.AllowedHosts {
 		// Hosts may be shared with other subsystems: ignore EBUSY.
+		// Keys stay with a host that another subsystem still links;
+		// a removed host takes them along.
 		os.Remove(filepath.Join(nvmetRoot, "hosts", h))
 	}
 }
