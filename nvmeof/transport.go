@@ -433,7 +433,8 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 			err = errNoKernelAuth(r.ctrl)
 		}
 		if err != nil {
-			if derr := deleteController(t.opts.SysRoot, r.ctrl); derr != nil {
+			is := func(c *Controller) bool { return c.matches(g.vol.NQN, host.NQN, rp) }
+			if derr := deleteController(t.opts.SysRoot, r.ctrl, is); derr != nil {
 				err = errors.Join(err, derr)
 			}
 			r.err = err
