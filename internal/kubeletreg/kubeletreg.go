@@ -173,7 +173,7 @@ func (r *Registrar) Serve(ctx context.Context) error {
 		if refused {
 			// The answer to NotifyRegistrationStatus is on its way; then
 			// the socket goes, so the kubelet forgets this offer.
-			srv.GracefulStop()
+			stopGracefully(srv, gracePeriod)
 			r.removeSocket()
 			select {
 			case <-ctx.Done():
@@ -195,6 +195,26 @@ func (r *Registrar) Serve(ctx context.Context) error {
 				backoff = min(2*backoff, MaxBackoff)
 			}
 		}
+	}
+}
+
+// gracePeriod bounds the wait for RPCs in flight when the socket is
+// recreated.
+const gracePeriod = 5 * time.Second
+
+func stopGracefully(srv *grpc.Server, within time.Duration) {
+	done := make(chan struct{})
+	go func() {
+		srv.GracefulStop()
+		close(done)
+	}()
+	t := time.NewTimer(within)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		srv.Stop()
+		<-done
 	}
 }
 
