@@ -59,7 +59,7 @@ IMAGE_NAME ?= berth
 IMAGE_TAG  ?= $(VERSION)
 IMAGE      ?= bin/berth-image.tar
 image: build
-	./scripts/image.sh $(BIN) $(IMAGE_TAG) $(IMAGE) $(IMAGE_NAME)
+	GO=$(GO) ./scripts/image.sh $(BIN) $(IMAGE_TAG) $(IMAGE) $(IMAGE_NAME)
 
 # Builds the image a second time, from berth built again elsewhere, and
 # fails unless both archives are byte for byte the same; then crane (pinned,
@@ -72,7 +72,7 @@ image-check: image
 		mv $(TOOLS)/tmp/crane $(TOOLS)/crane-$(CRANE_VERSION); }
 	$(TOOLS)/crane-$(CRANE_VERSION) validate --tarball $(IMAGE)
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/image-check/berth .
-	./scripts/image.sh bin/image-check/berth $(IMAGE_TAG) bin/image-check/berth-image.tar $(IMAGE_NAME)
+	GO=$(GO) ./scripts/image.sh bin/image-check/berth $(IMAGE_TAG) bin/image-check/berth-image.tar $(IMAGE_NAME)
 	cmp $(IMAGE) bin/image-check/berth-image.tar
 	@echo "image-check: two builds gave the same archive ($$(sha256sum < $(IMAGE) | cut -c1-16))"
 

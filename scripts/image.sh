@@ -17,8 +17,12 @@
 #
 # Usage: scripts/image.sh BERTH_BINARY VERSION OUT [NAME]
 # Environment: BERTH_IMAGE_CACHE (cache directory), BERTH_IMAGE_APT_SOURCES
-# (apt sources file given to mmdebstrap; default: the host's own).
+# (apt sources file given to mmdebstrap; default: the host's own), GO (the go
+# command), SOURCE_DATE_EPOCH.
 set -euo pipefail
+
+# chroot, ldconfig and mmdebstrap live in the sbin directories.
+export PATH=$PATH:/usr/sbin:/sbin
 
 log() { printf 'image: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -144,7 +148,7 @@ fi
 epoch=${SOURCE_DATE_EPOCH:-$(git -C "$repo_root" log -1 --format=%ct 2>/dev/null || echo 0)}
 mkdir -p "$(dirname "$out")"
 cd "$repo_root"
-CGO_ENABLED=0 go run ./scripts/mkimage \
+CGO_ENABLED=0 "${GO:-go}" run ./scripts/mkimage \
 	-root "$root_dir/tree" \
 	-add "$bin:/usr/local/bin/berth:0755" \
 	-add "deploy/kubernetes/iscsiadm-host:/usr/local/bin/iscsiadm-host:0755" \
