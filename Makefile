@@ -9,7 +9,7 @@ COMMIT    ?= $(shell git rev-parse HEAD 2>/dev/null)
 LDFLAGS   := -s -w -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 PREFIX    ?= /usr/local
 
-.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test reliability vm-image bench demo install clean fuzz
+.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test reliability vm-image image image-check bench demo install clean fuzz
 
 all: build
 
@@ -61,6 +61,32 @@ sanity-test: build
 
 vm-image:
 	./test/vm/image/build.sh
+
+# berth's container image, built without a container daemon: a Debian root
+# with only the programs berth runs (cached in ~/.cache/berth-image), the
+# static berth and the deploy/kubernetes wrappers, written as one archive
+# that docker load, podman load and ctr images import read. Tagged with
+# berth's version; reproducible (SOURCE_DATE_EPOCH: HEAD's commit time).
+IMAGE_NAME ?= berth
+IMAGE_TAG  ?= $(VERSION)
+IMAGE      ?= bin/berth-image.tar
+image: build
+	GO=$(GO) ./scripts/image.sh $(BIN) $(IMAGE_TAG) $(IMAGE) $(IMAGE_NAME)
+
+# Builds the image a second time, from berth built again elsewhere, and
+# fails unless both archives are byte for byte the same; then crane (pinned,
+# installed once beside staticcheck) loads the archive as docker load would
+# and checks every layer against its digest and diff_id.
+CRANE_VERSION ?= v0.22.1
+image-check: image
+	@test -x $(TOOLS)/crane-$(CRANE_VERSION) || { \
+		GOBIN=$(TOOLS)/tmp $(GO) install github.com/google/go-containerregistry/cmd/crane@$(CRANE_VERSION) && \
+		mv $(TOOLS)/tmp/crane $(TOOLS)/crane-$(CRANE_VERSION); }
+	$(TOOLS)/crane-$(CRANE_VERSION) validate --tarball $(IMAGE)
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/image-check/berth .
+	GO=$(GO) ./scripts/image.sh bin/image-check/berth $(IMAGE_TAG) bin/image-check/berth-image.tar $(IMAGE_NAME)
+	cmp $(IMAGE) bin/image-check/berth-image.tar
+	@echo "image-check: two builds gave the same archive ($$(sha256sum < $(IMAGE) | cut -c1-16))"
 
 # Tests that boot QEMU guests with real NVMe/TCP and iSCSI targets. One
 # package at a time: every guest has two emulated CPUs, and guests of

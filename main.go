@@ -22,6 +22,7 @@ import (
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/doctor"
 	"github.com/berth-csi/berth/internal/cliflags"
+	"github.com/berth-csi/berth/internal/kubeletreg"
 	"github.com/berth-csi/berth/iscsi"
 	"github.com/berth-csi/berth/metrics"
 	"github.com/berth-csi/berth/nvmeof"
@@ -126,6 +127,8 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "probe-checks", EnvVars: []string{"BERTH_PROBE_CHECKS"}, Usage: "transports whose node checks (berth doctor) Probe runs: comma-separated iscsi, nvmeof, file (empty: none)"},
 			cliflags.IscsiadmFlag(),
 			cliflags.MultipathdFlag(),
+			&cli.BoolFlag{Name: "kubelet-registration", EnvVars: []string{"BERTH_KUBELET_REGISTRATION"}, Usage: "register with the kubelet (plugin registration socket <kubelet-dir>/plugins_registry/<driver-name>-reg.sock), as node-driver-registrar would: for installs without that sidecar"},
+			cliflags.KubeletDirFlag("kubelet root directory (its --root-dir), under which --kubelet-registration registers"),
 			&cli.StringFlag{Name: "iscsi-node-dir", EnvVars: []string{"BERTH_ISCSI_NODE_DIR"}, Usage: "open-iscsi's node record directory, where its iscsiadm keeps records (empty: /etc/iscsi/nodes or else /var/lib/iscsi/nodes, the first that exists)"},
 			&cli.IntFlag{Name: "iscsi-replacement-timeout", Value: -1, EnvVars: []string{"BERTH_ISCSI_REPLACEMENT_TIMEOUT"}, Usage: "node.session.timeo.replacement_timeout for new iSCSI sessions, seconds (-1: open-iscsi's default)"},
 			&cli.IntFlag{Name: "iscsi-login-timeout", Value: -1, EnvVars: []string{"BERTH_ISCSI_LOGIN_TIMEOUT"}, Usage: "node.conn[0].timeo.login_timeout for new iSCSI sessions, seconds (-1: open-iscsi's default)"},
@@ -311,6 +314,25 @@ func serve(c *cli.Context) error {
 		a.Close()
 		return err
 	}
+	// The kubelet dials the CSI socket once it has read the registration
+	// socket, so that one is created last.
+	var reg *kubeletreg.Registrar
+	if c.Bool("kubelet-registration") {
+		reg, err = kubeletreg.Listen(kubeletreg.Config{
+			KubeletDir: c.String(cliflags.KubeletDir),
+			DriverName: cfg.DriverName,
+			Endpoint:   socket,
+			Logger:     log,
+		})
+		if err != nil {
+			lis.Close()
+			if metricsLis != nil {
+				metricsLis.Close()
+			}
+			a.Close()
+			return err
+		}
+	}
 	attrs := []any{slog.String("csi_endpoint", socket), slog.Bool("socket_activated", activated)}
 	if metricsLis != nil {
 		attrs = append(attrs, slog.String("metrics_address", metricsLis.Addr().String()))
@@ -328,6 +350,15 @@ func serve(c *cli.Context) error {
 			defer wg.Done()
 			if err := m.Serve(bgCtx, metricsLis); err != nil {
 				log.Error("metrics server stopped", slog.String("error", err.Error()))
+			}
+		}()
+	}
+	if reg != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := reg.Serve(bgCtx); err != nil {
+				log.Error("kubelet registration stopped", slog.String("error", err.Error()))
 			}
 		}()
 	}

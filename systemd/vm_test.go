@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"os/exec"
 	"strconv"
@@ -17,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
 	"github.com/berth-csi/berth/test/vm"
 )
@@ -224,11 +226,29 @@ func TestGuestSystemdBerth(t *testing.T) {
 		t.Fatalf("no structured \"serving\" record from pid %s in the journal:\n%s", pid, out)
 	}
 
+	// The unit registers berth with the kubelet: the kubelet's plugin
+	// watcher would find this socket and be sent to berth's CSI socket.
+	reg := "/var/lib/kubelet/plugins_registry/berth.csi.io-reg.sock"
+	rconn, err := grpc.NewClient("unix://"+reg, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rconn.Close()
+	pi, err := registerapi.NewRegistrationClient(rconn).GetInfo(ctx, &registerapi.InfoRequest{}, grpc.WaitForReady(true))
+	if err != nil || pi.Type != registerapi.CSIPlugin || pi.Name != "berth.csi.io" || pi.Endpoint != sock {
+		t.Fatalf("GetInfo on %s: %v, %v; want the CSI plugin berth.csi.io at %s", reg, pi, err, sock)
+	}
+
 	systemctl(t, "stop", "berth.service")
 	if p := unitProps(t, "berth.service"); p["ActiveState"] != "inactive" || p["Result"] != "success" {
 		t.Fatalf("after stop: %v", p)
 	}
 	if fi, err := os.Lstat(sock); err != nil || fi.Mode().Type() != os.ModeSocket {
 		t.Fatalf("socket %s after berth stopped: %v %v", sock, fi, err)
+	}
+	// The registration socket goes with berth (the kubelet unregisters
+	// the driver); the CSI socket stays, held by systemd.
+	if _, err := os.Lstat(reg); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("registration socket %s after berth stopped: %v", reg, err)
 	}
 }

@@ -11,7 +11,12 @@ import "github.com/urfave/cli/v2"
 const (
 	Iscsiadm   = "iscsiadm"
 	Multipathd = "multipathd"
+	KubeletDir = "kubelet-dir"
 )
+
+// DefaultKubeletDir is the kubelet's root directory (its --root-dir)
+// unless a distribution moves it (k0s, microk8s and others do).
+const DefaultKubeletDir = "/var/lib/kubelet"
 
 // IscsiadmFlag is the iscsiadm program berth runs.
 func IscsiadmFlag() *cli.StringFlag {
@@ -23,4 +28,10 @@ func IscsiadmFlag() *cli.StringFlag {
 func MultipathdFlag() *cli.StringFlag {
 	return &cli.StringFlag{Name: Multipathd, Value: "multipathd", EnvVars: []string{"BERTH_MULTIPATHD"},
 		Usage: "multipathd executable, or a wrapper that runs the host's multipathd (containers)"}
+}
+
+// KubeletDirFlag is the kubelet's root directory: berth serve registers
+// under its plugins_registry, berth doctor checks its mount propagation.
+func KubeletDirFlag(usage string) *cli.StringFlag {
+	return &cli.StringFlag{Name: KubeletDir, Value: DefaultKubeletDir, EnvVars: []string{"BERTH_KUBELET_DIR"}, Usage: usage}
 }

@@ -54,12 +54,31 @@ func decode(t *testing.T, file string) []object {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return decodeBytes(t, filepath.Base(file), data)
+}
+
+// decodeRendered strictly decodes rendered objects (Kustomize, Helm).
+func decodeRendered(t *testing.T, what string, objs []Object) []object {
+	t.Helper()
+	var out []object
+	for _, o := range objs {
+		data, err := yaml.Marshal(o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, decodeBytes(t, what+" "+ObjectKey(o), data)...)
+	}
+	return out
+}
+
+func decodeBytes(t *testing.T, name string, data []byte) []object {
+	t.Helper()
 	var out []object
 	for i, doc := range docSep.Split(string(data), -1) {
 		if blank([]byte(doc)) {
 			continue
 		}
-		where := fmt.Sprintf("%s document %d", filepath.Base(file), i+1)
+		where := fmt.Sprintf("%s document %d", name, i+1)
 		var tm metav1.TypeMeta
 		if err := yaml.Unmarshal([]byte(doc), &tm); err != nil {
 			t.Fatalf("%s: %v", where, err)
@@ -72,6 +91,8 @@ func decode(t *testing.T, file string) []object {
 			obj = &appsv1.DaemonSet{}
 		case "v1 ServiceAccount":
 			obj = &corev1.ServiceAccount{}
+		case "v1 ConfigMap":
+			obj = &corev1.ConfigMap{}
 		case "v1 Secret":
 			obj = &corev1.Secret{}
 		case "v1 PersistentVolume":
@@ -160,24 +181,9 @@ func only[T any](t *testing.T, objs []object) []*T {
 
 // kustomizeResources returns the files kustomization.yaml deploys.
 func kustomizeResources(t *testing.T) []string {
-	data, err := os.ReadFile(filepath.Join(manifestDir, "kustomization.yaml"))
+	files, err := KustomizeResources(manifestDir)
 	if err != nil {
 		t.Fatal(err)
-	}
-	var k struct {
-		APIVersion string   `json:"apiVersion"`
-		Kind       string   `json:"kind"`
-		Resources  []string `json:"resources"`
-	}
-	if err := yaml.UnmarshalStrict(data, &k); err != nil {
-		t.Fatalf("kustomization.yaml: %v", err)
-	}
-	if k.Kind != "Kustomization" || len(k.Resources) == 0 {
-		t.Fatalf("kustomization.yaml: kind %q, %d resources", k.Kind, len(k.Resources))
-	}
-	var files []string
-	for _, r := range k.Resources {
-		files = append(files, filepath.Join(manifestDir, r))
 	}
 	return files
 }
@@ -191,7 +197,7 @@ func TestDeployment(t *testing.T) {
 			t.Errorf("%s is not listed in kustomization.yaml", f)
 		}
 	}
-	objs := decodeAll(t, files)
+	objs := deployedObjects(t)
 
 	drivers := only[storagev1.CSIDriver](t, objs)
 	if len(drivers) != 1 {
@@ -295,14 +301,7 @@ func TestDeployment(t *testing.T) {
 			t.Errorf("berth must mount host %s at %s (readOnly %v); got host %q, %+v", path, path, ro, hp, m)
 		}
 	}
-	flag := func(c corev1.Container, name string) (string, bool) {
-		for _, a := range c.Args {
-			if v, ok := strings.CutPrefix(a, name+"="); ok {
-				return v, true
-			}
-		}
-		return "", false
-	}
+	flag := argValue
 	if len(berth.Args) == 0 || berth.Args[0] != "serve" {
 		t.Errorf("berth args %v: want the serve command first", berth.Args)
 	}
@@ -319,26 +318,28 @@ func TestDeployment(t *testing.T) {
 		t.Error("NODE_NAME must come from spec.nodeName")
 	}
 
-	reg, ok := containers["node-driver-registrar"]
+	// berth registers itself: its registration socket is under the
+	// kubelet directory it mounts from the host, at the kubelet's path.
+	if _, ok := flag(berth, "--kubelet-registration"); !ok {
+		t.Error("berth runs without --kubelet-registration, and no registrar runs beside it")
+	}
+	kd, ok := flag(berth, "--kubelet-dir")
 	if !ok {
-		t.Fatal("no node-driver-registrar container")
+		for _, e := range berth.Env {
+			if e.Name == "BERTH_KUBELET_DIR" {
+				kd, ok = e.Value, true
+			}
+		}
 	}
-	if p, _ := flag(reg, "--kubelet-registration-path"); p != registration {
-		t.Errorf("registrar --kubelet-registration-path %q, want %s", p, registration)
-	}
-	addr, _ := flag(reg, "--csi-address")
-	if _, hp := hostPathOf(reg, filepath.Dir(addr)); hp != filepath.Dir(registration) {
-		t.Errorf("registrar --csi-address %s: its directory must be host %s, is %q", addr, filepath.Dir(registration), hp)
-	}
-	if _, hp := hostPathOf(reg, "/registration"); hp != kubeletDir+"/plugins_registry" {
-		t.Errorf("registrar /registration is host %q, want %s/plugins_registry", hp, kubeletDir)
+	if !ok || kd != kubeletDir {
+		t.Errorf("berth's --kubelet-dir (or BERTH_KUBELET_DIR) %q, want %s, which it mounts at its own path", kd, kubeletDir)
 	}
 
 	lp, ok := containers["liveness-probe"]
 	if !ok {
 		t.Fatal("no liveness-probe container")
 	}
-	addr, _ = flag(lp, "--csi-address")
+	addr, _ := flag(lp, "--csi-address")
 	if _, hp := hostPathOf(lp, filepath.Dir(addr)); hp != filepath.Dir(registration) {
 		t.Errorf("livenessprobe --csi-address %s does not reach berth's socket (host %q)", addr, hp)
 	}
