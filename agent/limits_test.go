@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -339,4 +340,29 @@ func TestPublishExpandOverLimitsRefused(t *testing.T) {
 	wantCode(t, "expand with too many secrets", err, codes.InvalidArgument)
 	_, err = n.NodeExpandVolume(context.Background(), &csi.NodeExpandVolumeRequest{VolumeId: "vol", VolumePath: "/s", VolumeCapability: mountCap("ext4", snw, flags...)})
 	wantCode(t, "expand with too many mount flags", err, codes.InvalidArgument)
+}
+
+// An oversized request is not formatted whole into the debug log: the
+// line names its size, and the refusal stays as cheap as the limits
+// make it.
+func TestDebugLogSkipsOversizedRequest(t *testing.T) {
+	var buf strings.Builder
+	log := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	req := &csi.NodeStageVolumeRequest{VolumeId: "v", VolumeContext: bigMap("k", 25000, 60)}
+	handler := func(context.Context, any) (any, error) { return nil, status.Error(codes.InvalidArgument, "over the limits") }
+	_, _ = logInterceptor(log)(context.Background(), req, &grpc.UnaryServerInfo{FullMethod: "/csi.v1.Node/NodeStageVolume"}, handler)
+	out := buf.String()
+	if strings.Contains(out, "k-24999") || len(out) > 4096 {
+		t.Fatalf("the oversized request was logged whole (%d bytes of log)", len(out))
+	}
+	if !strings.Contains(out, "request_bytes=") {
+		t.Fatalf("the debug line does not name the request's size:\n%s", out)
+	}
+	// A request of a normal size is still logged whole.
+	buf.Reset()
+	req = &csi.NodeStageVolumeRequest{VolumeId: "v", VolumeContext: map[string]string{"file": "vol.img"}}
+	_, _ = logInterceptor(log)(context.Background(), req, &grpc.UnaryServerInfo{FullMethod: "/csi.v1.Node/NodeStageVolume"}, handler)
+	if !strings.Contains(buf.String(), "vol.img") {
+		t.Fatalf("a small request is not logged whole:\n%s", buf.String())
+	}
 }

@@ -133,6 +133,11 @@ func logFrom(ctx context.Context, fallback *slog.Logger) *slog.Logger {
 	return fallback
 }
 
+// maxLoggedRequest is the largest request logged whole at debug level:
+// well above any valid request's volume and publish contexts, well below
+// the gRPC message limit.
+const maxLoggedRequest = 32 << 10
+
 // logInterceptor logs every RPC once it finished: method, the request's
 // volume and path keys, code, duration. The whole request, secrets
 // stripped, is logged at debug level when it arrives.
@@ -143,7 +148,13 @@ func logInterceptor(log *slog.Logger) grpc.UnaryServerInterceptor {
 		l = l.With(attrs...)
 		if l.Enabled(ctx, slog.LevelDebug) {
 			if m, ok := req.(proto.Message); ok {
-				l.DebugContext(ctx, "request", slog.String("request", protojson.Format(stripSecrets(m))))
+				if n := proto.Size(m); n > maxLoggedRequest {
+					// The handler refuses what is over the request limits;
+					// the log line must not cost more than the refusal.
+					l.DebugContext(ctx, "request", slog.Int("request_bytes", n), slog.String("request", "not logged: over the logged size"))
+				} else {
+					l.DebugContext(ctx, "request", slog.String("request", protojson.Format(stripSecrets(m))))
+				}
 			}
 		}
 		start := time.Now()
