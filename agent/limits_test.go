@@ -349,7 +349,9 @@ func TestDebugLogSkipsOversizedRequest(t *testing.T) {
 	var buf strings.Builder
 	log := slog.New(slog.NewTextHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	req := &csi.NodeStageVolumeRequest{VolumeId: "v", VolumeContext: bigMap("k", 25000, 60)}
-	handler := func(context.Context, any) (any, error) { return nil, status.Error(codes.InvalidArgument, "over the limits") }
+	handler := func(context.Context, any) (any, error) {
+		return nil, status.Error(codes.InvalidArgument, "over the limits")
+	}
 	_, _ = logInterceptor(log)(context.Background(), req, &grpc.UnaryServerInfo{FullMethod: "/csi.v1.Node/NodeStageVolume"}, handler)
 	out := buf.String()
 	if strings.Contains(out, "k-24999") || len(out) > 4096 {
