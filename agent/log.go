@@ -15,6 +15,7 @@ import (
 	"google.golang.org/protobuf/types/descriptorpb"
 
 	"github.com/berth-csi/berth/internal/failpoint"
+	"github.com/berth-csi/berth/internal/logctx"
 )
 
 const strippedValue = "***stripped***"
@@ -118,19 +119,15 @@ func requestAttrs(req any) []any {
 	return attrs
 }
 
-type loggerKey struct{}
-
-// withLogger stores a request-scoped logger in ctx.
+// withLogger stores a request-scoped logger in ctx, where the transports
+// find it too.
 func withLogger(ctx context.Context, l *slog.Logger) context.Context {
-	return context.WithValue(ctx, loggerKey{}, l)
+	return logctx.With(ctx, l)
 }
 
 // logFrom returns the request-scoped logger, or fallback.
 func logFrom(ctx context.Context, fallback *slog.Logger) *slog.Logger {
-	if l, ok := ctx.Value(loggerKey{}).(*slog.Logger); ok {
-		return l
-	}
-	return fallback
+	return logctx.From(ctx, fallback)
 }
 
 // maxLoggedRequest is the largest request logged whole at debug level:

@@ -5,12 +5,14 @@ import (
 	"context"
 	"crypto/rand"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -36,6 +38,24 @@ func startAgent(t testing.TB, logger *slog.Logger) csi.NodeClient {
 	return csitest.StartAgent(t, logger, l, agent.TransportFunc(tr.Name(), tr.Parse))
 }
 
+// lockedBuffer is a bytes.Buffer for concurrent writers.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
 func iscsiSessions(t testing.TB, iqn string) int {
 	t.Helper()
 	ents, _ := os.ReadDir("/sys/class/iscsi_session")
@@ -55,7 +75,8 @@ func iscsiSessions(t testing.TB, iqn string) int {
 // sees for wrong credentials and a bad volume_context.
 func TestGuestISCSIAgentLifecycle(t *testing.T) {
 	vm.RequireGuest(t)
-	logger := slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelInfo}))
+	var logs lockedBuffer
+	logger := slog.New(slog.NewTextHandler(io.MultiWriter(csitest.LogWriter(t), &logs), &slog.HandlerOptions{Level: slog.LevelDebug}))
 	node := startAgent(t, logger)
 	lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
 	wwid := lt.AddLUN(0, 64<<20)
@@ -113,6 +134,21 @@ func TestGuestISCSIAgentLifecycle(t *testing.T) {
 	stage()
 	if n := iscsiSessions(t, lt.IQN); n != 1 {
 		t.Fatalf("%d sessions after stage", n)
+	}
+	// The transport logs through the request's logger: its lines carry
+	// the volume ID, so one filter shows the volume's whole life.
+	transportLines := 0
+	for _, line := range strings.Split(logs.String(), "\n") {
+		if !strings.Contains(line, `msg="iSCSI login"`) && !strings.Contains(line, `msg="iSCSI path attached"`) {
+			continue
+		}
+		transportLines++
+		if !strings.Contains(line, "volume_id="+id) {
+			t.Errorf("transport line without volume_id=%s: %s", id, line)
+		}
+	}
+	if transportLines == 0 {
+		t.Errorf("no iSCSI login or path line logged during stage:\n%s", logs.String())
 	}
 	publish()
 	payload := make([]byte, 1<<20)

@@ -16,6 +16,7 @@ import (
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/failpoint"
+	"github.com/berth-csi/berth/internal/logctx"
 )
 
 // Preflight checks the secrets the volume needs, the iscsi_tcp module
@@ -58,7 +59,7 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 		if retErr != nil {
 			for _, pd := range attached {
 				if err := t.detachPath(context.WithoutCancel(ctx), v, pd.path); err != nil {
-					t.log.Warn("undo iSCSI login after failed attach", "volume", v, "portal", pd.path.String(), "error", err)
+					logctx.From(ctx, t.log).Warn("undo iSCSI login after failed attach", "target", v, "portal", pd.path.String(), "error", err)
 				}
 			}
 		}
@@ -95,9 +96,9 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 	}
 	for _, e := range errs {
 		if multipath {
-			t.log.Warn("iSCSI path not attached; the volume runs degraded", "volume", v, "error", e)
+			logctx.From(ctx, t.log).Warn("iSCSI path not attached; the volume runs degraded", "target", v, "error", e)
 		} else {
-			t.log.Info("iSCSI portal did not answer; the next one is used", "volume", v, "error", e)
+			logctx.From(ctx, t.log).Info("iSCSI portal did not answer; the next one is used", "target", v, "error", e)
 		}
 	}
 	wwid := attached[0].dev.ID.WWID
@@ -235,12 +236,12 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 			// Take out the disk this attach scanned in, so that the
 			// session can go too.
 			if err := t.removeDisk(context.WithoutCancel(ctx), sess, hctl); err != nil {
-				t.log.Warn("remove disk after failed attach", "volume", v, "hctl", hctl.String(), "error", err)
+				logctx.From(ctx, t.log).Warn("remove disk after failed attach", "target", v, "hctl", hctl.String(), "error", err)
 			}
 		}
 		if loggedIn {
 			if err := t.logoutIfUnused(context.WithoutCancel(ctx), v, p, sess); err != nil {
-				t.log.Warn("log out after failed attach", "volume", v, "portal", p.String(), "error", err)
+				logctx.From(ctx, t.log).Warn("log out after failed attach", "target", v, "portal", p.String(), "error", err)
 			}
 		}
 	}()
@@ -276,7 +277,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 		// behind the LUN number since. The rescan reads it again (and
 		// the capacity), so that the WWID checked is the current one.
 		if err := t.sys.Rescan(hctl); err != nil {
-			t.log.Debug("rescan the existing disk of the LUN", "hctl", hctl.String(), "error", err)
+			logctx.From(ctx, t.log).Debug("rescan the existing disk of the LUN", "hctl", hctl.String(), "error", err)
 		}
 	}
 	scannedAt := time.Now()
@@ -284,7 +285,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 	if err != nil {
 		return nil, fmt.Errorf("wait for the disk of %s LUN %d (%s; sysfs shows %s): %w", v.IQN, v.LUN, hctl, t.describeLUN(hctl), err)
 	}
-	t.log.Debug("iSCSI path attached", "portal", p.String(), "session", sess.ID, "hctl", hctl.String(), "device", dev.Path,
+	logctx.From(ctx, t.log).Debug("iSCSI path attached", "portal", p.String(), "session", sess.ID, "hctl", hctl.String(), "device", dev.Path,
 		"logged_in", loggedIn, "scanned", scanned, "login_scan", scannedAt.Sub(start), "device_wait", time.Since(scannedAt))
 	if dev.ID.WWID == "" {
 		if w, err := readAttr(t.sys.path("class", "scsi_device", hctl.String(), "device", "wwid")); err == nil {
@@ -404,7 +405,7 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 		}
 	}
 	defer func() {
-		t.log.Debug("iSCSI login", "portal", p.String(), "duration", time.Since(start), "error", retErr)
+		logctx.From(ctx, t.log).Debug("iSCSI login", "portal", p.String(), "duration", time.Since(start), "error", retErr)
 	}()
 	defer func() {
 		if retErr != nil {
@@ -413,11 +414,11 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 			// record iscsiadm knows of.
 			if native {
 				if err := t.db.remove(context.WithoutCancel(ctx), file); err != nil {
-					t.log.Warn("delete node record after failed login", "volume", v, "portal", p.String(), "error", err)
+					logctx.From(ctx, t.log).Warn("delete node record after failed login", "target", v, "portal", p.String(), "error", err)
 				}
 			}
 			if _, err := t.run.run(context.WithoutCancel(ctx), t.opts.Iscsiadm, argsNodeDelete(v.IQN, p.IP, p.Port, v.Iface)...); err != nil && exitCode(err) != ISCSI_ERR_NO_OBJS_FOUND {
-				t.log.Warn("delete node record after failed login", "volume", v, "portal", p.String(), "error", err)
+				logctx.From(ctx, t.log).Warn("delete node record after failed login", "target", v, "portal", p.String(), "error", err)
 			}
 		}
 	}()
@@ -554,7 +555,7 @@ func (tg *Target) StopQueueing(ctx context.Context) (bool, error) {
 	if err := t.failQueueing(ctx, dm); err != nil {
 		return false, fmt.Errorf("iSCSI %s LUN %d: no path works: %w", v.IQN, v.LUN, err)
 	}
-	t.log.Warn("iSCSI: no path works; the multipath map fails I/O instead of queueing it", "target", v.IQN, "lun", v.LUN, "map", mapName(dm))
+	logctx.From(ctx, t.log).Warn("iSCSI: no path works; the multipath map fails I/O instead of queueing it", "target", v.IQN, "lun", v.LUN, "map", mapName(dm))
 	return true, nil
 }
 
@@ -657,7 +658,7 @@ func (t *Transport) removeDisk(ctx context.Context, sess *Session, h HCTL) error
 	if t.sys.SCSIDeviceState(h) == "running" {
 		if cur, err := t.sys.Session(sess.ID); err == nil && cur.State != "LOGGED_IN" {
 			if err := t.sys.Offline(h); err != nil {
-				t.log.Debug("set SCSI device offline before removal", "hctl", h.String(), "error", err)
+				logctx.From(ctx, t.log).Debug("set SCSI device offline before removal", "hctl", h.String(), "error", err)
 			}
 		}
 	}
@@ -745,7 +746,7 @@ func (t *Transport) logoutIfUnused(ctx context.Context, v *Volume, p path, sess 
 		return err
 	}
 	if len(luns) > 0 {
-		t.log.Debug("iSCSI session kept: other LUNs use it", "session", sess.ID, "target", v.IQN, "luns", len(luns))
+		logctx.From(ctx, t.log).Debug("iSCSI session kept: other LUNs use it", "session", sess.ID, "target", v.IQN, "luns", len(luns))
 		return nil
 	}
 	return t.logout(ctx, v, p, sess)

@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/logctx"
 )
 
 // discovered is one line of SendTargets output: "ip:port,tpgt target".
@@ -58,7 +59,7 @@ func (t *Transport) discover(ctx context.Context, v *Volume, paths []path) (retE
 		// The discovery record may hold credentials: it does not outlive
 		// the discovery.
 		if _, err := t.run.run(context.WithoutCancel(ctx), t.opts.Iscsiadm, argsDiscoveryDelete(p.IP, p.Port)...); err != nil && exitCode(err) != ISCSI_ERR_NO_OBJS_FOUND {
-			t.log.Warn("delete discovery record", "portal", p.String(), "error", err)
+			logctx.From(ctx, t.log).Warn("delete discovery record", "portal", p.String(), "error", err)
 		}
 	}()
 	if c := v.DiscoveryCHAP; c != nil {

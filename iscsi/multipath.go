@@ -9,6 +9,7 @@ import (
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/logctx"
 )
 
 // mapWait bounds the wait for multipathd to build (or grow) a map over the
@@ -69,7 +70,7 @@ func (t *Transport) failQueueing(ctx context.Context, dm *devices.Device) error 
 	qctx, cancel := context.WithTimeout(ctx, multipathdWait)
 	defer cancel()
 	if _, err := t.run.run(qctx, t.opts.Multipathd, "disablequeueing", "map", mapName(dm)); err != nil {
-		t.log.Debug("multipathd disablequeueing", "map", mapName(dm), "error", err)
+		logctx.From(ctx, t.log).Debug("multipathd disablequeueing", "map", mapName(dm), "error", err)
 	}
 	return nil
 }

@@ -17,6 +17,7 @@ import (
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/logctx"
 	"github.com/berth-csi/berth/internal/failpoint"
 	"github.com/berth-csi/berth/internal/kmutex"
 )
@@ -287,14 +288,14 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 		if !locked {
 			u, err := t.locks.lock(cctx, g.vol.NQN)
 			if err != nil {
-				t.log.Warn("nvmeof: undo connect", "target", g.Key(), "error", err)
+				logctx.From(ctx, t.log).Warn("nvmeof: undo connect", "target", g.Key(), "error", err)
 				return
 			}
 			defer u()
 		}
 		keep, err := g.othersNeed(cctx)
 		if err != nil {
-			t.log.Warn("nvmeof: undo connect", "target", g.Key(), "error", err)
+			logctx.From(ctx, t.log).Warn("nvmeof: undo connect", "target", g.Key(), "error", err)
 			return
 		}
 		for _, r := range created {
@@ -303,7 +304,7 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 			}
 			is := func(c *Controller) bool { return c.matches(g.vol.NQN, host.NQN, r.rpath) }
 			if err := deleteController(t.opts.SysRoot, r.ctrl, is); err != nil {
-				t.log.Warn("nvmeof: undo connect", "controller", r.ctrl, "error", err)
+				logctx.From(ctx, t.log).Warn("nvmeof: undo connect", "controller", r.ctrl, "error", err)
 			}
 		}
 	}()
@@ -311,7 +312,7 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 		return nil, fmt.Errorf("attach %s: no path connected: %w", g.Key(), errors.Join(errs...))
 	}
 	for _, e := range errs {
-		t.log.Warn("nvmeof: path not connected", "target", g.Key(), "error", e)
+		logctx.From(ctx, t.log).Warn("nvmeof: path not connected", "target", g.Key(), "error", e)
 	}
 
 	unlock()
@@ -373,7 +374,7 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 			r.err = err
 			return r
 		}
-		t.log.Debug("nvmeof: reusing controller", "target", g.Key(), "path", p.String(), "controller", c)
+		logctx.From(ctx, t.log).Debug("nvmeof: reusing controller", "target", g.Key(), "path", p.String(), "controller", c)
 		r.ctrl = c
 		return r
 	}
@@ -443,7 +444,7 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 	}
 	r.created = true
 	failpoint.Hit("nvmeof.connected")
-	t.log.Info("nvmeof: connected", "target", g.Key(), "path", p.String(), "controller", r.ctrl)
+	logctx.From(ctx, t.log).Info("nvmeof: connected", "target", g.Key(), "path", p.String(), "controller", r.ctrl)
 	return r
 }
 
@@ -477,7 +478,7 @@ func (g *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error)
 			continue
 		}
 		if openedExclusively(filepath.Join(t.opts.DevRoot, h.Name)) {
-			t.log.Debug("nvmeof: subsystem in use", "target", g.Key(), "namespace", h.Name)
+			logctx.From(ctx, t.log).Debug("nvmeof: subsystem in use", "target", g.Key(), "namespace", h.Name)
 			return func(string) bool { return true }, nil
 		}
 	}
@@ -592,7 +593,7 @@ func (g *Target) deleteControllers(ctx context.Context, keep func(ctrl string) b
 				continue
 			}
 			if keep(c.Name) {
-				t.log.Debug("nvmeof: keeping controller for other volumes", "target", g.Key(), "controller", c.Name)
+				logctx.From(ctx, t.log).Debug("nvmeof: keeping controller for other volumes", "target", g.Key(), "controller", c.Name)
 				continue
 			}
 			is := func(cur *Controller) bool { return cur.same(c) }
@@ -600,7 +601,7 @@ func (g *Target) deleteControllers(ctx context.Context, keep func(ctrl string) b
 				errs = append(errs, err)
 				continue
 			}
-			t.log.Info("nvmeof: disconnected", "target", g.Key(), "path", p.String(), "controller", c.Name)
+			logctx.From(ctx, t.log).Info("nvmeof: disconnected", "target", g.Key(), "path", p.String(), "controller", c.Name)
 			failpoint.Hit("nvmeof.disconnected")
 		}
 	}
@@ -645,7 +646,7 @@ func (g *Target) StopQueueing(ctx context.Context) (bool, error) {
 	if err != nil {
 		return false, fmt.Errorf("%s: %w", g.Key(), err)
 	}
-	t.log.Warn("nvmeof: no controller is live; deleting the volume's controllers so that its namespace fails I/O instead of queueing it",
+	logctx.From(ctx, t.log).Warn("nvmeof: no controller is live; deleting the volume's controllers so that its namespace fails I/O instead of queueing it",
 		"target", g.Key(), "namespace", h.Name, "controllers", strings.Join(states, ", "))
 	if err := g.deleteControllers(ctx, keep); err != nil {
 		return false, fmt.Errorf("%s: %w", g.Key(), err)
@@ -714,7 +715,7 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 		if size, err := g.reportedSize(live, h); err == nil {
 			minBytes, reported = size, true
 		} else {
-			t.log.Debug("nvmeof: expand: no controller reported the namespace's size; waiting for a change instead", "target", g.Key(), "error", err)
+			logctx.From(ctx, t.log).Debug("nvmeof: expand: no controller reported the namespace's size; waiting for a change instead", "target", g.Key(), "error", err)
 		}
 	}
 	sizeOf := func() (int64, error) { return readSize(filepath.Join(t.opts.SysRoot, "block", h.Name)) }
@@ -732,7 +733,7 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 	m.setNot(size)
 	for _, c := range live {
 		if err := rescanController(t.opts.SysRoot, c); err != nil {
-			t.log.Debug("nvmeof: rescan", "controller", c, "error", err)
+			logctx.From(ctx, t.log).Debug("nvmeof: rescan", "controller", c, "error", err)
 		}
 	}
 	start := time.Now()
@@ -760,7 +761,7 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 		if err != nil {
 			return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
 		}
-		t.log.Warn("nvmeof: expand: the controller reports a size the kernel has not taken after a rescan", "target", g.Key(),
+		logctx.From(ctx, t.log).Warn("nvmeof: expand: the controller reports a size the kernel has not taken after a rescan", "target", g.Key(),
 			"device", h.Name, "reported_bytes", minBytes, "device_bytes", cur, "waited", time.Since(start).Round(time.Millisecond))
 		return cur, nil
 	}
