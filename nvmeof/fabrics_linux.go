@@ -149,11 +149,6 @@ func deleteController(sysRoot, name string, is func(*Controller) bool) error {
 	return nil
 }
 
-// gone reports whether err says a sysfs object was removed.
-func gone(err error) bool {
-	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENODEV)
-}
-
 // rescanController asks a controller to identify its namespaces again,
 // which picks up size changes the target did not announce by AEN.
 func rescanController(sysRoot, name string) error {

@@ -54,7 +54,7 @@ func readHeads(sysRoot, nqn string) ([]Head, error) {
 			continue
 		}
 		h, err := readHead(filepath.Join(dir, e.Name()))
-		if errors.Is(err, fs.ErrNotExist) {
+		if gone(err) {
 			continue // removed while listing
 		}
 		if err != nil {

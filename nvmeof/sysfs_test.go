@@ -330,3 +330,39 @@ func TestReadControllersSkipsControllerTornDown(t *testing.T) {
 		t.Fatalf("controllers %v, want %v", names, want)
 	}
 }
+
+// TestReadHeadsSkipsNamespacesGoing: another subsystem's namespace that
+// is torn down while the heads are listed answers ENODEV from its
+// attributes; the listing leaves it out instead of failing the volume's
+// RPC.
+func TestReadHeadsSkipsNamespacesGoing(t *testing.T) {
+	root := sampleSys(t)
+	for name, v := range map[string]string{
+		"class/nvme-subsystem/nvme-subsys7/subsysnqn": "nqn.2026-01.io.berth:going\n",
+		"block/nvme7n1/nsid":                          "1\n",
+		"block/nvme7n1/size":                          "2048\n",
+	} {
+		if err := os.MkdirAll(filepath.Dir(filepath.Join(root, name)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		writeID(t, filepath.Dir(filepath.Join(root, name)), filepath.Base(name), v)
+	}
+	if err := os.Symlink("../../class/nvme-subsystem/nvme-subsys7", filepath.Join(root, "block/nvme7n1/device")); err != nil {
+		t.Fatal(err)
+	}
+	orig := readFile
+	t.Cleanup(func() { readFile = orig })
+	readFile = func(p string) ([]byte, error) {
+		if strings.Contains(p, "/nvme7n1/") {
+			return nil, &fs.PathError{Op: "read", Path: p, Err: syscall.ENODEV}
+		}
+		return orig(p)
+	}
+	hs, err := readHeads(root, subA)
+	if err != nil {
+		t.Fatalf("readHeads with another subsystem's namespace going: %v", err)
+	}
+	if len(hs) == 0 {
+		t.Fatal("readHeads lost the subsystem's own namespaces")
+	}
+}
