@@ -17,9 +17,9 @@ import (
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
-	"github.com/berth-csi/berth/internal/logctx"
 	"github.com/berth-csi/berth/internal/failpoint"
 	"github.com/berth-csi/berth/internal/kmutex"
+	"github.com/berth-csi/berth/internal/logctx"
 )
 
 // DefaultNamespaceTimeout bounds the wait for a namespace device after
