@@ -7,6 +7,7 @@ import (
 	"net"
 	"os/exec"
 	"strconv"
+	"sync"
 	"time"
 )
 
@@ -18,6 +19,53 @@ type runner interface {
 }
 
 type execRunner struct{}
+
+// recordsRunner runs iscsiadm commands so that none walks open-iscsi's
+// node records while another changes them. iscsiadm takes open-iscsi's
+// database lock only to write: a command that walks the record tree
+// (a login, a delete: both look for every record that matches) fails
+// with exit 6, "iface iter could not stat", when another target's record
+// is removed under it, as happens when two volumes of one array are
+// staged and unstaged at once. Commands that create or delete records,
+// and berth's own record edits (recordDB.lock), hold walks exclusively;
+// the others share it. The wait is as long as the commands ahead of it,
+// each bounded by its own request's context.
+type recordsRunner struct {
+	runner
+	iscsiadm string
+	walks    *sync.RWMutex
+}
+
+func (r recordsRunner) run(ctx context.Context, name string, args ...string) ([]byte, error) {
+	if name != r.iscsiadm {
+		return r.runner.run(ctx, name, args...)
+	}
+	if changesRecords(args) {
+		r.walks.Lock()
+		defer r.walks.Unlock()
+	} else {
+		r.walks.RLock()
+		defer r.walks.RUnlock()
+	}
+	return r.runner.run(ctx, name, args...)
+}
+
+// changesRecords reports whether an iscsiadm command line adds, deletes
+// or rewrites records: node or discovery records (-o new, delete, update)
+// or a discovery, which writes the discovered targets.
+func changesRecords(args []string) bool {
+	for i, a := range args {
+		switch a {
+		case "--discover":
+			return true
+		case "-o", "--op":
+			if i+1 < len(args) && args[i+1] != "show" && args[i+1] != "nonpersistent" {
+				return true
+			}
+		}
+	}
+	return false
+}
 
 var _ runner = execRunner{}
 

@@ -368,3 +368,23 @@ func TestDetachNeverAttached(t *testing.T) {
 		t.Fatalf("Detach ran iscsiadm with nothing to undo: %q", fr.argv)
 	}
 }
+
+func TestChangesRecords(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want bool
+	}{
+		{argsNodeNew("iqn.x", "10.0.0.1", 3260, 1, "default"), true},
+		{argsNodeDelete("iqn.x", "10.0.0.1", 3260, "default"), true},
+		{argsDiscoveryNew("10.0.0.1", 3260, "default"), true},
+		{argsDiscoveryDelete("10.0.0.1", 3260), true},
+		{argsDiscover("10.0.0.1", 3260, "default"), true},
+		{argsNodeLogin("iqn.x", "10.0.0.1", 3260, 1, "default"), false},
+		{argsSessionLogout(3), false},
+		{[]string{"-m", "node", "-o", "show"}, false},
+	} {
+		if got := changesRecords(tc.args); got != tc.want {
+			t.Errorf("changesRecords(%q) = %v, want %v", tc.args, got, tc.want)
+		}
+	}
+}

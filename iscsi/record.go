@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -148,6 +149,10 @@ type recordDB struct {
 	lockDir string
 	// conf is iscsid.conf; "" = defaultConfFile.
 	conf string
+	// walks orders berth's own record changes against the iscsiadm
+	// commands it runs (see recordsRunner); nil in tests of the file
+	// format alone.
+	walks *sync.RWMutex
 }
 
 // defaultNodeDirs are where distributions keep node records: Debian and
@@ -260,6 +265,19 @@ func rewriteFile(path string, edit func([]byte) ([]byte, error)) error {
 // of "lock" to "lock.write" that only one process can create. iscsiadm
 // holds it for milliseconds, so the wait is capped at lockWait.
 func (db *recordDB) lock(ctx context.Context) (func(), error) {
+	if db.walks != nil {
+		db.walks.Lock()
+		unlock, err := db.fileLock(ctx)
+		if err != nil {
+			db.walks.Unlock()
+			return nil, err
+		}
+		return func() { unlock(); db.walks.Unlock() }, nil
+	}
+	return db.fileLock(ctx)
+}
+
+func (db *recordDB) fileLock(ctx context.Context) (func(), error) {
 	dir := db.lockDir
 	if dir == "" {
 		dir = "/run/lock/iscsi"

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"sync"
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -83,12 +84,13 @@ func New(opts Options) (*Transport, error) {
 	if opts.Listener == nil {
 		return nil, fmt.Errorf("iscsi.New: a device listener is required: %w", errdefs.ErrInvalidArgument)
 	}
+	walks := new(sync.RWMutex)
 	return &Transport{
 		opts: opts,
 		log:  opts.Logger,
 		sys:  sysfs{root: opts.SysfsRoot},
-		db:   recordDB{nodes: opts.NodeDir, lockDir: opts.LockDir},
-		run:  execRunner{},
+		db:   recordDB{nodes: opts.NodeDir, lockDir: opts.LockDir, walks: walks},
+		run:  recordsRunner{runner: execRunner{}, iscsiadm: opts.Iscsiadm, walks: walks},
 	}, nil
 }
 

@@ -859,3 +859,53 @@ func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
 }
 
 var _ = io.Discard
+
+// TestGuestISCSIConcurrentTargets attaches and detaches the LUNs of
+// several targets behind one portal all at once, as kubelet stages and
+// unstages volumes of one array in parallel: every attach and detach
+// succeeds the first time, and nothing is left.
+func TestGuestISCSIConcurrentTargets(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	const n, rounds = 4, 4
+	tgs := make([]*Target, n)
+	iqns := make([]string, n)
+	for i := range tgs {
+		lt := newLIOTarget(t, "127.0.0.1:3260")
+		w := lt.AddLUN(0, 16<<20)
+		tgs[i] = target(t, tr, vctx(lt, 0, "wwid", w), nil)
+		iqns[i] = lt.IQN
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	all := func(what string, op func(*Target) error) {
+		t.Helper()
+		errs := make([]error, n)
+		var wg sync.WaitGroup
+		for i, tg := range tgs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs[i] = op(tg)
+			}()
+		}
+		wg.Wait()
+		for i, err := range errs {
+			if err != nil {
+				t.Errorf("%s of target %d: %v", what, i, err)
+			}
+		}
+		if t.Failed() {
+			t.FailNow()
+		}
+	}
+	for r := range rounds {
+		start := time.Now()
+		all("attach", func(tg *Target) error { _, err := tg.Attach(ctx); return err })
+		attached := time.Since(start)
+		all("detach", func(tg *Target) error { return tg.Detach(ctx) })
+		for _, iqn := range iqns {
+			assertDetached(t, iqn)
+		}
+		t.Logf("round %d: %d attaches at once in %v, detaches in %v", r, n, attached.Round(time.Millisecond), (time.Since(start) - attached).Round(time.Millisecond))
+	}
+}
