@@ -16,6 +16,8 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 
+	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/iscsi"
 	"github.com/berth-csi/berth/nvmeof"
 )
 
@@ -159,47 +161,20 @@ func checkISCSId(ctx context.Context, cfg *Config) Check {
 	return c
 }
 
-var (
-	// RFC 3720 3.2.6.3: iqn.yyyy-mm.reversed.domain[:identifier],
-	// eui. + 16 hex digits, naa. + 16 or 32 hex digits.
-	iqnRE = regexp.MustCompile(`^iqn\.[0-9]{4}-(0[1-9]|1[0-2])\.[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:[^\s]*)?$`)
-	euiRE = regexp.MustCompile(`^eui\.[0-9A-Fa-f]{16}$`)
-	naaRE = regexp.MustCompile(`^naa\.([0-9A-Fa-f]{16}|[0-9A-Fa-f]{32})$`)
-)
-
-func validISCSIName(s string) bool {
-	return len(s) <= 223 && (iqnRE.MatchString(s) || euiRE.MatchString(s) || naaRE.MatchString(s))
-}
-
 func checkInitiatorName(cfg *Config) Check {
 	path := filepath.Join(cfg.EtcRoot, "iscsi", "initiatorname.iscsi")
 	c := Check{Name: "iscsi initiator name"}
 	fix := fmt.Sprintf("echo \"InitiatorName=$(iscsi-iname)\" > %s && systemctl restart iscsid", path)
-	b, err := os.ReadFile(path)
-	if err != nil {
-		c.Status, c.Detail = Fail, fmt.Sprintf("cannot read %s: %v", path, err)
-		c.Fix = "install open-iscsi, which creates it, or " + fix
-		return c
-	}
-	var name string
-	generate := false
-	for _, line := range strings.Split(string(b), "\n") {
-		line = strings.TrimSpace(line)
-		if v, ok := strings.CutPrefix(line, "InitiatorName="); ok {
-			name = strings.TrimSpace(v)
-		}
-		if strings.HasPrefix(line, "GenerateName=") {
-			generate = true
-		}
-	}
+	name, err := iscsi.ReadInitiatorName(path)
 	switch {
-	case name == "" && generate:
-		c.Status, c.Detail = Fail, path+" asks for a generated name (GenerateName=yes) that was not written yet"
+	case errors.Is(err, fs.ErrNotExist) || (err != nil && !errors.Is(err, errdefs.ErrFailedPrecondition) && !errors.Is(err, errdefs.ErrInvalidArgument)):
+		c.Status, c.Detail = Fail, err.Error()
+		c.Fix = "install open-iscsi, which creates it, or " + fix
+	case errors.Is(err, iscsi.ErrNameNotGenerated):
+		c.Status, c.Detail = Fail, err.Error()
 		c.Fix = "systemctl restart iscsid (open-iscsi writes the name on start), or " + fix
-	case name == "":
-		c.Status, c.Detail, c.Fix = Fail, path+" has no InitiatorName= line", fix
-	case !validISCSIName(name):
-		c.Status, c.Detail, c.Fix = Fail, fmt.Sprintf("%s: %q is not an iqn., eui. or naa. name", path, name), fix
+	case err != nil:
+		c.Status, c.Detail, c.Fix = Fail, err.Error(), fix
 	default:
 		c.Status, c.Detail = OK, name
 	}

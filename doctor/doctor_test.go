@@ -171,9 +171,13 @@ func TestBrokenNode(t *testing.T) {
 			func(n *node, _ *Config) { n.remove("etc/iscsi/initiatorname.iscsi") }},
 		{"initiator name not generated", "iscsi initiator name", Fail, "systemctl restart iscsid", "GenerateName",
 			func(n *node, _ *Config) { n.write("etc/iscsi/initiatorname.iscsi", "GenerateName=yes\n") }},
-		{"bad initiator name", "iscsi initiator name", Fail, "iscsi-iname", "not an iqn.",
+		{"bad initiator name", "iscsi initiator name", Fail, "iscsi-iname", "not an iqn",
 			func(n *node, _ *Config) {
 				n.write("etc/iscsi/initiatorname.iscsi", "InitiatorName=iqn.2024-13.Bad:x\n")
+			}},
+		{"initiator name iscsi rejects", "iscsi initiator name", Fail, "iscsi-iname", "not an iqn",
+			func(n *node, _ *Config) {
+				n.write("etc/iscsi/initiatorname.iscsi", "InitiatorName=iqn.2004-10.com.example:host@1\n")
 			}},
 		{"hostid differs from hostnqn uuid", "nvme host identity", Fail, "echo 1b4e28ba-2fa1-11d2-883f-0016d3cca427 > ", "two host IDs",
 			func(n *node, _ *Config) { n.write("etc/nvme/hostid", "00000000-1111-2222-3333-444444444444\n") }},

@@ -1,7 +1,6 @@
 package iscsi
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -134,23 +133,8 @@ func (t *Transport) preflight(v *Volume) error {
 			return unavailable("the iscsi_tcp kernel module is not loaded (no %s): run `modprobe iscsi_tcp` on the node and add it to /etc/modules-load.d", t.sys.path("class", "iscsi_transport", "tcp"))
 		}
 	}
-	b, err := os.ReadFile(t.opts.InitiatorNameFile)
-	if errors.Is(err, fs.ErrNotExist) {
-		return unavailable("no iSCSI initiator name: %s does not exist; install open-iscsi on the node (it generates one) or write InitiatorName=iqn.… into it", t.opts.InitiatorNameFile)
-	}
-	if err != nil {
-		return unavailable("read iSCSI initiator name %s: %v", t.opts.InitiatorNameFile, err)
-	}
-	found := false
-	sc := bufio.NewScanner(strings.NewReader(string(b)))
-	for sc.Scan() {
-		line := strings.TrimSpace(sc.Text())
-		if name, ok := strings.CutPrefix(line, "InitiatorName="); ok && strings.TrimSpace(name) != "" {
-			found = true
-		}
-	}
-	if !found {
-		return unavailable("%s has no InitiatorName= line; write InitiatorName=iqn.… into it (iscsi-iname generates one) and restart iscsid", t.opts.InitiatorNameFile)
+	if _, err := ReadInitiatorName(t.opts.InitiatorNameFile); err != nil {
+		return unavailable("no usable iSCSI initiator name: %v; install open-iscsi on the node (it generates one) or write InitiatorName=iqn.… into it (iscsi-iname generates one) and restart iscsid", err)
 	}
 	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"regexp"
 	"strconv"
 	"strings"
@@ -53,33 +54,45 @@ func checkPrintable(field, v string) error {
 // of RFC 3720 section 3.2.6.3 (iqn., eui., naa.). Names are compared in
 // lower case by iSCSI; the name is returned lower-cased.
 func ValidateTargetName(field, name string) (string, error) {
-	if name == "" {
-		return "", invalid(field, "is empty")
+	n, problem := checkISCSIName(name)
+	if problem != "" {
+		return "", invalid(field, "%s", problem)
 	}
-	if err := checkPrintable(field, name); err != nil {
-		return "", err
+	return n, nil
+}
+
+// checkISCSIName checks an iSCSI name (a target's or an initiator's) and
+// returns it lower-cased, or what is wrong with it.
+func checkISCSIName(name string) (string, string) {
+	if name == "" {
+		return "", "is empty"
+	}
+	for i, r := range name {
+		if r == unicode.ReplacementChar || unicode.IsControl(r) || (unicode.IsSpace(r) && r != ' ') {
+			return "", fmt.Sprintf("contains a control character at byte %d", i)
+		}
 	}
 	if len(name) > maxNameLen {
-		return "", invalid(field, "is %d bytes long, iSCSI names have at most %d", len(name), maxNameLen)
+		return "", fmt.Sprintf("is %d bytes long, iSCSI names have at most %d", len(name), maxNameLen)
 	}
 	n := strings.ToLower(name)
 	switch {
 	case strings.HasPrefix(n, "iqn."):
 		if !iqnRE.MatchString(n) {
-			return "", invalid(field, "%q is not an iqn name (iqn.YYYY-MM.reversed.domain[:identifier])", name)
+			return "", fmt.Sprintf("%q is not an iqn name (iqn.YYYY-MM.reversed.domain[:identifier])", name)
 		}
 	case strings.HasPrefix(n, "eui."):
 		if !euiRE.MatchString(n) {
-			return "", invalid(field, "%q is not an eui name (eui. and 16 hex digits)", name)
+			return "", fmt.Sprintf("%q is not an eui name (eui. and 16 hex digits)", name)
 		}
 	case strings.HasPrefix(n, "naa."):
 		if !naaRE.MatchString(n) {
-			return "", invalid(field, "%q is not an naa name (naa. and 16 or 32 hex digits)", name)
+			return "", fmt.Sprintf("%q is not an naa name (naa. and 16 or 32 hex digits)", name)
 		}
 	default:
-		return "", invalid(field, "%q does not start with iqn., eui. or naa.", name)
+		return "", fmt.Sprintf("%q does not start with iqn., eui. or naa.", name)
 	}
-	return n, nil
+	return n, ""
 }
 
 // Portal is one iSCSI network portal of a volume.
@@ -236,4 +249,42 @@ func validateWWID(field, w string) (string, error) {
 		return "", invalid(field, "is longer than 256 bytes")
 	}
 	return devices.NormalizeWWID(w), nil
+}
+
+// ErrNameNotGenerated says initiatorname.iscsi asks for a generated
+// name that iscsid has not written yet (it does so when it starts).
+var ErrNameNotGenerated = fmt.Errorf("iscsid has not written the generated name yet: %w", errdefs.ErrFailedPrecondition)
+
+// ReadInitiatorName reads the node's initiator name from open-iscsi's
+// initiatorname.iscsi (its InitiatorName= line) and checks it as berth
+// checks target names. It is the one reading of that file: the login
+// preflight and berth doctor both use it. The error says what is wrong:
+// the file is missing or unreadable, it asks for a generated name that
+// iscsid has not written yet, it has no name, or the name is not valid.
+func ReadInitiatorName(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", fmt.Errorf("cannot read %s: %w", path, err)
+	}
+	var name string
+	generate := false
+	for _, line := range strings.Split(string(b), "\n") {
+		line = strings.TrimSpace(line)
+		if v, ok := strings.CutPrefix(line, "InitiatorName="); ok {
+			name = strings.TrimSpace(v)
+		}
+		if strings.HasPrefix(line, "GenerateName=") {
+			generate = true
+		}
+	}
+	switch {
+	case name == "" && generate:
+		return "", fmt.Errorf("%s asks for a generated name (GenerateName=yes): %w", path, ErrNameNotGenerated)
+	case name == "":
+		return "", fmt.Errorf("%s has no InitiatorName= line: %w", path, errdefs.ErrFailedPrecondition)
+	}
+	if _, problem := checkISCSIName(name); problem != "" {
+		return "", fmt.Errorf("%s: InitiatorName %s: %w", path, problem, errdefs.ErrFailedPrecondition)
+	}
+	return name, nil
 }
