@@ -358,6 +358,14 @@ func (t *fakeTarget) Expand(context.Context) (int64, error) {
 	}
 	return 1 << 20, nil
 }
+
+func (t *fakeTarget) ExpandTo(ctx context.Context, minBytes int64) (int64, error) {
+	size, err := t.Expand(ctx)
+	if err == nil && size < minBytes {
+		return size, fmt.Errorf("fake target: %d bytes, fewer than %d: %w", size, minBytes, errdefs.ErrUnavailable)
+	}
+	return size, err
+}
 func (t *fakeTarget) Health(context.Context) (bool, string) { return false, "" }
 
 // newFakeAgent returns an agent on fakes: no root, no kernel.

@@ -197,6 +197,13 @@ func (f *fileTarget) Expand(ctx context.Context) (int64, error) {
 	return devices.RefreshLoopCapacity(ctx, d)
 }
 
+// ExpandTo is Expand: an image file's size is known at once, and one
+// still smaller than the CO asked for is answered OUT_OF_RANGE by
+// NodeExpandVolume, which compares.
+func (f *fileTarget) ExpandTo(ctx context.Context, _ int64) (int64, error) {
+	return f.Expand(ctx)
+}
+
 // StopQueueing: a loop device never queues I/O for a path to come back.
 func (f *fileTarget) StopQueueing(context.Context) (bool, error) { return false, nil }
 

@@ -1236,8 +1236,8 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	}
 	took.mark("check")
 	var size int64
-	if se, ok := target.(sizedExpander); ok && required > 0 {
-		size, err = se.ExpandTo(ctx, required)
+	if required > 0 {
+		size, err = target.ExpandTo(ctx, required)
 	} else {
 		size, err = target.Expand(ctx)
 	}

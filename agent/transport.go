@@ -62,6 +62,12 @@ type Target interface {
 	// Expand makes the node see the target's current size (rescan) and
 	// returns the device size in bytes.
 	Expand(ctx context.Context) (int64, error)
+	// ExpandTo is Expand for a caller that knows the size the CO asked
+	// for (minBytes > 0): it returns once the device reports at least
+	// that, waiting, bounded by ctx, where a new size shows up
+	// asynchronously (an NVMe namespace's AEN), and an error the CO may
+	// retry while the storage has not grown yet.
+	ExpandTo(ctx context.Context, minBytes int64) (int64, error)
 	// PathStates counts the target's paths to its storage by state
 	// ("live" for a working one; NVMe/TCP controllers, iSCSI sessions):
 	// the berth_volume_paths metric. A target without several paths (an
@@ -71,12 +77,6 @@ type Target interface {
 	Health(ctx context.Context) (abnormal bool, message string)
 }
 
-// sizedExpander is implemented by targets that can wait for a rescan to
-// reach a size (a target whose new capacity shows up asynchronously).
-// NodeExpandVolume uses it when the CO names the size it expects.
-type sizedExpander interface {
-	ExpandTo(ctx context.Context, minBytes int64) (int64, error)
-}
 
 // TransportFunc makes a Transport of a package whose Parse returns its
 // own target type (so that it need not import agent):
