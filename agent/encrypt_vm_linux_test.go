@@ -221,8 +221,15 @@ func TestGuestEncryption(t *testing.T) {
 	ctx := context.Background()
 
 	t.Run("mount", func(t *testing.T) {
+		// ext4 gets every check; xfs (300 MB at least, slow to read
+		// through dm-crypt without KVM) the round trip and the
+		// ciphertext check.
 		for _, fsType := range []string{"ext4", "xfs"} {
-			v := encryptedVol(h, "enc-"+fsType, 320*mib, mountCap(fsType, snw))
+			full, size := fsType == "ext4", int64(64*mib)
+			if !full {
+				size = 320 * mib
+			}
+			v := encryptedVol(h, "enc-"+fsType, size, mountCap(fsType, snw))
 			if fsType == "ext4" {
 				for k, val := range argon2PBKDF {
 					v.vctx[k] = val
@@ -252,7 +259,7 @@ func TestGuestEncryption(t *testing.T) {
 			}
 			// The plaintext is readable on the mapping: the check
 			// of the image below would find it if it were there.
-			if !fileContains(t, rec.Crypt.Mapping.Path, tag) {
+			if full && !fileContains(t, rec.Crypt.Mapping.Path, tag) {
 				t.Fatal("the marker is not on the mapping")
 			}
 			must(t, "unpublish", h.unpublish(v))
@@ -282,6 +289,9 @@ func TestGuestEncryption(t *testing.T) {
 			must(t, "unpublish", h.unpublish(v))
 			must(t, "unstage", h.unstage(v))
 			wantClosed(t, h, v)
+			if !full {
+				continue
+			}
 
 			// A wrong passphrase: refused, nothing open, image as it was.
 			before := fileSum(t, img)

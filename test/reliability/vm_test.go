@@ -258,18 +258,26 @@ func TestGuestCrashISCSI(t *testing.T) {
 }
 
 // TestVMCrashEncrypted crashes berth at every step of encrypted (LUKS2)
-// file volumes in a guest, the host having no device-mapper, and runs
-// the encrypted lifecycle once on NVMe/TCP and on iSCSI (see
-// TestGuestCrashEncrypted, TestGuestEncryptedTransports).
+// file volumes in a guest, the host having no device-mapper (see
+// TestGuestCrashEncrypted).
 func TestVMCrashEncrypted(t *testing.T) {
+	bootEncrypted(t, "^TestGuestCrashEncrypted$", 40*time.Minute)
+}
+
+// TestVMEncryptedTransports runs the encrypted lifecycles on NVMe/TCP
+// and iSCSI in a guest (see TestGuestEncryptedTransports).
+func TestVMEncryptedTransports(t *testing.T) {
+	bootEncrypted(t, "^TestGuestEncryptedTransports$", 10*time.Minute)
+}
+
+// bootEncrypted boots a guest with dm-crypt, nvmet, LIO and iscsid whose
+// berth is built with failpoints, and runs the in-guest tests run
+// there, adding their rows to the reliability table.
+func bootEncrypted(t *testing.T, run string, timeout time.Duration) {
 	if vm.InGuest() {
 		t.Skip("host entry point")
 	}
 	start := time.Now()
-	run := "^(TestGuestCrashEncrypted|TestGuestEncryptedTransports)$"
-	if r := os.Getenv("BERTH_CRASH_RUN"); r != "" {
-		run = r
-	}
 	m := vm.Boot(t,
 		vm.WithTestRun(run),
 		vm.WithBerthTags("failpoints"),
@@ -277,7 +285,7 @@ func TestVMCrashEncrypted(t *testing.T) {
 		vm.WithModules("loop", "dm_crypt", "xts", "aesni_intel", "nvmet", "nvmet_tcp", "nvme_tcp",
 			"iscsi_tcp", "target_core_mod", "target_core_iblock", "iscsi_target_mod"),
 		vm.WithEnv(map[string]string{"BERTH_FAILPOINT_BIN": "/usr/bin/berth"}),
-		vm.WithTimeout(40*time.Minute))
+		vm.WithTimeout(timeout))
 	m.ReportTests(t)
 	var rows []string
 	for _, line := range strings.Split(m.Output(), "\n") {
@@ -285,8 +293,10 @@ func TestVMCrashEncrypted(t *testing.T) {
 			rows = append(rows, strings.TrimSpace(line[i+len(rowMarker):]))
 		}
 	}
-	reportTable(t, rows)
-	t.Logf("encrypted crash suite: %v in all (boot %v)", time.Since(start).Round(time.Second), m.BootTime().Round(time.Millisecond))
+	if len(rows) > 0 {
+		reportTable(t, rows)
+	}
+	t.Logf("%s: %v in all (boot %v)", run, time.Since(start).Round(time.Second), m.BootTime().Round(time.Millisecond))
 }
 
 // encryptedLifecycles are the encrypted lifecycles: ext4 and raw block,
