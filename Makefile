@@ -105,8 +105,8 @@ RELIABILITY_TABLE ?= bin/reliability.md
 reliability: build vm-image
 	@mkdir -p $(dir $(RELIABILITY_TABLE)) && rm -f $(RELIABILITY_TABLE)
 	@status=0; start=$$(date +%s); \
-	BERTH_RELIABILITY_TABLE=$(CURDIR)/$(RELIABILITY_TABLE) $(GO) test -count=1 -timeout 70m \
-		-run '^(TestEveryBoundaryHasASuite|TestCrashAtEveryStep|TestVMCrashNVMeoF|TestVMCrashISCSI)$$' ./test/reliability/ || status=$$?; \
+	BERTH_RELIABILITY_TABLE=$(CURDIR)/$(RELIABILITY_TABLE) $(GO) test -count=1 -timeout 110m \
+		-run '^(TestEveryBoundaryHasASuite|TestCrashAtEveryStep|TestVMCrashNVMeoF|TestVMCrashISCSI|TestVMCrashEncrypted)$$' ./test/reliability/ || status=$$?; \
 	echo; cat $(RELIABILITY_TABLE) 2>/dev/null || echo "no table: the suites did not get to report"; \
 	echo "reliability: $$(( $$(date +%s) - start ))s"; exit $$status
 

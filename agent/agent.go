@@ -87,6 +87,7 @@ type Agent struct {
 	cfg         Config
 	log         *slog.Logger
 	host        hostFS
+	crypt       cryptHost
 	state       *store
 	locks       *inflight
 	transports  map[string]Transport
@@ -167,6 +168,7 @@ func New(cfg Config) (_ *Agent, retErr error) {
 		cfg:        cfg,
 		log:        cfg.Logger,
 		host:       newHostFS(),
+		crypt:      realCrypt{},
 		locks:      newInflight(),
 		transports: make(map[string]Transport),
 		listener:   cfg.Listener,

@@ -25,7 +25,7 @@ func sameDevice(m mountEntry, d *deviceRecord) bool {
 // mount showed at stage (a bind of a directory inside the volume has the
 // same device but another inode).
 func isVolumeRoot(m mountEntry, rec *volumeRecord) bool {
-	return sameDevice(m, rec.Device) && (rec.StagingRootIno == 0 || m.Ino == rec.StagingRootIno)
+	return sameDevice(m, rec.volumeDevice()) && (rec.StagingRootIno == 0 || m.Ino == rec.StagingRootIno)
 }
 
 // checkStagingMount checks that the staging path of a staged mount volume
@@ -42,14 +42,14 @@ func (a *Agent) checkStagingMount(rec *volumeRecord) error {
 
 // checkStagingEntry is checkStagingMount for an entry already read.
 func checkStagingEntry(rec *volumeRecord, m mountEntry) error {
-	staging := rec.StagingPath
+	staging, d := rec.StagingPath, rec.volumeDevice()
 	switch {
-	case rec.Device == nil:
+	case d == nil:
 		return precondition("volume %q: staging path %q holds a mount of device %d:%d (%s), and no device is recorded for the volume (its stage did not finish)",
 			rec.VolumeID, staging, m.Major, m.Minor, m.FSType)
-	case !sameDevice(m, rec.Device):
+	case !sameDevice(m, d):
 		return precondition("volume %q: staging path %q holds a mount of device %d:%d (%s), not of the volume's device %s (%d:%d)",
-			rec.VolumeID, staging, m.Major, m.Minor, m.FSType, rec.Device.Path, rec.Device.Major, rec.Device.Minor)
+			rec.VolumeID, staging, m.Major, m.Minor, m.FSType, d.Path, d.Major, d.Minor)
 	case !isVolumeRoot(m, rec):
 		return precondition("volume %q: staging path %q shows a directory inside the volume's filesystem (inode %d), not its root (inode %d)",
 			rec.VolumeID, staging, m.Ino, rec.StagingRootIno)
@@ -84,7 +84,7 @@ func (a *Agent) checkPublished(rec *volumeRecord, target string) (mounted bool, 
 
 // checkPublishedEntry is checkPublished for an entry already read.
 func checkPublishedEntry(rec *volumeRecord, target string, m mountEntry) error {
-	d := rec.Device
+	d := rec.volumeDevice()
 	if rec.AccessType == "block" {
 		if d == nil || uint32(m.RdevMajor) != d.Major || uint32(m.RdevMinor) != d.Minor {
 			return precondition("volume %q: target_path %q holds a mount that is not the volume's device node %s; unmount it (NodeUnpublishVolume does) and publish again", rec.VolumeID, target, d.pathOrNone())

@@ -105,6 +105,16 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if err := validateSecrets(req.GetSecrets()); err != nil {
 		return nil, err
 	}
+	enc, err := parseEncryption(vctx)
+	if err != nil {
+		return nil, err
+	}
+	var passphrase []byte
+	if enc != nil {
+		if passphrase, err = passphraseOf(req.GetSecrets()); err != nil {
+			return nil, err
+		}
+	}
 	tr, err := selectTransport(vctx, n.a.transports)
 	if err != nil {
 		return nil, err
@@ -146,10 +156,18 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		if err := target.Preflight(ctx); err != nil {
 			return nil, err
 		}
+		if enc != nil {
+			if err := n.a.crypt.Check(); err != nil {
+				return nil, fmt.Errorf("volume %q: encrypted: %w", id, err)
+			}
+		}
 	}
 	if known {
 		if err := compatibleStage(rec, staging, tr.Name(), target.Key(), vcap); err != nil {
 			return nil, err
+		}
+		if (rec.Crypt != nil) != (enc != nil) {
+			return nil, alreadyExists("volume %q: staged with %s=%t, the request asks for %t", id, ContextEncrypted, rec.Crypt != nil, enc != nil)
 		}
 	} else if owner, ok := n.a.state.pathOwner(staging); ok {
 		return nil, alreadyExists("staging_target_path %q: in use by volume %q", staging, owner)
@@ -181,6 +199,9 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 			Mode:        vcap.Mode.String(),
 			StagingPath: staging,
 		}
+		if enc != nil {
+			rec.Crypt = &cryptRecord{Name: mappingName(id)}
+		}
 		// Intent first: a crash after Attach leaves a record that
 		// NodeUnstageVolume (or a retried stage) finishes from.
 		if err := n.a.state.put(rec); err != nil {
@@ -203,8 +224,8 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 			// The mount alone does not say the device is alive: a
 			// lost controller or a removed LUN leaves a filesystem
 			// whose every I/O fails.
-			if n.a.recordedDevice(rec.Device) == nil {
-				return nil, precondition("volume %q: its device %s is gone (target lost or LUN removed) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", id, rec.Device.Path, staging)
+			if n.a.recordedDevice(rec.Device) == nil || (rec.Crypt != nil && n.a.recordedDevice(rec.Crypt.Mapping) == nil) {
+				return nil, precondition("volume %q: its device %s (or its dm-crypt mapping) is gone (target lost or LUN removed) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", id, rec.Device.Path, staging)
 			}
 			return &csi.NodeStageVolumeResponse{}, nil
 		case !errors.Is(err, errdefs.ErrNotFound):
@@ -222,7 +243,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		if mounted {
 			// Only the volume's own mount, the one made above.
 			errs = append(errs, n.a.host.Unmount(sp.dir, sp.name, func(m mountEntry) error {
-				if !sameDevice(m, rec.Device) {
+				if !sameDevice(m, rec.volumeDevice()) {
 					return precondition("staging_target_path %q: shows device %d:%d, not the mount just made", staging, m.Major, m.Minor)
 				}
 				return nil
@@ -231,10 +252,12 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		// A format that started and failed has changed the device: it
 		// stays attached with its record, which says so, for the retry
 		// to finish (or the unstage to undo).
-		if !wasStaged && rec.Formatting == nil {
+		if !wasStaged && rec.Formatting == nil && (rec.Crypt == nil || rec.Crypt.Formatting == nil) {
 			uctx, cancel := n.a.undoContext(ctx)
 			defer cancel()
-			if err := n.detach(uctx, rec, tr, target); err != nil {
+			if err := n.closeMapping(uctx, rec); err != nil {
+				errs = append(errs, fmt.Errorf("undo open: %w", err))
+			} else if err := n.detach(uctx, rec, tr, target); err != nil {
 				errs = append(errs, fmt.Errorf("undo attach: %w", err))
 			} else if err := n.a.state.remove(id); err != nil {
 				errs = append(errs, err)
@@ -274,6 +297,25 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if owner, ok := n.deviceOwner(id, rec.Device); ok {
 		return nil, precondition("%s target %s: attached as %s, which is the device of volume %q, already staged on this node; unstage it first", tr.Name(), target.Key(), describeDevice(dev), owner)
 	}
+	// vdev is the device that holds the filesystem or is published: the
+	// dm-crypt mapping of an encrypted volume.
+	vdev, freshFS := dev, false
+	if enc != nil {
+		m, fresh, err := n.openEncrypted(ctx, rec, dev, *enc, passphrase, wasStaged)
+		if err != nil {
+			return nil, err
+		}
+		took.mark("open")
+		rec.Crypt.Mapping = deviceRecordOf(m)
+		if fresh && vcap.Block {
+			rec.Crypt.Formatting = nil // nothing more to make
+		}
+		if err := n.a.state.put(rec); err != nil {
+			return nil, err
+		}
+		vdev, freshFS = m, fresh && !vcap.Block
+		log = log.With(slog.String("mapping", m.ID.DMName))
+	}
 	if vcap.Block {
 		// Raw block: the device is published directly, nothing is
 		// mounted at the staging path. A stage repeated after a crash
@@ -283,7 +325,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		if err := n.a.state.put(rec); err != nil {
 			return nil, err
 		}
-		if err := n.syncDeviceReadOnly(rec, dev); err != nil {
+		if err := n.syncDeviceReadOnly(rec, vdev); err != nil {
 			return nil, err
 		}
 		rec.Staged = true
@@ -297,23 +339,44 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	if err := n.a.verify(dev); err != nil {
 		return nil, err
 	}
+	if vdev != dev {
+		if err := n.a.verify(vdev); err != nil {
+			return nil, err
+		}
+	}
 	took.mark("verify")
 
 	m, err := n.a.host.MountInfo(sh)
 	switch {
-	case err == nil && sameDevice(m, rec.Device):
+	case err == nil && sameDevice(m, rec.volumeDevice()):
 		// A previous attempt mounted it and crashed before recording.
 		if err := checkStagingEntry(rec, m); err != nil {
 			return nil, err
 		}
 		rec.StagingRootIno = m.Ino
 	case err == nil:
-		return nil, precondition("staging_target_path %q: holds a mount of device %d:%d (%s), not of the volume's device %s", staging, m.Major, m.Minor, m.FSType, dev.Path)
+		return nil, precondition("staging_target_path %q: holds a mount of device %d:%d (%s), not of the volume's device %s", staging, m.Major, m.Minor, m.FSType, vdev.Path)
 	case !errors.Is(err, errdefs.ErrNotFound):
 		return nil, err
 	default:
-		formatted, err := n.ensureFilesystem(ctx, rec, dev, vcap.FsType)
-		if err != nil {
+		var formatted bool
+		if freshFS {
+			// A new LUKS device: its mapping reads as noise, which no
+			// probe calls blank; the blank underlying device was the
+			// proof, and the record says the format is berth's.
+			if err := n.a.host.Format(ctx, vdev.Path, vcap.FsType); err != nil {
+				return nil, err
+			}
+			rec.Crypt.Formatting = nil
+			if err := n.a.state.put(rec); err != nil {
+				return nil, err
+			}
+			formatted = true
+		} else if formatted, err = n.ensureFilesystem(ctx, rec, vdev, vcap.FsType); err != nil {
+			if errors.Is(err, berthfs.ErrLUKSDevice) && enc == nil {
+				err = fmt.Errorf("volume %q: %w; it is staged only as an encrypted volume: volume_context %s=\"true\" and its passphrase in node_stage_secrets %q",
+					id, err, ContextEncrypted, SecretEncryptionPassphrase)
+			}
 			return nil, err
 		}
 		if formatted {
@@ -328,7 +391,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		}
 		// mkfs and fsck take time; make sure the name still means the
 		// device we checked before mounting it.
-		if err := n.a.verify(dev); err != nil {
+		if err := n.a.verify(vdev); err != nil {
 			return nil, err
 		}
 		took.mark("verify_again")
@@ -336,7 +399,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		if err != nil {
 			return nil, err
 		}
-		if err := n.a.host.Mount(dev.Path, sh, vcap.FsType, flags, xfsNoUUID(vcap.FsType, data)); err != nil {
+		if err := n.a.host.Mount(vdev.Path, sh, vcap.FsType, flags, xfsNoUUID(vcap.FsType, data)); err != nil {
 			return nil, err
 		}
 		mounted = true
@@ -345,8 +408,8 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 		if err != nil {
 			return nil, fmt.Errorf("staging_target_path %q: check the new mount: %w", staging, err)
 		}
-		if !sameDevice(root, rec.Device) {
-			return nil, fmt.Errorf("staging_target_path %q: after mounting %s it shows device %d:%d", staging, dev.Path, root.Major, root.Minor)
+		if !sameDevice(root, rec.volumeDevice()) {
+			return nil, fmt.Errorf("staging_target_path %q: after mounting %s it shows device %d:%d", staging, vdev.Path, root.Major, root.Minor)
 		}
 		// The inode of the filesystem's root: later checks tell the
 		// volume's root from a directory inside it by it.
@@ -554,7 +617,7 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 		}
 		took.mark("unmount")
 	}
-	if d := n.a.recordedDevice(rec.Device); d != nil {
+	if d := n.a.recordedDevice(rec.volumeDevice()); d != nil {
 		// No publish is left: a flag berth set is cleared, so that the
 		// next user of the device finds it writable.
 		if err := n.syncDeviceReadOnly(rec, d); err != nil {
@@ -567,6 +630,12 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 			}
 		}
 		took.mark("flush")
+	}
+	if rec.Crypt != nil {
+		if err := n.blocking(ctx, "close the dm-crypt mapping", &unlock, func() error { return n.closeMapping(ctx, rec) }); err != nil {
+			return nil, err
+		}
+		took.mark("close")
 	}
 	if err := n.blocking(ctx, "detach", &unlock, func() error { return n.detach(ctx, rec, tr, target) }); err != nil {
 		return nil, err
@@ -746,7 +815,7 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 		// The staging mount outlives its device (a lost controller, a
 		// LUN removed or replaced): its filesystem fails every I/O and
 		// is not given to a pod.
-		if n.a.recordedDevice(rec.Device) == nil {
+		if n.a.recordedDevice(rec.Device) == nil || n.a.recordedDevice(rec.volumeDevice()) == nil {
 			return nil, precondition("volume %q: its device %s is gone or changed since stage (target lost, LUN or namespace removed or replaced) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", id, rec.Device.Path, staging)
 		}
 	}
@@ -828,9 +897,9 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	}()
 
 	if vcap.Block {
-		d := n.a.recordedDevice(rec.Device)
-		if d == nil {
-			return nil, precondition("volume %q: its device %s is gone or changed since stage; unstage and stage again", id, rec.Device.Path)
+		d := n.a.recordedDevice(rec.volumeDevice())
+		if d == nil || n.a.recordedDevice(rec.Device) == nil {
+			return nil, precondition("volume %q: its device %s (or its dm-crypt mapping) is gone or changed since stage; unstage and stage again", id, rec.Device.Path)
 		}
 		if source, err = n.a.host.OpenDeviceNode(d.Path, d.Major, d.Minor); err != nil {
 			return nil, err
@@ -997,7 +1066,7 @@ func (n *nodeServer) syncRecordedReadOnly(rec *volumeRecord) error {
 	if !rec.wantDeviceReadOnly() && !rec.DeviceReadOnly {
 		return nil
 	}
-	if d := n.a.recordedDevice(rec.Device); d != nil {
+	if d := n.a.recordedDevice(rec.volumeDevice()); d != nil {
 		return n.syncDeviceReadOnly(rec, d)
 	}
 	return nil
@@ -1069,9 +1138,9 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 	cond := n.a.condition(ctx, rec)
 	resp := &csi.NodeGetVolumeStatsResponse{VolumeCondition: cond}
 	if rec.AccessType == "block" {
-		d := n.a.recordedDevice(rec.Device)
+		d := n.a.recordedDevice(rec.volumeDevice())
 		if d == nil {
-			cond.Abnormal, cond.Message = true, fmt.Sprintf("device %s is gone or changed since stage", rec.Device.Path)
+			cond.Abnormal, cond.Message = true, fmt.Sprintf("device %s (or its dm-crypt mapping) is gone or changed since stage", rec.Device.Path)
 			return resp, nil
 		}
 		size, err := n.a.host.BlockDeviceSize(d.Path)
@@ -1124,6 +1193,9 @@ func (a *Agent) conditionOf(ctx context.Context, rec *volumeRecord, t Target) *c
 	}
 	if rec.Device.Size > 0 && d.Size < rec.Device.Size {
 		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("device %s shrank from %d to %d bytes: the volume's end is gone", d.Path, rec.Device.Size, d.Size)}
+	}
+	if rec.Crypt != nil && a.recordedDevice(rec.Crypt.Mapping) == nil {
+		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("dm-crypt mapping %s of device %s is gone or changed since stage", rec.Crypt.Name, d.Path)}
 	}
 	if rec.AccessType != "block" {
 		if err := a.checkStagingMount(rec); err != nil {
@@ -1262,8 +1334,17 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 	if limit > 0 && size > limit {
 		return nil, fmt.Errorf("volume %q: device %s holds %d bytes, more than limit_bytes %d: %w", id, rec.Device.Path, size, limit, errdefs.ErrOutOfRange)
 	}
+	fsDev := rec.Device.Path
+	if rec.Crypt != nil {
+		m, err := n.resizeMapping(ctx, rec, req.GetSecrets())
+		if err != nil {
+			return nil, err
+		}
+		took.mark("resize_mapping")
+		fsDev = m.Path
+	}
 	if rec.AccessType != "block" {
-		if err := n.a.host.Resize(ctx, rec.Device.Path, rec.StagingPath, rec.FsType); err != nil {
+		if err := n.a.host.Resize(ctx, fsDev, rec.StagingPath, rec.FsType); err != nil {
 			return nil, err
 		}
 		took.mark("resize")

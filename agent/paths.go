@@ -175,12 +175,13 @@ func (a *Agent) checkTargetOutsideStaging(tp *heldPath) error {
 // one.
 func (a *Agent) mountOwner(m mountEntry, except string) (string, bool) {
 	for _, r := range a.state.list() {
-		d := r.Device
-		if r.VolumeID == except || d == nil {
+		if r.VolumeID == except {
 			continue
 		}
-		if sameDevice(m, d) || (uint32(m.RdevMajor) == d.Major && uint32(m.RdevMinor) == d.Minor) {
-			return r.VolumeID, true
+		for _, d := range []*deviceRecord{r.Device, r.volumeDevice()} {
+			if d != nil && (sameDevice(m, d) || (uint32(m.RdevMajor) == d.Major && uint32(m.RdevMinor) == d.Minor)) {
+				return r.VolumeID, true
+			}
 		}
 	}
 	return "", false

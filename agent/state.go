@@ -88,6 +88,35 @@ type volumeRecord struct {
 	// deviceRecord.identifies) finishes the format over mkfs' partial
 	// writes, which a probe would refuse as foreign data.
 	Formatting *deviceRecord `json:"formatting,omitempty"`
+	// Crypt is set for a volume encrypted on the node (LUKS2): its
+	// dm-crypt mapping sits on Device and holds the filesystem (or is
+	// the raw block device published).
+	Crypt *cryptRecord `json:"crypt,omitempty"`
+}
+
+// cryptRecord is the dm-crypt state of an encrypted volume.
+type cryptRecord struct {
+	// Name is the mapping's name (mappingName), recorded before it is
+	// opened.
+	Name string `json:"name"`
+	// Formatting is the device berth found blank and began to
+	// luksFormat, recorded before luksFormat and cleared once the
+	// filesystem on the new mapping is made (a raw block volume: once
+	// the mapping is open). A retried stage that finds this same device
+	// formats it anew: nothing but berth's own partial format is there.
+	Formatting *deviceRecord `json:"formatting,omitempty"`
+	// Mapping is the open mapping, recorded after the open.
+	Mapping *deviceRecord `json:"mapping,omitempty"`
+}
+
+// volumeDevice is the device that holds the volume's filesystem, or that
+// is published as its raw block device: the dm-crypt mapping of an
+// encrypted volume (nil until it is opened), else Device.
+func (r *volumeRecord) volumeDevice() *deviceRecord {
+	if r.Crypt != nil {
+		return r.Crypt.Mapping
+	}
+	return r.Device
 }
 
 // sameStorage reports whether two recorded devices are the same storage:
@@ -127,6 +156,18 @@ func (r *volumeRecord) clone() *volumeRecord {
 	if r.Formatting != nil {
 		d := *r.Formatting
 		c.Formatting = &d
+	}
+	if r.Crypt != nil {
+		cr := *r.Crypt
+		if cr.Formatting != nil {
+			d := *cr.Formatting
+			cr.Formatting = &d
+		}
+		if cr.Mapping != nil {
+			d := *cr.Mapping
+			cr.Mapping = &d
+		}
+		c.Crypt = &cr
 	}
 	c.Publishes = make(map[string]publishRecord, len(r.Publishes))
 	for k, v := range r.Publishes {

@@ -72,3 +72,6 @@ func SetQueueIfNoPath(*Device, bool) error { return errUnsupported }
 
 // InUse is only supported on Linux.
 func InUse(*Device) error { return errUnsupported }
+
+// CheckDeviceMapper is only supported on Linux.
+func CheckDeviceMapper() error { return errUnsupported }

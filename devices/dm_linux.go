@@ -242,3 +242,18 @@ func holdersOf(dev *Device) string {
 	}
 	return strings.Join(out, "; ")
 }
+
+// CheckDeviceMapper checks that the kernel's device-mapper answers on
+// its control node: dm-crypt mappings (encrypted volumes) need it. A
+// kernel without it (dm_mod not loaded, a container without the node)
+// gives an error wrapping errdefs.ErrUnavailable.
+func CheckDeviceMapper() error {
+	ctl, err := os.OpenFile(dmControl(), os.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		if errors.Is(err, unix.ENODEV) || errors.Is(err, unix.ENXIO) || errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("device-mapper: open %s: %w (load dm_mod and dm_crypt): %w", dmControl(), err, errdefs.ErrUnavailable)
+		}
+		return fmt.Errorf("device-mapper: open %s: %w", dmControl(), err)
+	}
+	return ctl.Close()
+}

@@ -125,6 +125,13 @@ const maxStderr = 4096
 // runTool runs name with args and returns its standard output. A non-zero
 // exit is a *ToolError with ExitCode set.
 func runTool(ctx context.Context, name string, args ...string) (stdout []byte, err error) {
+	return runToolInput(ctx, nil, name, args...)
+}
+
+// runToolInput is runTool with stdin given to the tool on its standard
+// input, through a pipe (a secret the tool reads there is in no argument,
+// environment variable or file).
+func runToolInput(ctx context.Context, stdin []byte, name string, args ...string) (stdout []byte, err error) {
 	path, err := lookTool(name)
 	if err != nil {
 		return nil, err
@@ -135,6 +142,9 @@ func runTool(ctx context.Context, name string, args ...string) (stdout []byte, e
 	var out, errb bytes.Buffer
 	cmd.Stdout = &out
 	cmd.Stderr = &errb
+	if stdin != nil {
+		cmd.Stdin = bytes.NewReader(stdin)
+	}
 	// After a kill on ctx end, do not wait forever for a grandchild
 	// holding the output pipes.
 	cmd.WaitDelay = 5 * time.Second

@@ -490,6 +490,9 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 	switch {
 	case sig.Type == fsType:
 		return false, nil
+	case sig.Type == TypeLUKS:
+		return false, fmt.Errorf("format %s as %s: device holds %s, an %w; berth never formats over it: %w",
+			devPath, fsType, sig, ErrLUKSDevice, errdefs.ErrFailedPrecondition)
 	case !sig.Blank():
 		// wipefs clears signatures only: the rest of the old data stays
 		// and is still refused as unknown-data.

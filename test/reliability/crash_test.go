@@ -35,6 +35,9 @@ type lifecycle struct {
 	fsType string // "" for a raw block volume
 	size   int64
 	expand bool
+	// encrypted makes the volume LUKS2 (volume_context encrypted, the
+	// passphrase in the stage and expand secrets).
+	encrypted bool
 }
 
 func lifecycles(t *testing.T) []lifecycle {
@@ -176,7 +179,7 @@ func (b *fileBackend) loops() []string {
 }
 
 func (b *fileBackend) leftovers() []string {
-	var out []string
+	out := berthMaps()
 	for _, dev := range b.loops() {
 		out = append(out, "loop device "+dev)
 	}
@@ -290,11 +293,31 @@ func (e *env) call(name string, rpc func(ctx context.Context) error) {
 	}
 }
 
-func (e *env) vctx() map[string]string { return e.be.volumeContext() }
+func (e *env) vctx() map[string]string {
+	vc := e.be.volumeContext()
+	if e.lc.encrypted {
+		// pbkdf2 at its lowest cost: argon2id costs seconds per open
+		// in a guest without KVM.
+		vc["encrypted"] = "true"
+		vc["encryptionPBKDF"] = "pbkdf2"
+		vc["encryptionPBKDFIterations"] = "1000"
+	}
+	return vc
+}
+
+// cryptPassphrase is the passphrase of the encrypted lifecycles.
+const cryptPassphrase = "crash-suite passphrase"
+
+func (e *env) secrets() map[string]string {
+	if !e.lc.encrypted {
+		return nil
+	}
+	return map[string]string{"encryptionPassphrase": cryptPassphrase}
+}
 
 func (e *env) stage() {
 	e.call("NodeStageVolume", func(ctx context.Context) error {
-		_, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "vol", StagingTargetPath: e.staging, VolumeCapability: e.capability(), VolumeContext: e.vctx()})
+		_, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "vol", StagingTargetPath: e.staging, VolumeCapability: e.capability(), VolumeContext: e.vctx(), Secrets: e.secrets()})
 		return err
 	})
 }
@@ -324,7 +347,7 @@ func (e *env) expandVolume() {
 	e.be.grow(e.t, 2*e.lc.size)
 	path := e.target
 	e.call("NodeExpandVolume", func(ctx context.Context) error {
-		r, err := e.node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: "vol", VolumePath: path, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * e.lc.size}, VolumeCapability: e.capability()})
+		r, err := e.node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: "vol", VolumePath: path, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * e.lc.size}, VolumeCapability: e.capability(), Secrets: e.secrets()})
 		if err == nil && r.GetCapacityBytes() < 2*e.lc.size {
 			return fmt.Errorf("expand: capacity %d, want %d", r.GetCapacityBytes(), 2*e.lc.size)
 		}
@@ -469,6 +492,20 @@ func (e *env) cleanup() {
 	for i := len(mounts) - 1; i >= 0; i-- {
 		_ = unix.Unmount(mounts[i], unix.MNT_DETACH)
 	}
+}
+
+// berthMaps lists the device-mapper maps berth names (its dm-crypt
+// mappings, "berth-..."): those of the suite's volumes are leftovers.
+func berthMaps() []string {
+	var out []string
+	ents, _ := os.ReadDir("/sys/block")
+	for _, e := range ents {
+		name, err := os.ReadFile(filepath.Join("/sys/block", e.Name(), "dm", "name"))
+		if n := strings.TrimSpace(string(name)); err == nil && strings.HasPrefix(n, "berth-") {
+			out = append(out, "dm-crypt mapping "+e.Name()+" "+strconv.Quote(n))
+		}
+	}
+	return out
 }
 
 type hit struct {

@@ -1,6 +1,7 @@
 package reliability
 
 import (
+	"bytes"
 	"fmt"
 	"os"
 	"os/exec"
@@ -254,4 +255,119 @@ func TestGuestCrashNVMeoF(t *testing.T) {
 // one portal) do not all converge yet.
 func TestGuestCrashISCSI(t *testing.T) {
 	guestCrashSuite(t, "iscsi", newISCSIBackend, 1)
+}
+
+// TestVMCrashEncrypted crashes berth at every step of encrypted (LUKS2)
+// file volumes in a guest, the host having no device-mapper (see
+// TestGuestCrashEncrypted).
+func TestVMCrashEncrypted(t *testing.T) {
+	bootEncrypted(t, "^TestGuestCrashEncrypted$", 40*time.Minute)
+}
+
+// TestVMEncryptedTransports runs the encrypted lifecycles on NVMe/TCP
+// and iSCSI in a guest (see TestGuestEncryptedTransports).
+func TestVMEncryptedTransports(t *testing.T) {
+	bootEncrypted(t, "^TestGuestEncryptedTransports$", 10*time.Minute)
+}
+
+// bootEncrypted boots a guest with dm-crypt, nvmet, LIO and iscsid whose
+// berth is built with failpoints, and runs the in-guest tests run
+// there, adding their rows to the reliability table.
+func bootEncrypted(t *testing.T, run string, timeout time.Duration) {
+	if vm.InGuest() {
+		t.Skip("host entry point")
+	}
+	start := time.Now()
+	m := vm.Boot(t,
+		vm.WithTestRun(run),
+		vm.WithBerthTags("failpoints"),
+		vm.WithIscsid(),
+		vm.WithModules("loop", "dm_crypt", "xts", "aesni_intel", "nvmet", "nvmet_tcp", "nvme_tcp",
+			"iscsi_tcp", "target_core_mod", "target_core_iblock", "iscsi_target_mod"),
+		vm.WithEnv(map[string]string{"BERTH_FAILPOINT_BIN": "/usr/bin/berth"}),
+		vm.WithTimeout(timeout))
+	m.ReportTests(t)
+	var rows []string
+	for _, line := range strings.Split(m.Output(), "\n") {
+		if i := strings.Index(line, rowMarker); i >= 0 {
+			rows = append(rows, strings.TrimSpace(line[i+len(rowMarker):]))
+		}
+	}
+	if len(rows) > 0 {
+		reportTable(t, rows)
+	}
+	t.Logf("%s: %v in all (boot %v)", run, time.Since(start).Round(time.Second), m.BootTime().Round(time.Millisecond))
+}
+
+// encryptedLifecycles are the encrypted lifecycles: ext4 and raw block,
+// each grown online.
+func encryptedLifecycles() []lifecycle {
+	return []lifecycle{
+		{name: "ext4-luks", fsType: "ext4", size: 64 * mib, expand: true, encrypted: true},
+		{name: "block-luks", size: 64 * mib, expand: true, encrypted: true},
+	}
+}
+
+// TestGuestCrashEncrypted: crashEveryStep on encrypted file volumes;
+// after each run no dm-crypt mapping, loop device, mount or record is
+// left, and the data written before the crash reads back. One run at a
+// time: every run's volume is "vol", whose mapping name is one.
+func TestGuestCrashEncrypted(t *testing.T) {
+	vm.RequireGuest(t)
+	bin := failpointBinary(t)
+	reached := map[string]bool{}
+	var rows []string
+	for _, lc := range encryptedLifecycles() {
+		rows = append(rows, crashEveryStep(t, bin, "file", lc, newFileBackend, reached, 1).row())
+	}
+	reportTable(t, rows)
+	if !reached["exec.cryptsetup"] {
+		t.Error("no crash run killed berth while cryptsetup ran")
+	}
+}
+
+// TestGuestEncryptedTransports runs the encrypted lifecycles once on
+// NVMe/TCP and on iSCSI: stage (luksFormat, open, mkfs), publish,
+// write, expand (rescan, cryptsetup resize, grow), unstage (close,
+// detach), stage again and read back. The target's backing device
+// holds ciphertext only: the data written is not found on it.
+func TestGuestEncryptedTransports(t *testing.T) {
+	vm.RequireGuest(t)
+	bin := failpointBinary(t)
+	for _, be := range []struct {
+		name    string
+		mk      newBackend
+		backing func(backend) string
+	}{
+		{"nvmeof", newNVMeBackend, func(b backend) string { return b.(*nvmeBackend).tgt.BackingDevice(1) }},
+		{"iscsi", newISCSIBackend, func(b backend) string { return b.(*iscsiBackend).tgt.BackingDevice(0) }},
+	} {
+		for _, lc := range encryptedLifecycles() {
+			t.Run(be.name+"/"+lc.name, func(t *testing.T) {
+				start := time.Now()
+				e := newEnv(t, bin, lc, be.mk)
+				e.start()
+				e.run()
+				e.stop()
+				if left := e.leftovers(); len(left) > 0 {
+					t.Fatalf("left %q", left)
+				}
+				dev := be.backing(e.be)
+				b, err := os.ReadFile(dev)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !bytes.HasPrefix(b, []byte("LUKS\xba\xbe")) {
+					t.Fatalf("backing device %s does not start with a LUKS header", dev)
+				}
+				if bytes.Contains(b, e.payload) {
+					t.Fatalf("backing device %s holds the data written in plaintext", dev)
+				}
+				if bytes.Contains(b, []byte(cryptPassphrase)) {
+					t.Fatalf("backing device %s holds the passphrase", dev)
+				}
+				t.Logf("%s %s: encrypted lifecycle in %v; %d bytes of the backing device hold no plaintext", be.name, lc.name, time.Since(start).Round(time.Millisecond), len(b))
+			})
+		}
+	}
 }
