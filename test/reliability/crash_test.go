@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -74,6 +75,7 @@ type newBackend func(t *testing.T, dir string, size int64) backend
 // directory, staging and target paths, all below a temporary directory.
 type env struct {
 	t        *testing.T
+	id       string // the volume ID, one per run: runs at once must not share names derived from it (a dm-crypt mapping's)
 	bin      string
 	dir      string
 	state    string
@@ -113,10 +115,13 @@ func (e *env) fatalf(format string, args ...any) {
 	e.t.Fatal(msg)
 }
 
+var envSeq atomic.Int32
+
 func newEnv(t *testing.T, bin string, lc lifecycle, mk newBackend) *env {
 	dir := t.TempDir()
 	e := &env{t: t, bin: bin, dir: dir, state: filepath.Join(dir, "state"),
-		sock: filepath.Join(dir, "csi.sock"), staging: filepath.Join(dir, "staging"), target: filepath.Join(dir, "pod", "vol"), lc: lc}
+		sock: filepath.Join(dir, "csi.sock"), staging: filepath.Join(dir, "staging"), target: filepath.Join(dir, "pod", "vol"), lc: lc,
+		id: fmt.Sprintf("vol-%d", envSeq.Add(1))}
 	for _, d := range []string{e.staging, filepath.Dir(e.target)} {
 		if err := os.MkdirAll(d, 0o750); err != nil {
 			t.Fatal(err)
@@ -179,7 +184,7 @@ func (b *fileBackend) loops() []string {
 }
 
 func (b *fileBackend) leftovers() []string {
-	out := berthMaps()
+	var out []string
 	for _, dev := range b.loops() {
 		out = append(out, "loop device "+dev)
 	}
@@ -317,28 +322,28 @@ func (e *env) secrets() map[string]string {
 
 func (e *env) stage() {
 	e.call("NodeStageVolume", func(ctx context.Context) error {
-		_, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "vol", StagingTargetPath: e.staging, VolumeCapability: e.capability(), VolumeContext: e.vctx(), Secrets: e.secrets()})
+		_, err := e.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: e.id, StagingTargetPath: e.staging, VolumeCapability: e.capability(), VolumeContext: e.vctx(), Secrets: e.secrets()})
 		return err
 	})
 }
 
 func (e *env) publish() {
 	e.call("NodePublishVolume", func(ctx context.Context) error {
-		_, err := e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: "vol", StagingTargetPath: e.staging, TargetPath: e.target, VolumeCapability: e.capability(), VolumeContext: e.vctx()})
+		_, err := e.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: e.id, StagingTargetPath: e.staging, TargetPath: e.target, VolumeCapability: e.capability(), VolumeContext: e.vctx()})
 		return err
 	})
 }
 
 func (e *env) unpublish() {
 	e.call("NodeUnpublishVolume", func(ctx context.Context) error {
-		_, err := e.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: "vol", TargetPath: e.target})
+		_, err := e.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: e.id, TargetPath: e.target})
 		return err
 	})
 }
 
 func (e *env) unstage() {
 	e.call("NodeUnstageVolume", func(ctx context.Context) error {
-		_, err := e.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "vol", StagingTargetPath: e.staging})
+		_, err := e.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: e.id, StagingTargetPath: e.staging})
 		return err
 	})
 }
@@ -347,7 +352,7 @@ func (e *env) expandVolume() {
 	e.be.grow(e.t, 2*e.lc.size)
 	path := e.target
 	e.call("NodeExpandVolume", func(ctx context.Context) error {
-		r, err := e.node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: "vol", VolumePath: path, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * e.lc.size}, VolumeCapability: e.capability(), Secrets: e.secrets()})
+		r, err := e.node.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: e.id, VolumePath: path, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * e.lc.size}, VolumeCapability: e.capability(), Secrets: e.secrets()})
 		if err == nil && r.GetCapacityBytes() < 2*e.lc.size {
 			return fmt.Errorf("expand: capacity %d, want %d", r.GetCapacityBytes(), 2*e.lc.size)
 		}
@@ -470,6 +475,7 @@ func (e *env) leftovers() []string {
 		}
 	}
 	out = append(out, e.be.leftovers()...)
+	out = append(out, berthMaps(e.id)...)
 	states, _ := os.ReadDir(filepath.Join(e.state, "volumes"))
 	for _, s := range states {
 		out = append(out, "state file "+s.Name())
@@ -494,14 +500,15 @@ func (e *env) cleanup() {
 	}
 }
 
-// berthMaps lists the device-mapper maps berth names (its dm-crypt
-// mappings, "berth-..."): those of the suite's volumes are leftovers.
-func berthMaps() []string {
+// berthMaps lists the device-mapper maps berth made for volume id (its
+// dm-crypt mapping, "berth-<id>"): after a run, a leftover. Maps of
+// other runs going at once are theirs.
+func berthMaps(id string) []string {
 	var out []string
 	ents, _ := os.ReadDir("/sys/block")
 	for _, e := range ents {
 		name, err := os.ReadFile(filepath.Join("/sys/block", e.Name(), "dm", "name"))
-		if n := strings.TrimSpace(string(name)); err == nil && strings.HasPrefix(n, "berth-") {
+		if n := strings.TrimSpace(string(name)); err == nil && n == "berth-"+id {
 			out = append(out, "dm-crypt mapping "+e.Name()+" "+strconv.Quote(n))
 		}
 	}

@@ -310,15 +310,15 @@ func encryptedLifecycles() []lifecycle {
 
 // TestGuestCrashEncrypted: crashEveryStep on encrypted file volumes;
 // after each run no dm-crypt mapping, loop device, mount or record is
-// left, and the data written before the crash reads back. One run at a
-// time: every run's volume is "vol", whose mapping name is one.
+// left, and the data written before the crash reads back. Two runs go at
+// once, each with a volume ID (so a mapping name) of its own.
 func TestGuestCrashEncrypted(t *testing.T) {
 	vm.RequireGuest(t)
 	bin := failpointBinary(t)
 	reached := map[string]bool{}
 	var rows []string
 	for _, lc := range encryptedLifecycles() {
-		rows = append(rows, crashEveryStep(t, bin, "file", lc, newFileBackend, reached, 1).row())
+		rows = append(rows, crashEveryStep(t, bin, "file", lc, newFileBackend, reached, 2).row())
 	}
 	reportTable(t, rows)
 	if !reached["exec.cryptsetup"] {
