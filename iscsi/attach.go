@@ -638,17 +638,38 @@ func (t *Transport) detachPath(ctx context.Context, v *Volume, p path) error {
 // removeDisk flushes and deletes the SCSI disk h of sess. When the session
 // is not logged in (target gone), the disk is set offline first so that
 // its removal does not wait for the session's replacement timeout.
+//
+// h was read from the session's LUNs a moment ago; a SCSI host's number
+// goes to the next session as soon as its own session logs out (a
+// crashed agent's logout may still finish meanwhile), and h then names
+// another session's LUN. So the device is opened once and checked to
+// still be a LUN of sess, and it is set offline and deleted through that
+// descriptor; its disk, if it has one, is removed as the device that
+// descriptor shows.
 func (t *Transport) removeDisk(ctx context.Context, sess *Session, h HCTL) error {
-	if t.sys.SCSIDeviceState(h) == "running" {
+	lun, err := t.sys.openLUN(sess.ID, h)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return nil // gone, or another session's now
+	}
+	if err != nil {
+		return err
+	}
+	defer lun.Close()
+	if lun.state() == "running" {
 		if cur, err := t.sys.Session(sess.ID); err == nil && cur.State != "LOGGED_IN" {
-			if err := t.sys.Offline(h); err != nil {
+			if err := lun.offline(); err != nil {
 				logctx.From(ctx, t.log).Debug("set SCSI device offline before removal", "hctl", h.String(), "error", err)
 			}
 		}
 	}
-	name, err := t.sys.BlockDevice(h)
+	name, err := lun.blockDevice()
 	if err == nil {
 		dev, err := devices.Lookup(name)
+		if err == nil && dev.ID.HCTL != h.String() {
+			// The disk name went to another device after the one read
+			// through the descriptor: nothing of h's is left to remove.
+			return nil
+		}
 		if err == nil {
 			return t.removals.remove(ctx, dev, func(ctx context.Context) error {
 				if err := devices.RemoveSCSIDevice(ctx, t.opts.Listener, dev); err != nil {
@@ -663,10 +684,7 @@ func (t *Transport) removeDisk(ctx context.Context, sess *Session, h HCTL) error
 	}
 	// A SCSI device without a disk (never opened, or its disk already
 	// gone): delete it directly.
-	if !t.sys.SCSIDeviceExists(h) {
-		return nil
-	}
-	if err := writeAttr(t.sys.path("class", "scsi_device", h.String(), "device", "delete"), "1"); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	if err := lun.delete(); err != nil {
 		return fmt.Errorf("remove SCSI device %s: %w", h, err)
 	}
 	return nil

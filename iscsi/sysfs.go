@@ -13,6 +13,7 @@ import (
 	"strings"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	kernfs "github.com/berth-csi/berth/internal/sysfs"
 )
 
 // Session is an iSCSI session as the kernel shows it in sysfs:
@@ -243,6 +244,77 @@ func (s sysfs) BlockDevice(h HCTL) (string, error) {
 func (s sysfs) SCSIDeviceExists(h HCTL) bool {
 	_, err := os.Stat(s.path("class", "scsi_device", h.String()))
 	return err == nil
+}
+
+// lunDir is the sysfs directory of one SCSI device, opened once and
+// checked to be a LUN of a given iSCSI session. Reads and writes go
+// through the descriptor: a device removed meanwhile answers ENOENT or
+// ENODEV there, even when a new device took its H:C:T:L.
+type lunDir struct {
+	f  *os.File
+	at string // /proc/self/fd/N
+}
+
+// openLUN opens the SCSI device at h if it is a LUN of session id, and
+// ErrNotFound when there is none or h now names another session's LUN:
+// the device's real sysfs path runs through the session's directory
+// (.../hostN/sessionID/targetN:C:T/N:C:T:L).
+func (s sysfs) openLUN(id int, h HCTL) (*lunDir, error) {
+	f, err := os.Open(s.path("class", "scsi_device", h.String(), "device"))
+	if kernfs.Gone(err) {
+		return nil, fmt.Errorf("SCSI device %s: %w", h, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("SCSI device %s: %w", h, err)
+	}
+	d := &lunDir{f: f, at: fmt.Sprintf("/proc/self/fd/%d", f.Fd())}
+	real, err := os.Readlink(d.at)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("SCSI device %s: %w", h, err)
+	}
+	if !slices.Contains(strings.Split(real, string(filepath.Separator)), "session"+strconv.Itoa(id)) {
+		f.Close()
+		return nil, fmt.Errorf("SCSI device %s is not a LUN of session %d (%s): %w", h, id, real, errdefs.ErrNotFound)
+	}
+	return d, nil
+}
+
+func (d *lunDir) Close() error { return d.f.Close() }
+
+// state reads the device's state ("running", "offline", "blocked", ...).
+func (d *lunDir) state() string {
+	v, _ := readAttr(filepath.Join(d.at, "state"))
+	return v
+}
+
+// offline sets the device offline, so that the I/O its removal issues
+// (SYNCHRONIZE CACHE) fails at once instead of waiting for a dead target.
+func (d *lunDir) offline() error { return writeAttr(filepath.Join(d.at, "state"), "offline") }
+
+// delete deletes the device from the kernel; one already gone is success.
+func (d *lunDir) delete() error {
+	err := writeAttr(filepath.Join(d.at, "delete"), "1")
+	if kernfs.Gone(err) {
+		return nil
+	}
+	return err
+}
+
+// blockDevice returns the kernel name of the device's disk ("sdb"), or
+// ErrNotFound while it has none.
+func (d *lunDir) blockDevice() (string, error) {
+	ents, err := os.ReadDir(filepath.Join(d.at, "block"))
+	if kernfs.Gone(err) {
+		return "", errdefs.ErrNotFound
+	}
+	if err != nil {
+		return "", err
+	}
+	for _, e := range ents {
+		return e.Name(), nil
+	}
+	return "", errdefs.ErrNotFound
 }
 
 // SCSIDeviceState reads device/state ("running", "offline", "blocked",

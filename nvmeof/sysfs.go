@@ -12,7 +12,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
+
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // Controller states as /sys/class/nvme/nvmeN/state prints them.
@@ -119,9 +120,7 @@ var readFile = os.ReadFile
 // already and its attributes answer ENODEV. A listing of controllers or
 // namespaces leaves such an object out: another subsystem's controller
 // or namespace may go at any moment.
-func gone(err error) bool {
-	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, syscall.ENODEV)
-}
+func gone(err error) bool { return sysfs.Gone(err) }
 
 func readAttr(dir, name string) (string, error) {
 	b, err := readFile(filepath.Join(dir, name))

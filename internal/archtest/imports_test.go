@@ -34,7 +34,6 @@ var osExceptions = map[string]string{
 	// an OS-access package.
 	"nvmeof/fabrics_linux.go":  "/dev/nvme-fabrics",
 	"nvmeof/identify_linux.go": "NVMe admin ioctl",
-	"nvmeof/sysfs.go":          "ENODEV of a controller being deleted",
 }
 
 // No package outside osAccess imports x/sys/unix or syscall in its
