@@ -88,7 +88,7 @@ func Boot(t testing.TB, opts ...Option) *Machine {
 		unavailable(t, "the VM image is built as root (mmdebstrap): run as root")
 	}
 	t0 := time.Now()
-	img, buildLog, err := loadImage()
+	img, buildLog, err := loadImage(cfg.kernel)
 	if err != nil {
 		unavailable(t, "guest image: %v", err)
 	}
