@@ -63,9 +63,9 @@
 // guest tests once on it.
 //
 // Timing under TCG on two host cores: the initramfs guest starts its tests
-// 2-10 s after QEMU starts (depending on host load; the 6.12 kernel 15-50 s:
-// it runs the crypto self-tests of its built-in algorithms and more
-// initcalls), the systemd guest much later; the console line "BERTH-VM-START guest uptime N" tells. A guest
+// 2-10 s after QEMU starts (depending on host load; the 6.12 kernel a few
+// seconds more, with its boot-time crypto self-tests off through the
+// image's KERNEL_ARGS, cryptomgr.notests=1), the systemd guest much later; the console line "BERTH-VM-START guest uptime N" tells. A guest
 // that has not started its tests after half its timeout (at most 150 s)
 // is taken for stuck in early boot: it is killed, with its console in the
 // log, and booted once more with the kernel's messages on. A second hang

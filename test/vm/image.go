@@ -19,6 +19,7 @@ type image struct {
 	kernel        string
 	baseInitramfs string
 	rootDisk      string
+	kernelArgs    string // added to the kernel command line
 }
 
 // builtImage is the result of one run of build.sh.
@@ -131,6 +132,7 @@ func readImageEnv(p string) (*image, error) {
 		kernel:        kv["KERNEL"],
 		baseInitramfs: kv["BASE_INITRAMFS"],
 		rootDisk:      kv["ROOT_DISK"],
+		kernelArgs:    kv["KERNEL_ARGS"],
 	}
 	for _, f := range []string{img.kernel, img.baseInitramfs} {
 		if f == "" || !fileExists(f) {
