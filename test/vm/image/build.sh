@@ -341,7 +341,7 @@ mv -T "$cache/$link.tmp" "$cache/$link"
 keep=("$kernel_dir" "$root_dir" "$image_dir")
 for l in "$cache"/current "$cache"/current-*; do
 	[ -f "$l/image.env" ] || continue
-	keep+=("$(realpath "$l")")
+	keep+=("$cache/$(readlink "$l")")
 	keep+=($(sed -n 's/^KERNEL_DIR=//p; s/^ROOT_DIR=\(.*\)\/tree$/\1/p' "$l/image.env"))
 done
 for d in "$stages"/kernel-* "$stages"/root-* "$stages"/image-*; do
