@@ -331,6 +331,13 @@ func guestDHCHAPAuth(t *testing.T, tr *Transport, hostNQN string, k1, k2, c1, c2
 			// the controller holds the old one.
 			attachFails(t, "1", map[string]string{SecretDHCHAPKey: k2}, errdefs.ErrFailedPrecondition)
 		}
+		// As the agent's unstage does: a namespace without a live
+		// controller is made to fail I/O before the detach flushes it
+		// (a flush would queue until the kernel deletes the controller,
+		// then fail with EIO).
+		if _, err := tg.StopQueueing(ctx); err != nil {
+			t.Fatal(err)
+		}
 		if err := tg.Detach(ctx); err != nil {
 			t.Fatal(err)
 		}
