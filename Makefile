@@ -59,8 +59,11 @@ manifest-test: build
 sanity-test: build
 	cd test/sanity && BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m -skip '^TestVM' ./...
 
+# The default guest image (Debian 12's 6.1 kernel) and the one with Debian
+# 13's 6.12 kernel, which has NVMe in-band authentication (TestVMNVMeoFAuth).
 vm-image:
 	./test/vm/image/build.sh
+	./test/vm/image/build.sh trixie
 
 # berth's container image, built without a container daemon: a Debian root
 # with only the programs berth runs (cached in ~/.cache/berth-image), the

@@ -68,8 +68,16 @@
 // names the keys it was connected with, compared in constant time with
 // its sysfs dhchap_secret and dhchap_ctrl_secret; berth never changes
 // the keys of a connected controller. A rejected key is
-// errdefs.ErrPermissionDenied (EKEYREJECTED; ECONNREFUSED from kernels
-// before 6.7 while the target's port accepts TCP connections).
+// errdefs.ErrPermissionDenied (EKEYREJECTED, measured on 6.12 for a
+// wrong host key and for a controller that fails the controller key;
+// ENOKEY for a target that requires a key the volume does not give;
+// ECONNREFUSED from kernels before 6.7 while the target's port accepts
+// TCP connections). Now and then 6.12 stalls for its 60 s admin timeout
+// after a failed authentication and answers EIO instead, which is
+// errdefs.ErrFailedPrecondition like a host the subsystem does not
+// allow. The kernel authenticates only when the target asks for it: a
+// target without keys for the host is connected unauthenticated, even
+// with a controller key, and sysfs shows no difference.
 //
 // # Paths and multipath
 //

@@ -24,6 +24,9 @@ func TestConnectErrorAuth(t *testing.T) {
 		{unix.ENOKEY, errdefs.ErrPermissionDenied, SecretDHCHAPKey},
 		{unix.EPROTONOSUPPORT, errdefs.ErrUnsupported, "in-band authentication"},
 		{unix.EIO, errdefs.ErrFailedPrecondition, "DH-HMAC-CHAP"},
+		// 6.12 answers EIO after its admin timeout now and then when
+		// the target dropped the connection over a rejected key.
+		{unix.EIO, errdefs.ErrFailedPrecondition, "rejected key"},
 		{unix.ECONNREFUSED, errdefs.ErrUnavailable, "refused"},
 	} {
 		err := connectError(fmt.Errorf("write /dev/nvme-fabrics: %w", tc.errno))

@@ -967,7 +967,7 @@ func (g *Target) Health(ctx context.Context) (abnormal bool, message string) {
 		return true, err.Error()
 	}
 	if head == "" {
-		return true, fmt.Sprintf("namespace of %s not attached", g.Key())
+		return true, fmt.Sprintf("namespace of %s not attached: no controller of the subsystem is connected; %s", g.Key(), goneControllerHint)
 	}
 	var parts []string
 	up, want := 0, 0
@@ -982,8 +982,20 @@ func (g *Target) Health(ctx context.Context) (abnormal bool, message string) {
 		}
 	}
 	msg := fmt.Sprintf("%s: %d of %d paths up: %s", head, up, want, strings.Join(parts, "; "))
+	for _, p := range paths {
+		if p.Path != "" && p.Controller == "" {
+			msg += " (" + goneControllerHint + ")"
+			break
+		}
+	}
 	return up < want, msg
 }
+
+// goneControllerHint explains a path without a controller. The kernel
+// deletes a controller whose reconnects gave up; 6.12 (measured) also
+// deletes one whose reconnect failed DH-HMAC-CHAP authentication (a
+// status with Do Not Retry), at the first such attempt.
+const goneControllerHint = "the kernel removes a controller whose reconnects gave up (ctrl_loss_tmo) or, for a volume staged with DH-HMAC-CHAP keys, whose reconnect failed authentication (the target's key for this host changed or was removed): check the target, then unstage and stage the volume again"
 
 // keyedMutex serializes operations per key (a subsystem NQN).
 type keyedMutex struct{ k kmutex.KeyedMutex }

@@ -48,6 +48,12 @@ func TestStatusAndHealthFromSysfs(t *testing.T) {
 	if !abnormal || !strings.Contains(msg, "nvme1n1: 1 of 3 paths up") || !strings.Contains(msg, "tcp:127.0.0.1:4429: no controller") {
 		t.Errorf("Health = %v, %q", abnormal, msg)
 	}
+	// A path without a controller says why the kernel may have removed
+	// it: 6.12 deletes a controller whose reconnect failed DH-HMAC-CHAP
+	// authentication.
+	if !strings.Contains(msg, "DH-HMAC-CHAP") || !strings.Contains(msg, "ctrl_loss_tmo") {
+		t.Errorf("Health = %q: a path without a controller does not say why it may be gone", msg)
+	}
 
 	one, _ := tr.Parse(map[string]string{"nqn": subA, "nsid": "1", "traddr": "127.0.0.1"}, nil)
 	abnormal, msg = one.Health(ctx)
@@ -56,7 +62,7 @@ func TestStatusAndHealthFromSysfs(t *testing.T) {
 	}
 
 	gone, _ := tr.Parse(map[string]string{"nqn": subA, "nsid": "9", "traddr": "127.0.0.1"}, nil)
-	if abnormal, msg := gone.Health(ctx); !abnormal || !strings.Contains(msg, "not attached") {
+	if abnormal, msg := gone.Health(ctx); !abnormal || !strings.Contains(msg, "not attached") || !strings.Contains(msg, "DH-HMAC-CHAP") {
 		t.Errorf("missing namespace Health = %v, %q", abnormal, msg)
 	}
 	if _, err := gone.Expand(ctx); err == nil {

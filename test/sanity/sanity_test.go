@@ -108,6 +108,10 @@ func sanityBerth(t *testing.T, bin, dir string, ctl controller, flags ...string)
 	}
 }
 
+// sanitySecretsFile is csi-sanity's secrets file (YAML, see
+// sanity.CSISecrets) of the next runSanity; "" for none.
+var sanitySecretsFile string
+
 // runSanity runs the Node and Identity specs of csi-sanity for mount and
 // block volumes against the node plugin on nodeSock, with the controller
 // on ctlSock creating the volumes, and checks that the lifecycle specs ran
@@ -124,6 +128,7 @@ func runSanity(t *testing.T, dir, nodeSock, ctlSock string) bool {
 		cfg.TestVolumeSize = 64 << 20
 		cfg.TestVolumeExpandSize = 96 << 20
 		cfg.IdempotentCount = 3
+		cfg.SecretsFile = sanitySecretsFile
 		if err := os.MkdirAll(filepath.Join(dir, accessType), 0o750); err != nil {
 			t.Fatal(err)
 		}

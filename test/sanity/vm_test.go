@@ -5,12 +5,17 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/berth-csi/berth/nvmeof"
 	"github.com/berth-csi/berth/test/vm"
 	"github.com/berth-csi/berth/test/vm/target"
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -68,6 +73,71 @@ func TestGuestSanityNVMe(t *testing.T) {
 
 // All subsystems share one nvmet port.
 const nvmePort = "127.0.0.1:4420"
+
+// TestVMSanityNVMeDHCHAP runs csi-sanity's node specs with NVMe/TCP
+// volumes whose targets require DH-HMAC-CHAP, host and controller keys
+// in the stage secrets, in a guest booting Debian 13's 6.12 kernel (the
+// default guest's 6.1 has no in-band authentication).
+func TestVMSanityNVMeDHCHAP(t *testing.T) {
+	t.Parallel()
+	vm.RunGuestTests(t,
+		vm.WithKernel("trixie"),
+		vm.WithTestRun("^TestGuestSanityNVMeDHCHAP$"),
+		vm.WithMemory(1536),
+		vm.WithTimeout(10*time.Minute))
+}
+
+func TestGuestSanityNVMeDHCHAP(t *testing.T) {
+	vm.RequireGuest(t)
+	target.LoadModules(t, "nvmet", "nvmet_tcp", "nvme_tcp", "nvme_fabrics")
+	host, err := nvmeof.LoadHostIdentity(nvmeof.DefaultHostDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gen := func(hmac string) string {
+		out, err := exec.Command("nvme", "gen-dhchap-key", "--hmac="+hmac, "--nqn", host.NQN).Output()
+		if err != nil {
+			t.Fatalf("nvme gen-dhchap-key: %v", err)
+		}
+		return strings.TrimSpace(string(out))
+	}
+	key, ctrlKey := gen("1"), gen("2")
+	dir := t.TempDir()
+	secrets := filepath.Join(dir, "secrets.yaml")
+	yaml := fmt.Sprintf("NodeStageVolumeSecret:\n  %s: %q\n  %s: %q\n", nvmeof.SecretDHCHAPKey, key, nvmeof.SecretDHCHAPCtrlKey, ctrlKey)
+	if err := os.WriteFile(secrets, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sanitySecretsFile = secrets
+	ctl := newTargetController(t, func(tb testing.TB, id string, size int64) (map[string]string, func(int64)) {
+		tgt := target.NewNVMeTarget(tb, target.NVMeConfig{
+			NQN:          "nqn.2014-08.io.berth:" + id,
+			Namespaces:   []target.NVMeNamespace{{Size: size}},
+			Ports:        []string{nvmePort},
+			AllowedHosts: []string{host.NQN},
+			DHCHAP:       &target.NVMeDHCHAP{Key: key, CtrlKey: ctrlKey},
+		})
+		ns := tgt.Namespace(1)
+		return map[string]string{
+				"transport": "nvmeof",
+				"nqn":       tgt.NQN(),
+				"traddr":    "127.0.0.1",
+				"trsvcid":   "4420",
+				"nsid":      "1",
+				"uuid":      ns.UUID,
+			}, func(size int64) {
+				tgt.Grow(1, size)
+			}
+	})
+	sanityBerth(t, guestBerth, dir, ctl, "--transports", "nvmeof")
+	// berth disconnected every controller it connected.
+	nqns, _ := filepath.Glob("/sys/class/nvme/*/subsysnqn")
+	for _, f := range nqns {
+		if b, err := os.ReadFile(f); err == nil && strings.HasPrefix(string(b), "nqn.2014-08.io.berth:") {
+			t.Errorf("controller left after sanity: %s: %s", f, b)
+		}
+	}
+}
 
 func TestGuestSanityISCSI(t *testing.T) {
 	vm.RequireGuest(t)

@@ -55,11 +55,17 @@
 // boots the Debian root (a snapshot of a disk image) with systemd as PID 1
 // instead of the busybox init; the tests then run from a service after
 // multi-user.target. WithBerthTags builds the guest's berth with build tags
-// (the crash suites use "failpoints").
+// (the crash suites use "failpoints"). WithKernel("trixie") boots Debian
+// 13's 6.12 cloud kernel (NVMe in-band authentication on both sides) with
+// the same Debian 12 root and tools; test/vm/image/build.sh trixie builds
+// that image (current-trixie in the cache). BERTH_VM_KERNEL_SUITE=trixie
+// gives every guest without WithKernel that kernel, to run a package's
+// guest tests once on it.
 //
 // Timing under TCG on two host cores: the initramfs guest starts its tests
-// 2-10 s after QEMU starts (depending on host load), the systemd guest much
-// later; the console line "BERTH-VM-START guest uptime N" tells. A guest
+// 2-10 s after QEMU starts (depending on host load; the 6.12 kernel a few
+// seconds more, with its boot-time crypto self-tests off through the
+// image's KERNEL_ARGS, cryptomgr.notests=1), the systemd guest much later; the console line "BERTH-VM-START guest uptime N" tells. A guest
 // that has not started its tests after half its timeout (at most 150 s)
 // is taken for stuck in early boot: it is killed, with its console in the
 // log, and booted once more with the kernel's messages on. A second hang

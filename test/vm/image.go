@@ -19,13 +19,19 @@ type image struct {
 	kernel        string
 	baseInitramfs string
 	rootDisk      string
+	kernelArgs    string // added to the kernel command line
+}
+
+// builtImage is the result of one run of build.sh.
+type builtImage struct {
+	once sync.Once
+	img  *image
+	log  string
+	err  error
 }
 
 var (
-	imageOnce sync.Once
-	imageVal  *image
-	imageErr  error
-	imageLog  string
+	images sync.Map // kernel suite ("" for the default) -> *builtImage
 
 	rootOnce sync.Once
 	rootDir  string
@@ -76,28 +82,36 @@ func moduleRoot() (string, error) {
 	return rootDir, rootErr
 }
 
-// loadImage runs build.sh once per process: it returns at once when the cache
-// is current and builds what is missing otherwise.
-func loadImage() (*image, string, error) {
-	imageOnce.Do(func() {
+// loadImage runs build.sh once per process and kernel suite ("" for the
+// default kernel, else the Debian suite whose cloud kernel the image
+// boots): it returns at once when the cache is current and builds what is
+// missing otherwise.
+func loadImage(suite string) (*image, string, error) {
+	v, _ := images.LoadOrStore(suite, &builtImage{})
+	b := v.(*builtImage)
+	b.once.Do(func() {
 		root, err := moduleRoot()
 		if err != nil {
-			imageErr = err
+			b.err = err
 			return
 		}
+		var args []string
+		if suite != "" {
+			args = append(args, suite)
+		}
 		var stdout, stderr bytes.Buffer
-		cmd := exec.Command(filepath.Join(root, "test", "vm", "image", "build.sh"))
+		cmd := exec.Command(filepath.Join(root, "test", "vm", "image", "build.sh"), args...)
 		cmd.Stdout, cmd.Stderr = &stdout, &stderr
 		err = cmd.Run()
-		imageLog = stderr.String()
+		b.log = stderr.String()
 		if err != nil {
-			imageErr = fmt.Errorf("test/vm/image/build.sh: %w\n%s", err, tail(imageLog, 30))
+			b.err = fmt.Errorf("test/vm/image/build.sh %s: %w\n%s", suite, err, tail(b.log, 30))
 			return
 		}
 		dir := strings.TrimSpace(lastLine(stdout.String()))
-		imageVal, imageErr = readImageEnv(filepath.Join(dir, "image.env"))
+		b.img, b.err = readImageEnv(filepath.Join(dir, "image.env"))
 	})
-	return imageVal, imageLog, imageErr
+	return b.img, b.log, b.err
 }
 
 func readImageEnv(p string) (*image, error) {
@@ -118,6 +132,7 @@ func readImageEnv(p string) (*image, error) {
 		kernel:        kv["KERNEL"],
 		baseInitramfs: kv["BASE_INITRAMFS"],
 		rootDisk:      kv["ROOT_DISK"],
+		kernelArgs:    kv["KERNEL_ARGS"],
 	}
 	for _, f := range []string{img.kernel, img.baseInitramfs} {
 		if f == "" || !fileExists(f) {

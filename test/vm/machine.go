@@ -88,7 +88,7 @@ func Boot(t testing.TB, opts ...Option) *Machine {
 		unavailable(t, "the VM image is built as root (mmdebstrap): run as root")
 	}
 	t0 := time.Now()
-	img, buildLog, err := loadImage()
+	img, buildLog, err := loadImage(cfg.kernel)
 	if err != nil {
 		unavailable(t, "guest image: %v", err)
 	}
@@ -204,13 +204,17 @@ func (m *Machine) prepare(img *image) error {
 	}
 
 	seq := machineSeq.Add(1)
+	cmdline := "console=ttyS0 panic=-1 quiet net.ifnames=0 rdinit=/init"
+	if img.kernelArgs != "" {
+		cmdline += " " + img.kernelArgs
+	}
 	m.args = []string{
 		"qemu-system-x86_64",
 		"-nodefaults", "-display", "none", "-no-reboot",
 		"-accel", "tcg", "-cpu", "max",
 		"-smp", strconv.Itoa(cfg.cpus), "-m", strconv.Itoa(cfg.memoryMB),
 		"-kernel", img.kernel, "-initrd", initrd,
-		"-append", "console=ttyS0 panic=-1 quiet net.ifnames=0 rdinit=/init",
+		"-append", cmdline,
 		"-serial", "stdio",
 		"-chardev", "socket,id=io,path=" + filepath.Join(m.dir, "io.sock"),
 		"-serial", "chardev:io",

@@ -2,6 +2,7 @@ package vm
 
 import (
 	"fmt"
+	"os"
 	"regexp"
 	"time"
 )
@@ -24,6 +25,7 @@ type config struct {
 	systemd    bool
 	files      map[string]string
 	berthTags  string
+	kernel     string
 	env        map[string]string
 	nics       []nic
 	// hangFirstBoot makes the first boot's init stop before the tests
@@ -38,6 +40,7 @@ type nic struct {
 
 func defaultConfig() *config {
 	return &config{
+		kernel:   os.Getenv("BERTH_VM_KERNEL_SUITE"),
 		timeout:  4 * time.Minute,
 		memoryMB: 1024,
 		cpus:     2,
@@ -118,6 +121,15 @@ func WithExtraFiles(files map[string]string) Option {
 // (comma-separated), e.g. "failpoints".
 func WithBerthTags(tags string) Option { return func(c *config) { c.berthTags = tags } }
 
+// WithKernel boots the cloud kernel of another Debian suite (e.g.
+// "trixie": Debian 13's 6.12, built with NVMe in-band authentication)
+// instead of the default image's (the host suite's: Debian 12's 6.1). The
+// Debian root and tools are the same; test/vm/image/build.sh SUITE builds
+// and caches that image. BERTH_VM_KERNEL_SUITE=SUITE in the environment
+// gives every guest without WithKernel that suite's kernel (to run a
+// package's guest tests once on another kernel).
+func WithKernel(suite string) Option { return func(c *config) { c.kernel = suite } }
+
 // WithEnv sets environment variables of the in-guest test binary.
 func WithEnv(kv map[string]string) Option {
 	return func(c *config) {
@@ -139,6 +151,9 @@ func (c *config) validate() error {
 	}
 	if c.memoryMB < 256 {
 		return fmt.Errorf("vm: %d MiB of memory is too little", c.memoryMB)
+	}
+	if !regexp.MustCompile(`^[a-z]*$`).MatchString(c.kernel) {
+		return fmt.Errorf("vm: kernel suite %q: want a Debian suite name such as trixie", c.kernel)
 	}
 	for _, n := range c.nics {
 		if !regexp.MustCompile(`^[0-9.]+/[0-9]+$`).MatchString(n.addr) {

@@ -7,6 +7,13 @@
 #   stages/image-<key>/   base.cpio.gz: busybox, storage tools with their libraries, kernel modules;
 #                  image.env: paths and kernel version read by the Go harness
 #   current ->     the image-<key> directory of the last successful build
+#   current-<suite> -> the same for an image with another suite's kernel (build.sh SUITE)
+#
+# build.sh SUITE (e.g. trixie) builds a second image: the same Debian root and tools
+# with the cloud kernel of another Debian suite, downloaded through a private apt
+# configuration in the cache (the host's apt configuration is not touched). Debian 13's
+# kernel has NVMe in-band authentication (CONFIG_NVME_HOST_AUTH, CONFIG_NVME_TARGET_AUTH),
+# which Debian 12's 6.1 kernel lacks.
 #
 # Each key is a hash of the inputs of its stage (the code of the stage, the package list,
 # the kernel package version, the apt sources), so a changed input rebuilds that stage and
@@ -59,6 +66,9 @@ fi
 [ -n "$sources" ] && [ -f "$sources" ] || die "no apt sources file found (set BERTH_VM_APT_SOURCES)"
 . /etc/os-release
 suite=${VERSION_CODENAME:?no VERSION_CODENAME in /etc/os-release}
+# The suite of the guest kernel: the host's by default.
+ksuite=${1:-$suite}
+case $ksuite in *[!a-z]* | '') die "kernel suite $ksuite: want a Debian suite name such as trixie" ;; esac
 
 # Guest packages (the Debian root) and the tools copied into the initramfs.
 packages=(
@@ -99,28 +109,55 @@ sha() { sha256sum | cut -c1-16; }
 
 # ---- kernel ----------------------------------------------------------------
 kpkg=${BERTH_VM_KERNEL:-}
+kernel_args= # extra kernel command line of the image's guests
+lists_stamp="${BERTH_VM_KERNEL:-} $(stat -c %Y /var/lib/apt/lists 2>/dev/null) $({ cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null || true; } | sha)"
+resolved=$cache/.kernel-resolved
+if [ "$ksuite" != "$suite" ]; then
+	# Another suite's kernel: apt reads a private configuration (APT_CONFIG)
+	# whose sources name that suite on the first mirror of the host's own
+	# sources, with its own lists and archive cache in the cache directory.
+	kpkg=
+	mirror=$(sed -n 's/^[[:space:]]*URIs:[[:space:]]*\([^[:space:]]*\).*/\1/p; s/^[[:space:]]*deb[[:space:]]\+\(\[[^]]*\][[:space:]]\+\)\?\([^[:space:]]*\).*/\2/p' "$sources" | head -n1)
+	[ -n "$mirror" ] || die "no mirror URI in $sources"
+	aptdir=$cache/apt-$ksuite
+	mkdir -p "$aptdir/lists/partial" "$aptdir/cache/archives/partial"
+	echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror $ksuite main" >"$aptdir/sources.list"
+	cat >"$aptdir/apt.conf" <<EOF
+Dir::Etc::SourceList "$aptdir/sources.list";
+Dir::Etc::SourceParts "/dev/null";
+Dir::State::Lists "$aptdir/lists";
+Dir::Cache "$aptdir/cache";
+APT::Sandbox::User "root";
+EOF
+	export APT_CONFIG=$aptdir/apt.conf
+	# Debian 13's kernel runs the self-tests of its built-in crypto
+	# algorithms at boot: ~6 of the ~15 s it takes under TCG.
+	kernel_args=cryptomgr.notests=1
+	lists_stamp="$lists_stamp $(sha <"$aptdir/sources.list")"
+	resolved=$cache/.kernel-resolved-$ksuite
+fi
 kernel_candidates() {
 	apt-cache depends linux-image-cloud-amd64 2>/dev/null |
 		sed -n 's/^ *Depends: \(linux-image-[0-9].*-cloud-amd64\)$/\1/p' | head -n1
 }
 # apt-cache is slow on a busy machine: its answer is kept until the apt lists change.
-lists_stamp="${BERTH_VM_KERNEL:-} $(stat -c %Y /var/lib/apt/lists 2>/dev/null) $({ cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null || true; } | sha)"
-resolved=$cache/.kernel-resolved
 if [ -f "$resolved" ] && [ "$(head -n1 "$resolved")" = "$lists_stamp" ]; then
 	{ read -r _; read -r kpkg kversion; } <"$resolved"
 else
 	if [ -z "$kpkg" ]; then
-		kpkg=$(kernel_candidates)
-		if [ -z "$kpkg" ]; then
-			log "apt lists have no linux-image-cloud-amd64: apt-get update"
-			apt-get update -qq
-			kpkg=$(kernel_candidates)
+		kpkg=$(kernel_candidates || true)
+		if [ -z "$kpkg" ] || [ "$ksuite" != "$suite" ]; then
+			log "apt-get update ($ksuite)"
+			apt-get update -qq >&2
+			kpkg=$(kernel_candidates || true)
 		fi
 	fi
 	[ -n "$kpkg" ] || die "cannot find the cloud kernel package through linux-image-cloud-amd64"
 	kversion=$(apt-cache policy "$kpkg" | sed -n 's/^ *Candidate: //p')
 	[ -n "$kversion" ] && [ "$kversion" != "(none)" ] || die "no candidate version for $kpkg"
-	lists_stamp="${BERTH_VM_KERNEL:-} $(stat -c %Y /var/lib/apt/lists 2>/dev/null) $({ cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null || true; } | sha)"
+	if [ "$ksuite" = "$suite" ]; then
+		lists_stamp="${BERTH_VM_KERNEL:-} $(stat -c %Y /var/lib/apt/lists 2>/dev/null) $({ cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null || true; } | sha)"
+	fi
 	printf '%s\n%s %s\n' "$lists_stamp" "$kpkg" "$kversion" >"$resolved"
 fi
 kver=${kpkg#linux-image-}
@@ -135,7 +172,12 @@ build_kernel() { # $1: output dir
 	dpkg-deb -x "$tmp"/*.deb "$tmp/x"
 	mkdir -p "$tmp/out/lib"
 	cp "$tmp/x/boot/vmlinuz-$kver" "$tmp/out/vmlinuz"
-	mv "$tmp/x/lib/modules" "$tmp/out/lib/modules"
+	# Debian 13's packages ship the modules under /usr (merged /usr).
+	if [ -d "$tmp/x/usr/lib/modules" ]; then
+		mv "$tmp/x/usr/lib/modules" "$tmp/out/lib/modules"
+	else
+		mv "$tmp/x/lib/modules" "$tmp/out/lib/modules"
+	fi
 	depmod -b "$tmp/out" "$kver"
 	rm -rf "$tmp/x" "$tmp"/*.deb
 	mv "$tmp/out" "$out"
@@ -150,6 +192,11 @@ else
 	build_kernel "$kernel_dir"
 	log "kernel $kver ready in $((SECONDS - t0)) s"
 fi
+# NVMe in-band authentication, where the kernel has it as modules (it is
+# built in where the kernel has it at all in Debian 13's cloud kernel).
+for m in nvme_auth nvme_keyring; do
+	modprobe -d "$kernel_dir" -S "$kver" --show-depends "$m" >/dev/null 2>&1 && modules+=("$m")
+done
 
 # ---- Debian root -------------------------------------------------------------
 build_root() { # $1: output dir
@@ -264,13 +311,15 @@ KERNEL_VERSION=$kver
 KERNEL_PACKAGE=$kpkg=$kversion
 KERNEL=$out/vmlinuz
 BASE_INITRAMFS=$out/base.cpio.gz
+KERNEL_DIR=$kernel_dir
+KERNEL_ARGS=$kernel_args
 ROOT_DISK=$root_dir/root.ext4
 ROOT_DIR=$root_tree
 EOF
 	rm -rf "$tmp"
 	mv "$out.tmp" "$out"
 }
-image_key=$( { cat "${BASH_SOURCE[0]}"; echo "$kernel_key $root_key"; } | sha)
+image_key=$( { declare -f build_image copy_with_libs guest_config; echo "${tools[*]} ${modules[*]} $kernel_args $kernel_key $root_key"; } | sha)
 image_dir=$stages/image-$image_key
 if [ -d "$image_dir" ]; then
 	touch "$image_dir" "$kernel_dir" "$root_dir"
@@ -282,13 +331,22 @@ else
 	log "image ready in $((SECONDS - t0)) s ($(du -sh --apparent-size "$image_dir/base.cpio.gz" | cut -f1) initramfs)"
 fi
 touch "$image_dir" "$kernel_dir" "$root_dir"
-ln -sfn "stages/image-$image_key" "$cache/current.tmp"
-mv -T "$cache/current.tmp" "$cache/current"
+link=current
+[ "$ksuite" = "$suite" ] || link=current-$ksuite
+ln -sfn "stages/image-$image_key" "$cache/$link.tmp"
+mv -T "$cache/$link.tmp" "$cache/$link"
 
 # Drop stages no longer referenced, once no test started an hour ago can still use them.
+# The stages of every current link (the images of other suites' kernels) stay.
+keep=("$kernel_dir" "$root_dir" "$image_dir")
+for l in "$cache"/current "$cache"/current-*; do
+	[ -f "$l/image.env" ] || continue
+	keep+=("$cache/$(readlink "$l")")
+	keep+=($(sed -n 's/^KERNEL_DIR=//p; s/^ROOT_DIR=\(.*\)\/tree$/\1/p' "$l/image.env"))
+done
 for d in "$stages"/kernel-* "$stages"/root-* "$stages"/image-*; do
 	[ -d "$d" ] || continue
-	case $d in "$kernel_dir" | "$root_dir" | "$image_dir") continue ;; esac
+	case " ${keep[*]} " in *" $d "*) continue ;; esac
 	[ -n "$(find "$d" -maxdepth 0 -mmin +60)" ] || continue
 	log "removing stale $d"
 	rm -rf "$d"

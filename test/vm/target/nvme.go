@@ -153,8 +153,9 @@ func (n *NVMeTarget) addNamespace(ns NVMeNamespace) {
 // SetDHCHAP sets the DH-HMAC-CHAP keys, hash and group host must use.
 // Controllers connected already keep their session; the keys apply at
 // the next (re)connect or re-authentication. An empty Key or CtrlKey
-// writes an empty value, which a kernel that cannot clear a key refuses
-// (t.Fatal).
+// clears that key: configfs refuses a write of zero bytes (EFAULT, on
+// 6.12), so a lone NUL byte is written, which nvmet reads as the empty
+// string that clears a key.
 func (n *NVMeTarget) SetDHCHAP(host string, a NVMeDHCHAP) {
 	t := n.t
 	t.Helper()
@@ -167,10 +168,19 @@ func (n *NVMeTarget) SetDHCHAP(host string, a NVMeDHCHAP) {
 	hd := filepath.Join(nvmetRoot, "hosts", host)
 	mustWrite(t, filepath.Join(hd, "dhchap_hash"), a.Hash)
 	mustWrite(t, filepath.Join(hd, "dhchap_dhgroup"), a.DHGroup)
-	mustWrite(t, filepath.Join(hd, "dhchap_key"), a.Key)
+	mustWrite(t, filepath.Join(hd, "dhchap_key"), keyValue(a.Key))
 	if a.CtrlKey != "" || hostAttr(hd, "dhchap_ctrl_key") != "" {
-		mustWrite(t, filepath.Join(hd, "dhchap_ctrl_key"), a.CtrlKey)
+		mustWrite(t, filepath.Join(hd, "dhchap_ctrl_key"), keyValue(a.CtrlKey))
 	}
+}
+
+// keyValue is what SetDHCHAP writes for key: the key, or a NUL byte
+// that clears it.
+func keyValue(key string) string {
+	if key == "" {
+		return "\x00"
+	}
+	return key
 }
 
 // hostAttr reads an attribute of an nvmet host ("" when unset or
