@@ -148,7 +148,10 @@ func TestRegistration(t *testing.T) {
 	})
 	waitFor(t, "the socket created anew", log, func() bool {
 		ino := inode(r.Path())
-		return ino != socketID{} && ino != first
+		// Its mode is set right after it is bound, which changes its
+		// ctime: it is complete once it has the mode.
+		fi, err := os.Lstat(r.Path())
+		return ino != socketID{} && ino != first && err == nil && fi.Mode().Perm() == 0o600
 	})
 
 	// The new socket answers; registered is logged.
