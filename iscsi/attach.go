@@ -646,7 +646,18 @@ func (t *Transport) detachPath(ctx context.Context, v *Volume, p path) error {
 // still be a LUN of sess, and it is set offline and deleted through that
 // descriptor; its disk, if it has one, is removed as the device that
 // descriptor shows.
+//
+// The whole removal runs in the background (see inflight): setting a
+// device offline, reading it and deleting it may each wait in the kernel
+// while its session recovers, and no RPC may outlive its deadline.
 func (t *Transport) removeDisk(ctx context.Context, sess *Session, h HCTL) error {
+	key := fmt.Sprintf("session%d/%s", sess.ID, h)
+	return t.removals.remove(ctx, key, fmt.Sprintf("SCSI device %s of session %d", h, sess.ID), func(ctx context.Context) error {
+		return t.removeDiskNow(ctx, sess, h)
+	})
+}
+
+func (t *Transport) removeDiskNow(ctx context.Context, sess *Session, h HCTL) error {
 	lun, err := t.sys.openLUN(sess.ID, h)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return nil // gone, or another session's now
@@ -671,12 +682,10 @@ func (t *Transport) removeDisk(ctx context.Context, sess *Session, h HCTL) error
 			return nil
 		}
 		if err == nil {
-			return t.removals.remove(ctx, dev, func(ctx context.Context) error {
-				if err := devices.RemoveSCSIDevice(ctx, t.opts.Listener, dev); err != nil {
-					return fmt.Errorf("remove SCSI disk %s (%s): %w", dev.Path, h, err)
-				}
-				return nil
-			})
+			if err := devices.RemoveSCSIDevice(ctx, t.opts.Listener, dev); err != nil {
+				return fmt.Errorf("remove SCSI disk %s (%s): %w", dev.Path, h, err)
+			}
+			return nil
 		}
 		if !errors.Is(err, errdefs.ErrNotFound) {
 			return err
@@ -700,8 +709,7 @@ type inflight struct {
 	e  map[string]error
 }
 
-func (in *inflight) remove(ctx context.Context, dev *devices.Device, fn func(context.Context) error) error {
-	key := fmt.Sprintf("%s/%d:%d", dev.Name, dev.Major, dev.Minor)
+func (in *inflight) remove(ctx context.Context, key, what string, fn func(context.Context) error) error {
 	in.mu.Lock()
 	if in.m == nil {
 		in.m, in.e = map[string]chan struct{}{}, map[string]error{}
@@ -732,7 +740,7 @@ func (in *inflight) remove(ctx context.Context, dev *devices.Device, fn func(con
 		in.mu.Unlock()
 		return err
 	case <-ctx.Done():
-		return fmt.Errorf("remove %s: the kernel is still deleting it (a disk of an unreachable target waits for the session's replacement timeout); retry later: %w", dev.Path,
+		return fmt.Errorf("remove %s: the kernel is still deleting it (a disk of an unreachable target waits for the session's replacement timeout); retry later: %w", what,
 			errors.Join(errdefs.ErrUnavailable, ctx.Err()))
 	}
 }

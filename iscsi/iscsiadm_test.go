@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -250,7 +249,7 @@ func TestKeyedMutex(t *testing.T) {
 // joins the same removal instead of starting another.
 func TestInflightRemoval(t *testing.T) {
 	var in inflight
-	dev := &devices.Device{Name: "sdz", Major: 8, Minor: 400}
+	key, what := "session3/0:0:0:1", "SCSI device 0:0:0:1 of session 3"
 	release := make(chan struct{})
 	var calls atomic.Int32
 	fn := func(ctx context.Context) error {
@@ -261,12 +260,12 @@ func TestInflightRemoval(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	err := in.remove(ctx, dev, fn)
+	err := in.remove(ctx, key, what, fn)
 	if !errors.Is(err, errdefs.ErrUnavailable) || !errors.Is(err, context.DeadlineExceeded) || time.Since(start) > 2*time.Second {
 		t.Fatalf("first call: %v after %v", err, time.Since(start))
 	}
 	done := make(chan error, 1)
-	go func() { done <- in.remove(context.Background(), dev, fn) }()
+	go func() { done <- in.remove(context.Background(), key, what, fn) }()
 	time.Sleep(20 * time.Millisecond)
 	close(release)
 	if err := <-done; err != nil {
