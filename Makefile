@@ -4,8 +4,10 @@
 GO        ?= go
 GOFLAGS   ?=
 BIN       ?= bin/berth
-VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-COMMIT    ?= $(shell git rev-parse HEAD 2>/dev/null)
+# The release this tree is (the file VERSION): berth version's version and the
+# image tag; the commit it was built from is reported beside it.
+VERSION   ?= $(shell cat VERSION)
+COMMIT    ?= $(shell git describe --always --dirty --abbrev=40 --exclude='*' 2>/dev/null)
 LDFLAGS   := -s -w -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 PREFIX    ?= /usr/local
 
@@ -66,7 +68,7 @@ vm-image:
 # with only the programs berth runs (cached in ~/.cache/berth-image), the
 # static berth and the deploy/kubernetes wrappers, written as one archive
 # that docker load, podman load and ctr images import read. Tagged with
-# berth's version; reproducible (SOURCE_DATE_EPOCH: HEAD's commit time).
+# VERSION, the tag the manifests deploy; reproducible (SOURCE_DATE_EPOCH: HEAD's commit time).
 IMAGE_NAME ?= berth
 IMAGE_TAG  ?= $(VERSION)
 IMAGE      ?= bin/berth-image.tar
