@@ -11,7 +11,7 @@ COMMIT    ?= $(shell git describe --always --dirty --abbrev=40 --exclude='*' 2>/
 LDFLAGS   := -s -w -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 PREFIX    ?= /usr/local
 
-.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test reliability vm-image image image-check bench demo install clean fuzz
+.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test reliability vm-image image image-check e2e-deps e2e-build e2e bench demo install clean fuzz
 
 all: build
 
@@ -111,6 +111,23 @@ reliability: build vm-image
 		-run '^(TestEveryBoundaryHasASuite|TestCrashAtEveryStep|TestVMCrashNVMeoF|TestVMCrashISCSI)$$' ./test/reliability/ || status=$$?; \
 	echo; cat $(RELIABILITY_TABLE) 2>/dev/null || echo "no table: the suites did not get to report"; \
 	echo "reliability: $$(( $$(date +%s) - start ))s"; exit $$status
+
+# A single-node Kubernetes v1.34.4 on this host (test/e2e/README.md): the
+# control plane, kubelet and e2e.test built from the Go module proxy
+# (cached in ~/.cache/berth-e2e and Go's build cache), containerd and etcd
+# from Debian (make e2e-deps; not part of make deps), berth deployed as the
+# DaemonSet of deploy/kubernetes with make image's image, the Kubernetes
+# external storage suite run with test/e2e/testdriver.yaml, then torn down
+# and checked that nothing is left. E2E_FOCUS, E2E_SKIP, E2E_PROCS,
+# E2E_SERIAL=0 narrow it (test/e2e/scripts/run.sh).
+e2e-deps:
+	BERTH_E2E_DEPS=1 ./scripts/install-deps.sh
+
+e2e-build: e2e-deps
+	GO=$(GO) ./test/e2e/scripts/build.sh
+
+e2e: e2e-build image
+	BERTH_IMAGE=$(CURDIR)/$(IMAGE) ./test/e2e/scripts/e2e.sh
 
 bench: build vm-image
 	./scripts/bench.sh
