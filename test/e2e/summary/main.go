@@ -127,7 +127,9 @@ func summarize(w *os.File, specs []spec) int {
 		for r := range reasons {
 			rs = append(rs, r)
 		}
-		sort.Slice(rs, func(i, j int) bool { return reasons[rs[i]] > reasons[rs[j]] || reasons[rs[i]] == reasons[rs[j]] && rs[i] < rs[j] })
+		sort.Slice(rs, func(i, j int) bool {
+			return reasons[rs[i]] > reasons[rs[j]] || reasons[rs[i]] == reasons[rs[j]] && rs[i] < rs[j]
+		})
 		for _, r := range rs {
 			fmt.Fprintf(w, "%5d  %s\n", reasons[r], r)
 		}
