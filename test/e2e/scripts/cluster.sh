@@ -3,6 +3,7 @@
 #
 #   cluster.sh up     start it and deploy berth (the DaemonSet), the test CSI
 #                     controller, external-provisioner and external-resizer
+#   cluster.sh restart-kubelet   stop the kubelet and start it again
 #   cluster.sh down   stop everything and remove every trace: processes,
 #                     mounts, loop devices, cgroups, network namespaces, files
 #
@@ -45,6 +46,8 @@ PROBE_PORT=9818
 # hostPath directories the DaemonSet creates when missing: removed by down
 # unless they existed before up.
 HOSTPATHS=(/var/lib/berth /etc/iscsi /var/lib/iscsi /run/lock/iscsi /etc/nvme /run/udev)
+# and the kubelet's pod and container logs.
+HOSTPATHS+=(/var/log/pods /var/log/containers)
 
 log() { printf 'cluster: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -184,6 +187,19 @@ podPidsLimit: 4096
 EOF
 }
 
+start_kubelet() {
+	start kubelet innet "$bin/kubelet" --config="$S/kubelet.yaml" --kubeconfig="$S/admin.kubeconfig" \
+		--root-dir="$KDIR" --hostname-override=$NODE --node-ip=$NODE_IP --v=2
+}
+
+# restart-kubelet: stop the kubelet (pods and mounts stay) and start it again.
+restart_kubelet() {
+	stop kubelet
+	mv "$S/logs/kubelet.log" "$S/logs/kubelet.log.$(date +%s)"
+	start_kubelet
+	wait_for "kubelet healthz" 60 innet curl -sf http://127.0.0.1:10248/healthz
+}
+
 node_ready() {
 	[ "$(kc get node $NODE -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}')" = True ]
 }
@@ -202,10 +218,9 @@ up() {
 	[ -f "$img" ] || die "$img missing: run make image"
 	local t0=$SECONDS h
 	mkdir -p "$S/logs" "$S/files" "$R"
-	for h in "${HOSTPATHS[@]}" "$KDIR"; do
-		[ -e "$h" ] && echo "$h" >>"$R/existed"
-	done
-	touch "$R/existed"
+	for h in "${HOSTPATHS[@]}" "$KDIR" /run/netns; do
+		if [ -e "$h" ]; then echo "$h"; fi
+	done >"$R/existed"
 
 	ip netns add "$NS"
 	innet ip link set lo up
@@ -263,8 +278,7 @@ up() {
 		--controllers='*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-route' --profiling=false
 	start kube-scheduler innet "$bin/kube-scheduler" --kubeconfig="$S/admin.kubeconfig" \
 		--bind-address=127.0.0.1 --leader-elect=false --profiling=false
-	start kubelet innet "$bin/kubelet" --config="$S/kubelet.yaml" --kubeconfig="$S/admin.kubeconfig" \
-		--root-dir="$KDIR" --hostname-override=$NODE --node-ip=$NODE_IP --v=2
+	start_kubelet
 	wait_for "node Ready" 120 node_ready
 	kc apply -k "$here/deploy" >/dev/null
 	wait_for "berth in CSINode" 120 berth_registered
@@ -353,7 +367,11 @@ down() {
 	if [ -e "$NSPATH" ]; then
 		ip netns del "$NS"
 	fi
-	rmdir /run/netns 2>/dev/null || true
+	# ip netns made /run/netns a mount point of its own.
+	if [ -f "$R/existed" ] && ! grep -qx /run/netns "$R/existed" && [ -d /run/netns ] && [ -z "$(ls -A /run/netns)" ]; then
+		umount /run/netns 2>/dev/null || true
+		rmdir /run/netns 2>/dev/null || true
+	fi
 	# cgroups the kubelet and containerd made, deepest first.
 	local cg
 	for cg in /sys/fs/cgroup/*/kubepods* /sys/fs/cgroup/*/k8s.io /sys/fs/cgroup/*/system.slice/containerd*; do
@@ -381,7 +399,7 @@ check() {
 	[ -z "$x" ] || { log "network namespaces left: $x"; bad=1; }
 	x=$(ls -d /sys/fs/cgroup/*/kubepods* /sys/fs/cgroup/*/k8s.io 2>/dev/null || true)
 	[ -z "$x" ] || { log "cgroups left: $x"; bad=1; }
-	x=$(pgrep -a -f "$S|$R|$bin/|containerd-shim" || true)
+	x=$(pgrep -a -f "$S|$R|containerd-shim" || true)
 	[ -z "$x" ] || { log "processes left: $x"; bad=1; }
 	x=$(ls -d "$S" "$R" /run/containerd 2>/dev/null || true)
 	[ -z "$x" ] || { log "files left: $x"; bad=1; }
@@ -393,5 +411,6 @@ case ${1:-} in
 up) up ;;
 down) down ;;
 check) check ;;
-*) die "usage: $0 up|down|check" ;;
+restart-kubelet) restart_kubelet ;;
+*) die "usage: $0 up|down|check|restart-kubelet" ;;
 esac
