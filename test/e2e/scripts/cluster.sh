@@ -274,8 +274,7 @@ up() {
 	wait_for kube-apiserver 90 kc get --raw /readyz
 	start kube-controller-manager innet "$bin/kube-controller-manager" --kubeconfig="$S/admin.kubeconfig" \
 		--bind-address=127.0.0.1 --leader-elect=false --use-service-account-credentials=false \
-		--service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt" \
-		--controllers='*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-route' --profiling=false
+		--service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt" --profiling=false
 	start kube-scheduler innet "$bin/kube-scheduler" --kubeconfig="$S/admin.kubeconfig" \
 		--bind-address=127.0.0.1 --leader-elect=false --profiling=false
 	start_kubelet
