@@ -46,8 +46,9 @@ PROBE_PORT=9818
 # hostPath directories the DaemonSet creates when missing: removed by down
 # unless they existed before up.
 HOSTPATHS=(/var/lib/berth /etc/iscsi /var/lib/iscsi /run/lock/iscsi /etc/nvme /run/udev)
-# and the kubelet's pod and container logs.
-HOSTPATHS+=(/var/log/pods /var/log/containers)
+# and the kubelet's pod and container logs, and /lib/modules, a hostPath of
+# type Directory, which this host's kernel (no modules) lacks: up makes it.
+HOSTPATHS+=(/var/log/pods /var/log/containers /lib/modules)
 
 log() { printf 'cluster: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
@@ -221,6 +222,7 @@ up() {
 	for h in "${HOSTPATHS[@]}" "$KDIR" /run/netns; do
 		if [ -e "$h" ]; then echo "$h"; fi
 	done >"$R/existed"
+	mkdir -p /lib/modules
 
 	ip netns add "$NS"
 	innet ip link set lo up
@@ -270,7 +272,7 @@ up() {
 		--kubelet-client-certificate="$pki/admin.crt" --kubelet-client-key="$pki/admin.key" \
 		--service-account-key-file="$pki/sa.pub" --service-account-signing-key-file="$pki/sa.key" \
 		--service-account-issuer=https://kubernetes.default.svc --authorization-mode=Node,RBAC \
-		--profiling=false
+		--kubelet-preferred-address-types=InternalIP --profiling=false
 	wait_for kube-apiserver 90 kc get --raw /readyz
 	start kube-controller-manager innet "$bin/kube-controller-manager" --kubeconfig="$S/admin.kubeconfig" \
 		--bind-address=127.0.0.1 --leader-elect=false --use-service-account-credentials=false \

@@ -54,7 +54,8 @@ deb=$work/debian-$VERSION_CODENAME
 if [ ! -d "$deb" ]; then
 	rm -rf "$deb.tmp"
 	mmdebstrap --quiet --variant=minbase --mode=root "$VERSION_CODENAME" "$deb.tmp" >&2
-	rm -rf "$deb.tmp"/var/cache/apt/* "$deb.tmp"/var/lib/apt/lists/*
+	# Device nodes are the runtime's to make; an image holds none.
+	rm -rf "$deb.tmp"/var/cache/apt/* "$deb.tmp"/var/lib/apt/lists/* "$deb.tmp"/dev/*
 	mv "$deb.tmp" "$deb"
 fi
 

@@ -41,7 +41,7 @@ run() {
 	nsenter --net="$NSPATH" -- "$bin/ginkgo" "$@" --timeout=3h --no-color \
 		--output-dir="$report" --json-report="$name.json" --silence-skips \
 		"$bin/e2e.test" -- \
-		--kubeconfig="$S/admin.kubeconfig" --provider=skeleton \
+		--kubeconfig="$S/admin.kubeconfig" --kubectl-path="$bin/kubectl" --provider=skeleton \
 		--storage.testdriver="$here/testdriver.yaml" \
 		--report-dir="$report" --disable-log-dump --dump-logs-on-failure=false \
 		--non-blocking-taints=node-role.kubernetes.io/control-plane \

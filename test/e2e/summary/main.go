@@ -83,10 +83,16 @@ func summarize(w *os.File, specs []spec) int {
 		if m := patternRE.FindStringSubmatch(text); m != nil {
 			pattern = m[1]
 		}
+		// The suite's name follows the pattern, in the same container
+		// text ("[Testpattern: Dynamic PV (xfs)] volumes") or the next.
 		suite := ""
 		for i, c := range s.ContainerHierarchyTexts {
-			if strings.Contains(c, "[Testpattern:") && i+1 < len(s.ContainerHierarchyTexts) {
-				suite = s.ContainerHierarchyTexts[i+1]
+			if j := strings.Index(c, "[Testpattern:"); j >= 0 {
+				_, rest, _ := strings.Cut(c[j:], "]")
+				suite = strings.TrimSpace(rest)
+				if suite == "" && i+1 < len(s.ContainerHierarchyTexts) {
+					suite = s.ContainerHierarchyTexts[i+1]
+				}
 			}
 		}
 		key := pattern + "\t" + suite
