@@ -28,14 +28,14 @@ focus=${E2E_FOCUS:-'External.Storage \[Driver: berth.csi.io\]'}
 #    enters PID 1's mount namespace (nsenter -t 1), which even root may not
 #    do on these machines; real nodes allow it.
 #  - growing a mounted ext4 (the default fs and ext4 patterns' expansion;
-#    the kubelet grows the filesystem after mounting it, so both the online
-#    and the "pod re-created" specs grow it online): resize2fs needs
+#    the kubelet grows the filesystem after mounting it, so the online, the
+#    offline and the "pod re-created" specs all grow it online): resize2fs needs
 #    CAP_SYS_RESOURCE, which root lacks on these machines; berth answers
 #    FAILED_PRECONDITION naming the capability, and each spec waits out its
 #    timeout. E2E_EXT4_GROW=1 runs them (hosts where root has it).
 skip='\[Disruptive\]|should not mount / map unused volumes in a pod'
 if [ "${E2E_EXT4_GROW:-0}" != 1 ]; then
-	skip="$skip|\\((default fs|ext4)\\).*\\] (volume-expand should resize volume when PVC is edited|ephemeral should support expansion)"
+	skip="$skip|\\((default fs|ext4)\\).*\\] (volume-expand (should resize volume when PVC is edited|Verify if offline PVC expansion works)|ephemeral should support expansion)"
 fi
 [ -z "${E2E_SKIP:-}" ] || skip="$skip|$E2E_SKIP"
 procs=${E2E_PROCS:-4}
