@@ -68,6 +68,7 @@ EOF
 
 running() { [ "$(kc -n $NS get pod "$1" -o jsonpath='{.status.phase}')" = Running ]; }
 token() { kc -n $NS exec "$1" -- cat /data/token; }
+has_token() { [ "$(token "$1")" = "$2" ]; }
 berth_ready() {
 	[ "$(kc -n kube-system get pods -l app.kubernetes.io/name=berth -o jsonpath='{.items[*].status.containerStatuses[?(@.name=="berth")].ready}')" = true ] &&
 		kc get csinode berth-e2e-node -o jsonpath='{.spec.drivers[*].name}' | grep -qw berth.csi.io
@@ -116,8 +117,9 @@ claim c2
 pod p2 c2
 if until_ok 180 running p2 && [ "$(token p2)" = p2 ]; then
 	"$(dirname "$0")/cluster.sh" restart-kubelet
-	if until_ok 120 sh -c "[ \"\$(nsenter --net=$NSPATH -- $bin/kubectl --kubeconfig $S/admin.kubeconfig get node berth-e2e-node -o jsonpath='{.status.conditions[?(@.type==\"Ready\")].status}')\" = True ]" &&
-		[ "$(token p2)" = p2 ] && [ "$(token p1b)" = p1 ]; then
+	# The node's status may still be the old kubelet's: ask the new one,
+	# through exec, until it has taken the running pods over.
+	if until_ok 120 has_token p2 p2 && has_token p1b p1; then
 		kc -n $NS delete pod p2 --wait=true >/dev/null
 		if until_ok 60 gone p2 && ! grep -q "/pods/.*/volumes/kubernetes.io~csi/.*" <(awk '{print $2}' /proc/self/mounts | grep "$(kc -n $NS get pvc c2 -o jsonpath='{.spec.volumeName}')"); then
 			ok "kubelet restarted: pods kept their data, a pod deleted afterwards was unpublished"
