@@ -7,8 +7,10 @@
 #
 # Environment:
 #   E2E_FOCUS   ginkgo focus regexp (default: every spec of the driver)
+#   E2E_SUBSET  ci: the focused subset below
 #   E2E_SKIP    more specs to skip (regexp, added to the fixed list below)
 #   E2E_SERIAL  0: no serial pass
+#   E2E_PARALLEL 0: no parallel pass
 #   E2E_PROCS   parallel ginkgo processes (default 4)
 #   E2E_REPORT  report directory (default bin/e2e in the repository)
 set -euo pipefail
@@ -21,6 +23,15 @@ S=/var/lib/berth-e2e
 NSPATH=/run/netns/berth-e2e
 report=${E2E_REPORT:-$repo/bin/e2e}
 focus=${E2E_FOCUS:-'External.Storage \[Driver: berth.csi.io\]'}
+# E2E_SUBSET=ci: a handful of specs, one or two per kind of volume, for a
+# run of a few minutes: data stored on the default fs, ext4, xfs and a
+# block volume; a block volume grown; a ReadWriteOncePod volume refused to
+# a second pod; fsGroup applied on a new pod; a generic ephemeral block
+# volume. No serial pass.
+if [ "${E2E_SUBSET:-}" = ci ]; then
+	focus='External.Storage \[Driver: berth.csi.io\] \[Testpattern: (Dynamic PV \((default fs|block volmode|ext4|xfs)\)\] (\[Slow\] )?volumes should store data|Dynamic PV \(block volmode\)\(allowExpansion\)\] volume-expand Verify if offline|Dynamic PV \(default fs\)\] read-write-once-pod .*should block a second pod|Dynamic PV \(default fs\)\] fsgroupchangepolicy \(OnRootMismatch\).*new pod fsgroup applied|Generic Ephemeral-volume \(block volmode\) \(late-binding\)\] ephemeral should create read/write)'
+	E2E_SERIAL=0
+fi
 # Never run here, each for its reason:
 #  - [Disruptive]: restarts the kubelet or the node over SSH, which this
 #    host has not (our own restart tests cover it: restart.sh);
@@ -58,7 +69,9 @@ run() {
 	echo "run: $name: ginkgo exit $status in $((SECONDS - t0))s (log $report/$name.log)"
 }
 
-run parallel -p --procs="$procs" --focus="$focus" --skip="$skip|\[Serial\]"
+if [ "${E2E_PARALLEL:-1}" != 0 ]; then
+	run parallel -p --procs="$procs" --focus="$focus" --skip="$skip|\[Serial\]"
+fi
 if [ "${E2E_SERIAL:-1}" != 0 ]; then
 	run serial --focus="$focus.*\[Serial\]" --skip="$skip"
 fi
