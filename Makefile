@@ -4,12 +4,14 @@
 GO        ?= go
 GOFLAGS   ?=
 BIN       ?= bin/berth
-VERSION   ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-COMMIT    ?= $(shell git rev-parse HEAD 2>/dev/null)
+# The release this tree is (the file VERSION): berth version's version and the
+# image tag; the commit it was built from is reported beside it.
+VERSION   ?= $(shell cat VERSION)
+COMMIT    ?= $(shell git describe --always --dirty --abbrev=40 --exclude='*' 2>/dev/null)
 LDFLAGS   := -s -w -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 PREFIX    ?= /usr/local
 
-.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test reliability vm-image image image-check bench demo install clean fuzz
+.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test reliability vm-image image image-check e2e-deps e2e-build e2e bench demo install clean fuzz
 
 all: build
 
@@ -74,7 +76,7 @@ vm-image:
 # with only the programs berth runs (cached in ~/.cache/berth-image), the
 # static berth and the deploy/kubernetes wrappers, written as one archive
 # that docker load, podman load and ctr images import read. Tagged with
-# berth's version; reproducible (SOURCE_DATE_EPOCH: HEAD's commit time).
+# VERSION, the tag the manifests deploy; reproducible (SOURCE_DATE_EPOCH: HEAD's commit time).
 IMAGE_NAME ?= berth
 IMAGE_TAG  ?= $(VERSION)
 IMAGE      ?= bin/berth-image.tar
@@ -117,6 +119,23 @@ reliability: build vm-image
 		-run '^(TestEveryBoundaryHasASuite|TestCrashAtEveryStep|TestVMCrashNVMeoF|TestVMCrashISCSI|TestVMCrashEncrypted)$$' ./test/reliability/ || status=$$?; \
 	echo; cat $(RELIABILITY_TABLE) 2>/dev/null || echo "no table: the suites did not get to report"; \
 	echo "reliability: $$(( $$(date +%s) - start ))s"; exit $$status
+
+# A single-node Kubernetes v1.34.4 on this host (test/e2e/README.md): the
+# control plane, kubelet and e2e.test built from the Go module proxy
+# (cached in ~/.cache/berth-e2e and Go's build cache), containerd and etcd
+# from Debian (make e2e-deps; not part of make deps), berth deployed as the
+# DaemonSet of deploy/kubernetes with make image's image, the Kubernetes
+# external storage suite run with test/e2e/testdriver.yaml, then torn down
+# and checked that nothing is left. E2E_FOCUS, E2E_SKIP, E2E_PROCS,
+# E2E_SERIAL=0 narrow it (test/e2e/scripts/run.sh).
+e2e-deps:
+	BERTH_E2E_DEPS=1 ./scripts/install-deps.sh
+
+e2e-build: e2e-deps
+	GO=$(GO) ./test/e2e/scripts/build.sh
+
+e2e: e2e-build image
+	BERTH_IMAGE=$(CURDIR)/$(IMAGE) ./test/e2e/scripts/e2e.sh
 
 bench: build vm-image
 	./scripts/bench.sh

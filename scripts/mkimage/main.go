@@ -4,6 +4,9 @@
 //
 //	go run ./scripts/mkimage -root DIR -add SRC:/path/in/image:0755 ... \
 //		-name berth -tag VERSION -epoch SOURCE_DATE_EPOCH -o berth.tar
+//
+// -entrypoint and -cmd (comma-separated) default to berth serve; make e2e
+// writes its test images with other values.
 package main
 
 import (
@@ -11,6 +14,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"path"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -42,6 +46,8 @@ func main() {
 		add   adds
 		epoch int64
 		out   string
+		entry string
+		cmd   string
 	)
 	flag.StringVar(&o.Root, "root", "", "root tree of the image")
 	flag.Var(&add, "add", "SOURCE:/path/in/image:MODE, a file placed over the tree (repeatable)")
@@ -49,6 +55,8 @@ func main() {
 	flag.StringVar(&o.Tag, "tag", "", "image tag (berth's version)")
 	flag.Int64Var(&epoch, "epoch", 0, "SOURCE_DATE_EPOCH: every file's time and the creation time")
 	flag.StringVar(&out, "o", "", "archive to write")
+	flag.StringVar(&entry, "entrypoint", "/usr/local/bin/berth", "the image's entrypoint, comma-separated")
+	flag.StringVar(&cmd, "cmd", "serve", "the image's command, comma-separated (empty: none)")
 	flag.Parse()
 	if o.Root == "" || out == "" || o.Tag == "" {
 		flag.Usage()
@@ -56,11 +64,11 @@ func main() {
 	}
 	o.Add = add
 	o.Epoch = time.Unix(epoch, 0).UTC()
-	o.Entrypoint = []string{"/usr/local/bin/berth"}
-	o.Cmd = []string{"serve"}
+	o.Entrypoint = list(entry)
+	o.Cmd = list(cmd)
 	o.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 	o.Labels = map[string]string{
-		"org.opencontainers.image.title":   "berth",
+		"org.opencontainers.image.title":   path.Base(o.Name),
 		"org.opencontainers.image.version": o.Tag,
 		"org.opencontainers.image.source":  "https://github.com/berth-csi/berth",
 	}
@@ -68,6 +76,13 @@ func main() {
 		fmt.Fprintln(os.Stderr, "mkimage:", err)
 		os.Exit(1)
 	}
+}
+
+func list(s string) []string {
+	if s == "" {
+		return nil
+	}
+	return strings.Split(s, ",")
 }
 
 func run(o image.Options, out string) (retErr error) {

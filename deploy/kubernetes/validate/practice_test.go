@@ -147,21 +147,43 @@ func dialsSocket(c corev1.Container) bool {
 
 var releaseTag = regexp.MustCompile(`^v[0-9]+\.[0-9]+\.[0-9]+$`)
 
-// The berth container runs the image make image builds (repository
-// berth), at a release tag; the tag is set in one place.
+// The berth container runs the image make image builds: repository berth,
+// tagged with the release in the file VERSION (which make image and berth
+// version read), in the kustomize base and in the chart alike.
 func TestImage(t *testing.T) {
-	ds := daemonSet(t, deployedObjects(t))
-	img := container(t, ds, "berth").Image
-	repo, tag, ok := strings.Cut(img, ":")
-	if !ok || repo != "berth" || !releaseTag.MatchString(tag) {
-		t.Errorf("berth image %q: want berth:vX.Y.Z, the repository make image writes at a release tag", img)
+	v, err := os.ReadFile(filepath.Join(manifestDir, "..", "..", "VERSION"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	version := strings.TrimSpace(string(v))
+	if !releaseTag.MatchString(version) {
+		t.Fatalf("VERSION %q: want vX.Y.Z", version)
+	}
+	for _, r := range []struct {
+		what string
+		objs func() ([]Object, error)
+	}{
+		{"kustomize base", func() ([]Object, error) { return Kustomize(manifestDir) }},
+		{"Helm chart", func() ([]Object, error) { return Helm(chartDir, "berth", "kube-system", nil) }},
+	} {
+		objs, err := r.objs()
+		if err != nil {
+			t.Fatal(err)
+		}
+		img := container(t, daemonSet(t, decodeRendered(t, r.what, objs)), "berth").Image
+		repo, tag, ok := strings.Cut(img, ":")
+		if !ok || repo != "berth" || tag != version {
+			t.Errorf("%s: berth image %q: want berth:%s, the image make image builds from VERSION", r.what, img, version)
+		}
 	}
 	mk, err := os.ReadFile(filepath.Join(manifestDir, "..", "..", "Makefile"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !bytes.Contains(mk, []byte("\nIMAGE_NAME ?= "+repo+"\n")) {
-		t.Errorf("the Makefile's IMAGE_NAME is not %s", repo)
+	for _, line := range []string{"\nIMAGE_NAME ?= berth\n", "\nIMAGE_TAG  ?= $(VERSION)\n", "\nVERSION   ?= $(shell cat VERSION)\n"} {
+		if !bytes.Contains(mk, []byte(line)) {
+			t.Errorf("the Makefile lacks %q", strings.TrimSpace(line))
+		}
 	}
 }
 

@@ -1,0 +1,15 @@
+//go:build tools
+
+// Package k8s pins the Kubernetes commands make e2e builds, so that go mod
+// tidy keeps their dependencies.
+package k8s
+
+import (
+	_ "github.com/onsi/ginkgo/v2/ginkgo"
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubectl"
+	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/test/images/agnhost"
+)

@@ -1,0 +1,172 @@
+#!/bin/bash
+# Restarts under the real kubelet, on the cluster of cluster.sh (the
+# suite's [Disruptive] tests need SSH to the node, which this host has not):
+#   1. berth's pod is deleted and the DaemonSet starts a new one: a running
+#      pod keeps reading its data; a new pod of the same claim mounts it.
+#   2. the kubelet is stopped and started: the pods keep their data, and a
+#      pod deleted after it unmounts cleanly.
+#   3. berth is killed (SIGKILL) while a pod's volume is being staged: the
+#      container restarts and the pod starts with its data volume.
+# At the end, every pod and claim deleted: nothing is left staged or
+# published, no loop device remains over the image files, berth's state
+# directory holds no volume.
+# Prints "restart: N passed, N failed".
+set -uo pipefail
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:$PATH
+here=$(cd "$(dirname "$0")/.." && pwd)
+E2E_CACHE=${E2E_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/berth-e2e}
+bin=$E2E_CACHE/bin
+S=/var/lib/berth-e2e
+R=/run/berth-e2e
+NSPATH=/run/netns/berth-e2e
+NS=berth-restart
+passed=0 failed=0
+kc() { nsenter --net="$NSPATH" -- "$bin/kubectl" --kubeconfig "$S/admin.kubeconfig" "$@"; }
+log() { printf 'restart: %s\n' "$*" >&2; }
+ok() { log "ok: $*"; passed=$((passed + 1)); }
+fail() { log "FAILED: $*"; failed=$((failed + 1)); }
+
+# until SECONDS CMD...: CMD succeeds within SECONDS.
+until_ok() {
+	local secs=$1 i
+	shift
+	for ((i = 0; i < secs; i++)); do
+		"$@" >/dev/null 2>&1 && return 0
+		sleep 1
+	done
+	return 1
+}
+
+claim() { # NAME
+	kc apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: $1, namespace: $NS}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: berth-restart
+  resources: {requests: {storage: 1Gi}}
+EOF
+}
+
+pod() { # NAME CLAIM
+	kc apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: $1, namespace: $NS}
+spec:
+  nodeName: berth-e2e-node
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: registry.k8s.io/e2e-test-images/busybox:1.37.0-1
+    command: [sh, -c, 'test -f /data/token || { echo $1 > /data/token; sync; }; exec sleep 100000']
+    volumeMounts: [{name: v, mountPath: /data}]
+  volumes: [{name: v, persistentVolumeClaim: {claimName: $2}}]
+EOF
+}
+
+running() { [ "$(kc -n $NS get pod "$1" -o jsonpath='{.status.phase}')" = Running ]; }
+token() { kc -n $NS exec "$1" -- cat /data/token; }
+has_token() { [ "$(token "$1")" = "$2" ]; }
+berth_ready() {
+	[ "$(kc -n kube-system get pods -l app.kubernetes.io/name=berth -o jsonpath='{.items[*].status.containerStatuses[?(@.name=="berth")].ready}')" = true ] &&
+		kc get csinode berth-e2e-node -o jsonpath='{.spec.drivers[*].name}' | grep -qw berth.csi.io
+}
+gone() { ! kc -n $NS get pod "$1" >/dev/null 2>&1; }
+
+# berth_pid: the pid of berth's container process on this host.
+berth_pid() {
+	local id
+	id=$(ctr --address "$R/containerd.sock" -n k8s.io containers ls -q 'labels."io.kubernetes.container.name"==berth' | head -1)
+	[ -n "$id" ] && ctr --address "$R/containerd.sock" -n k8s.io tasks ls | awk -v id="$id" '$1 == id && $3 == "RUNNING" { print $2 }'
+}
+
+t0=$SECONDS
+kc create namespace $NS >/dev/null
+kc apply -f - >/dev/null <<EOF
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: berth-restart}
+provisioner: berth.csi.io
+parameters: {csi.storage.k8s.io/fstype: xfs}
+EOF
+
+# 1. berth's pod restarted.
+claim c1
+pod p1 c1
+if until_ok 180 running p1 && [ "$(token p1)" = p1 ]; then
+	kc -n kube-system delete pod -l app.kubernetes.io/name=berth --wait=true >/dev/null
+	if until_ok 120 berth_ready && [ "$(token p1)" = p1 ]; then
+		kc -n $NS delete pod p1 --wait=true >/dev/null
+		pod p1b c1
+		if until_ok 180 running p1b && [ "$(token p1b)" = p1 ]; then
+			ok "berth's pod restarted: the running pod kept its data, a new pod of the claim mounted it"
+		else
+			fail "after berth's pod restarted, a new pod of claim c1 did not start with the data"
+		fi
+	else
+		fail "berth's new pod not ready, or p1 lost its data"
+	fi
+else
+	fail "pod p1 did not start"
+fi
+
+# 2. the kubelet restarted.
+claim c2
+pod p2 c2
+if until_ok 180 running p2 && [ "$(token p2)" = p2 ]; then
+	"$(dirname "$0")/cluster.sh" restart-kubelet
+	# The node's status may still be the old kubelet's: ask the new one,
+	# through exec, until it has taken the running pods over.
+	if until_ok 120 has_token p2 p2 && has_token p1b p1; then
+		kc -n $NS delete pod p2 --wait=true >/dev/null
+		if until_ok 60 gone p2 && ! grep -q "/pods/.*/volumes/kubernetes.io~csi/.*" <(awk '{print $2}' /proc/self/mounts | grep "$(kc -n $NS get pvc c2 -o jsonpath='{.spec.volumeName}')"); then
+			ok "kubelet restarted: pods kept their data, a pod deleted afterwards was unpublished"
+		else
+			fail "after the kubelet restarted, deleting p2 left its volume published"
+		fi
+	else
+		fail "after the kubelet restarted: node not Ready or data lost"
+	fi
+else
+	fail "pod p2 did not start"
+fi
+
+# 3. berth killed while a pod's volume is being staged.
+claim c3
+until_ok 120 sh -c "[ \"\$(nsenter --net=$NSPATH -- $bin/kubectl --kubeconfig $S/admin.kubeconfig -n $NS get pvc c3 -o jsonpath='{.status.phase}')\" = Bound ]"
+pod p3 c3
+pv=$(kc -n $NS get pvc c3 -o jsonpath='{.spec.volumeName}')
+killed=0
+for ((i = 0; i < 1200; i++)); do
+	# Staging has begun when berth attached the image file to a loop device;
+	# the filesystem is made and mounted next.
+	if [ -n "$(losetup -j "$S/files/$pv.img" 2>/dev/null)" ] && pid=$(berth_pid) && [ -n "$pid" ]; then
+		kill -9 "$pid" && killed=1
+		break
+	fi
+	sleep 0.05
+done
+if [ $killed = 1 ] && until_ok 240 running p3 && [ "$(token p3)" = p3 ] && until_ok 120 berth_ready; then
+	ok "berth killed (SIGKILL) during the start of p3: the pod started with its volume"
+else
+	fail "berth killed during the start of p3 (killed=$killed): the pod did not start with its volume"
+fi
+
+# Everything deleted: nothing staged, published, attached or recorded.
+kc delete namespace $NS --wait=true --timeout=180s >/dev/null
+until_ok 120 sh -c "[ -z \"\$(nsenter --net=$NSPATH -- $bin/kubectl --kubeconfig $S/admin.kubeconfig get pv -o name)\" ]"
+kc delete storageclass berth-restart >/dev/null
+left=$(awk '{print $2}' /proc/self/mounts | grep -E '^/var/lib/kubelet/(plugins/kubernetes.io/csi|pods)/' || true)
+loops=$(losetup -ln -O NAME,BACK-FILE | grep "$S/files" || true)
+files=$(ls "$S/files" 2>/dev/null)
+state=$(find /var/lib/berth -type f -name '*.json' 2>/dev/null)
+if [ -z "$left$loops$files$state" ]; then
+	ok "after deleting every pod and claim: no mount, loop device, image file or berth state left"
+else
+	fail "left after deleting every pod and claim: mounts [$left] loops [$loops] files [$files] state [$state]"
+fi
+log "$((SECONDS - t0))s"
+echo "restart: $passed passed, $failed failed"
+[ $failed = 0 ]
