@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -745,6 +746,15 @@ func TestCrashAtEveryStep(t *testing.T) {
 		return
 	}
 	t.Run("every boundary is covered", func(t *testing.T) {
-		requireReached(t, sourceBoundaries(t, hostPackages...), reached)
+		// The steps of encrypted volumes need dm-crypt, which this host
+		// lacks: the encrypted suite in a guest requires them.
+		requireReached(t, slices.DeleteFunc(sourceBoundaries(t, hostPackages...), func(b string) bool {
+			return slices.Contains(encryptedBoundaries, b)
+		}), reached)
 	})
 }
+
+// encryptedBoundaries are the step boundaries only encrypted volumes
+// pass: TestGuestCrashEncrypted requires them, TestCrashAtEveryStep (on
+// a host without device-mapper) the others.
+var encryptedBoundaries = []string{"step.open", "step.close", "step.resize_mapping", "exec.cryptsetup"}
