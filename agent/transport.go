@@ -77,7 +77,6 @@ type Target interface {
 	Health(ctx context.Context) (abnormal bool, message string)
 }
 
-
 // TransportFunc makes a Transport of a package whose Parse returns its
 // own target type (so that it need not import agent):
 //
