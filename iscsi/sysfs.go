@@ -240,12 +240,6 @@ func (s sysfs) BlockDevice(h HCTL) (string, error) {
 	return "", fmt.Errorf("SCSI device %s has no block device: %w", h, errdefs.ErrNotFound)
 }
 
-// SCSIDeviceExists reports whether the kernel knows the SCSI device h.
-func (s sysfs) SCSIDeviceExists(h HCTL) bool {
-	_, err := os.Stat(s.path("class", "scsi_device", h.String()))
-	return err == nil
-}
-
 // lunDir is the sysfs directory of one SCSI device, opened once and
 // checked to be a LUN of a given iSCSI session. Reads and writes go
 // through the descriptor: a device removed meanwhile answers ENOENT or
@@ -339,12 +333,6 @@ func (s sysfs) Scan(sess *Session, lun int) error {
 // (VPD pages, so the WWID) of a disk.
 func (s sysfs) Rescan(h HCTL) error {
 	return writeAttr(s.path("class", "scsi_device", h.String(), "device", "rescan"), "1")
-}
-
-// Offline sets a SCSI device offline so that the I/O its removal issues
-// (SYNCHRONIZE CACHE) fails at once instead of waiting for a dead target.
-func (s sysfs) Offline(h HCTL) error {
-	return writeAttr(s.path("class", "scsi_device", h.String(), "device", "state"), "offline")
 }
 
 func writeAttr(path, v string) error {
