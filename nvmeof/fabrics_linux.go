@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // DefaultFabricsDevice is the kernel's fabrics connect interface.
@@ -120,7 +121,7 @@ func connectError(err error) error {
 // controller, is success.
 func deleteController(sysRoot, name string, is func(*Controller) bool) error {
 	dir, err := os.OpenFile(filepath.Join(sysRoot, "class", "nvme", name), os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if gone(err) {
+	if sysfs.Gone(err) {
 		return nil
 	}
 	if err != nil {
@@ -129,7 +130,7 @@ func deleteController(sysRoot, name string, is func(*Controller) bool) error {
 	defer dir.Close()
 	at := fmt.Sprintf("/proc/self/fd/%d", dir.Fd())
 	cur, err := readController(at)
-	if gone(err) {
+	if sysfs.Gone(err) {
 		return nil
 	}
 	if err != nil {
@@ -140,14 +141,14 @@ func deleteController(sysRoot, name string, is func(*Controller) bool) error {
 		return nil
 	}
 	f, err := os.OpenFile(filepath.Join(at, "delete_controller"), os.O_WRONLY|unix.O_CLOEXEC, 0)
-	if gone(err) {
+	if sysfs.Gone(err) {
 		return nil
 	}
 	if err != nil {
 		return fmt.Errorf("delete controller %s: %w", name, err)
 	}
 	defer f.Close()
-	if _, err := f.Write([]byte("1")); err != nil && !gone(err) {
+	if _, err := f.Write([]byte("1")); err != nil && !sysfs.Gone(err) {
 		return fmt.Errorf("delete controller %s: %w", name, err)
 	}
 	return nil

@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // Head is a namespace block device as sysfs describes it: with native
@@ -54,7 +56,7 @@ func readHeads(sysRoot, nqn string) ([]Head, error) {
 			continue
 		}
 		h, err := readHead(filepath.Join(dir, e.Name()))
-		if gone(err) {
+		if sysfs.Gone(err) {
 			continue // removed while listing
 		}
 		if err != nil {

@@ -115,13 +115,6 @@ var headNameRE = regexp.MustCompile(`^nvme([0-9]+)n([0-9]+)$`)
 // error only the kernel gives).
 var readFile = os.ReadFile
 
-// gone reports whether err says a sysfs object was removed while it was
-// read: its files are gone (ENOENT), or the kernel tore the object down
-// already and its attributes answer ENODEV. A listing of controllers or
-// namespaces leaves such an object out: another subsystem's controller
-// or namespace may go at any moment.
-func gone(err error) bool { return sysfs.Gone(err) }
-
 func readAttr(dir, name string) (string, error) {
 	b, err := readFile(filepath.Join(dir, name))
 	if err != nil {
@@ -150,7 +143,7 @@ func readControllers(sysRoot string) ([]Controller, error) {
 			continue
 		}
 		c, err := readController(filepath.Join(dir, e.Name()))
-		if gone(err) {
+		if sysfs.Gone(err) {
 			continue
 		}
 		if err != nil {
@@ -339,7 +332,7 @@ func readNamespacePaths(sysRoot, head string) ([]NamespacePath, error) {
 		pm := pathNameRE.FindStringSubmatch(name)
 		p := NamespacePath{Name: name, Controller: "nvme" + pm[2]}
 		s, err := readAttr(filepath.Join(sysRoot, "block", name), "ana_state")
-		if err != nil && !gone(err) {
+		if err != nil && !sysfs.Gone(err) {
 			return nil, fmt.Errorf("read ANA state of %s: %w", name, err)
 		}
 		p.ANAState = s
