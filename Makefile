@@ -113,11 +113,12 @@ vm-test: build vm-image
 # guest per transport. Prints one table of every suite.
 RELIABILITY_TABLE ?= bin/reliability.md
 reliability: build vm-image
-	@mkdir -p $(dir $(RELIABILITY_TABLE)) && rm -f $(RELIABILITY_TABLE)
+	@mkdir -p $(dir $(RELIABILITY_TABLE)) && rm -f $(RELIABILITY_TABLE) $(RELIABILITY_TABLE).failures
 	@status=0; start=$$(date +%s); \
 	BERTH_RELIABILITY_TABLE=$(CURDIR)/$(RELIABILITY_TABLE) $(GO) test -count=1 -timeout 110m \
 		-run '^(TestEveryBoundaryHasASuite|TestCrashAtEveryStep|TestVMCrashNVMeoF|TestVMCrashISCSI|TestVMCrashEncrypted)$$' ./test/reliability/ || status=$$?; \
 	echo; cat $(RELIABILITY_TABLE) 2>/dev/null || echo "no table: the suites did not get to report"; \
+	if [ -s $(RELIABILITY_TABLE).failures ]; then echo; cat $(RELIABILITY_TABLE).failures; fi; \
 	echo "reliability: $$(( $$(date +%s) - start ))s"; exit $$status
 
 # A single-node Kubernetes v1.34.4 on this host (test/e2e/README.md): the

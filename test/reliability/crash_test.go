@@ -213,7 +213,9 @@ func (e *env) start(extraEnv ...string) {
 		e.fatalf("%v", err)
 	}
 	e.conn, e.node = conn, csi.NewNodeClient(conn)
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	// Generous: a guest without KVM on a busy host starts berth in
+	// well under a second, but not always.
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	id := csi.NewIdentityClient(conn)
 	for {
@@ -227,6 +229,9 @@ func (e *env) start(extraEnv ...string) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// killWait bounds the wait for a berth that left an RPC Unavailable to end.
+const killWait = 60 * time.Second
 
 func (e *env) exited() bool {
 	return e.cmd.ProcessState != nil
@@ -246,14 +251,21 @@ func (e *env) stop() {
 }
 
 // killed reports whether berth died of SIGKILL (a failpoint), waiting for
-// it to be reaped.
+// it to be reaped. A killed process ends only when each of its threads
+// has left the kernel: one writing delete_controller or flushing a device
+// when another hit the failpoint may take seconds more in a busy guest.
 func (e *env) killed() bool {
 	done := make(chan error, 1)
 	go func() { done <- e.cmd.Wait() }()
+	start := time.Now()
 	select {
 	case <-done:
-	case <-time.After(5 * time.Second):
+	case <-time.After(killWait):
+		e.t.Logf("berth did not end within %v of the RPC's Unavailable", killWait)
 		return false
+	}
+	if d := time.Since(start); d > time.Second {
+		e.t.Logf("berth ended %v after the RPC's Unavailable", d.Round(time.Millisecond))
 	}
 	ws, ok := e.cmd.ProcessState.Sys().(syscall.WaitStatus)
 	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
@@ -649,8 +661,13 @@ func crashEveryStep(t *testing.T, bin, transport string, lc lifecycle, mk newBac
 						r.converged += converged
 						mu.Unlock()
 						progress("%s %d/%d %s: failed=%v, %v", r.name, h.n, len(hits), h.name, t.Failed(), time.Since(runStart).Round(time.Millisecond))
-						if e.why != "" {
-							progress("%s %d/%d %s failed: %s", r.name, h.n, len(hits), h.name, e.why)
+						if t.Failed() {
+							why := e.why
+							if why == "" {
+								why = "no account kept: see the test's output"
+							}
+							progress("%s %d/%d %s failed: %s", r.name, h.n, len(hits), h.name, why)
+							failedRuns.add(fmt.Sprintf("%s %03d-%s: %s", r.name, h.n, h.name, why))
 						}
 					}()
 					e.start(fmt.Sprintf("BERTH_FAILPOINT_AT=%d", h.n))
@@ -688,21 +705,76 @@ func progress(format string, args ...any) {
 	fmt.Fprintf(f, "crash suite: "+format+"\n", args...)
 }
 
-// rowMarker starts a table line in a guest's output.
-const rowMarker = "BERTH-RELIABILITY-ROW "
+// rowMarker starts a table line in a guest's output, failureMarker the
+// account of a crash run that failed (quoted, one line).
+const (
+	rowMarker     = "BERTH-RELIABILITY-ROW "
+	failureMarker = "BERTH-RELIABILITY-FAILURE "
+)
 
-// reportTable prints the table of rows, and appends the rows to the file
-// named by BERTH_RELIABILITY_TABLE (make reliability prints the rows of
-// every suite as one table). In a guest the rows go to the output, each
-// behind rowMarker, for the host half to collect.
-func reportTable(t *testing.T, rows []string) {
+// failedRuns keeps the account of every crash run that failed, for the
+// end of the report: CI may show only the head and the tail of a long
+// output, and the guests' output comes as one block when they are done.
+var failedRuns runLog
+
+type runLog struct {
+	mu   sync.Mutex
+	runs []string
+}
+
+func (l *runLog) add(s string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.runs = append(l.runs, s)
+}
+
+// take returns the accounts kept so far and forgets them.
+func (l *runLog) take() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	runs := l.runs
+	l.runs = nil
+	return runs
+}
+
+// guestReport collects the table rows and the failed runs' accounts a
+// guest printed.
+func guestReport(out string) (rows, failures []string) {
+	for _, line := range strings.Split(out, "\n") {
+		if i := strings.Index(line, rowMarker); i >= 0 {
+			rows = append(rows, strings.TrimSpace(line[i+len(rowMarker):]))
+		}
+		if i := strings.Index(line, failureMarker); i >= 0 {
+			f, err := strconv.Unquote(strings.TrimSpace(line[i+len(failureMarker):]))
+			if err != nil {
+				f = line[i+len(failureMarker):]
+			}
+			failures = append(failures, f)
+		}
+	}
+	return rows, failures
+}
+
+// reportTable prints the table of rows and the accounts of the failed
+// runs, and appends them to the file named by BERTH_RELIABILITY_TABLE
+// and to the same name with ".failures" added (make reliability prints
+// the rows of every suite as one table, the failures below it). In a
+// guest both go to the output, behind rowMarker and failureMarker, for
+// the host half to collect.
+func reportTable(t *testing.T, rows, failures []string) {
 	if vm.InGuest() {
 		for _, r := range rows {
 			fmt.Printf("%s%s\n", rowMarker, r)
 		}
+		for _, f := range failures {
+			fmt.Printf("%s%s\n", failureMarker, strconv.Quote(f))
+		}
 		return
 	}
 	fmt.Printf("\n%s\n%s\n", tableHeader, strings.Join(rows, "\n"))
+	for _, f := range failures {
+		fmt.Printf("FAILED %s\n", f)
+	}
 	p := os.Getenv("BERTH_RELIABILITY_TABLE")
 	if p == "" {
 		return
@@ -717,6 +789,17 @@ func reportTable(t *testing.T, rows []string) {
 	}
 	for _, r := range rows {
 		fmt.Fprintln(f, r)
+	}
+	if len(failures) == 0 {
+		return
+	}
+	ff, err := os.OpenFile(p+".failures", os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ff.Close()
+	for _, fl := range failures {
+		fmt.Fprintf(ff, "FAILED %s\n", fl)
 	}
 }
 
@@ -741,7 +824,7 @@ func TestCrashAtEveryStep(t *testing.T) {
 	for _, lc := range lifecycles(t) {
 		rows = append(rows, crashEveryStep(t, bin, "file", lc, newFileBackend, reached, 1).row())
 	}
-	reportTable(t, rows)
+	reportTable(t, rows, failedRuns.take())
 	if t.Failed() {
 		return
 	}

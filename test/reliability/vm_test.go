@@ -67,16 +67,11 @@ func runCrashGuest(t *testing.T, transport, run string, opts ...vm.Option) {
 		vm.WithTimeout(30*time.Minute))
 	m := vm.Boot(t, opts...)
 	m.ReportTests(t)
-	var rows []string
-	for _, line := range strings.Split(m.Output(), "\n") {
-		if i := strings.Index(line, rowMarker); i >= 0 {
-			rows = append(rows, strings.TrimSpace(line[i+len(rowMarker):]))
-		}
-	}
+	rows, failures := guestReport(m.Output())
 	if len(rows) == 0 {
 		t.Error("the guest reported no table row")
 	}
-	reportTable(t, rows)
+	reportTable(t, rows, failures)
 	t.Logf("%s crash suite: %v in all (boot %v)", transport, time.Since(start).Round(time.Second), m.BootTime().Round(time.Millisecond))
 }
 
@@ -95,7 +90,7 @@ func guestCrashSuite(t *testing.T, transport string, mk newBackend, parallel int
 	for _, lc := range vmLifecycles() {
 		rows = append(rows, crashEveryStep(t, bin, transport, lc, mk, reached, parallel).row())
 	}
-	reportTable(t, rows)
+	reportTable(t, rows, failedRuns.take())
 	if t.Failed() {
 		return
 	}
@@ -288,14 +283,8 @@ func bootEncrypted(t *testing.T, run string, timeout time.Duration) {
 		vm.WithEnv(map[string]string{"BERTH_FAILPOINT_BIN": "/usr/bin/berth", encryptedLifecyclesEnv: os.Getenv(encryptedLifecyclesEnv)}),
 		vm.WithTimeout(timeout))
 	m.ReportTests(t)
-	var rows []string
-	for _, line := range strings.Split(m.Output(), "\n") {
-		if i := strings.Index(line, rowMarker); i >= 0 {
-			rows = append(rows, strings.TrimSpace(line[i+len(rowMarker):]))
-		}
-	}
-	if len(rows) > 0 {
-		reportTable(t, rows)
+	if rows, failures := guestReport(m.Output()); len(rows) > 0 || len(failures) > 0 {
+		reportTable(t, rows, failures)
 	}
 	t.Logf("%s: %v in all (boot %v)", run, time.Since(start).Round(time.Second), m.BootTime().Round(time.Millisecond))
 }
@@ -345,7 +334,7 @@ func TestGuestCrashEncrypted(t *testing.T) {
 	for _, lc := range encryptedCrashLifecycles(t) {
 		rows = append(rows, crashEveryStep(t, bin, "file", lc, newFileBackend, reached, 2).row())
 	}
-	reportTable(t, rows)
+	reportTable(t, rows, failedRuns.take())
 	if t.Failed() {
 		return
 	}
