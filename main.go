@@ -11,6 +11,7 @@ import (
 	"os/signal"
 	"runtime"
 	"runtime/debug"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -21,6 +22,7 @@ import (
 	"github.com/berth-csi/berth/agent"
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/doctor"
+	"github.com/berth-csi/berth/file"
 	"github.com/berth-csi/berth/internal/cliflags"
 	"github.com/berth-csi/berth/internal/kubeletreg"
 	"github.com/berth-csi/berth/iscsi"
@@ -217,7 +219,6 @@ func serve(c *cli.Context) error {
 		Version:         version,
 		NodeID:          c.String("node-id"),
 		StateDir:        c.String("state-dir"),
-		FileRoot:        c.String("file-root"),
 		MaxVolumes:      c.Int64("max-volumes"),
 		Topology:        topo,
 		Logger:          log,
@@ -279,19 +280,26 @@ func serve(c *cli.Context) error {
 			iscsiOpts.Params[param] = v
 		}
 	}
-	ts, err := networkTransports(c.String("transports"), iscsiOpts, l, log, func(ctx context.Context) ([]map[string]string, error) {
-		if a == nil {
-			return nil, nil
-		}
-		return a.StagedContexts(ctx)
+	ts, disabled, err := buildTransports(transportOptions{
+		list:     c.String("transports"),
+		fileRoot: c.String("file-root"),
+		iscsi:    iscsiOpts,
+		listener: l,
+		log:      log,
+		staged: func(ctx context.Context) ([]map[string]string, error) {
+			if a == nil {
+				return nil, nil
+			}
+			return a.StagedContexts(ctx)
+		},
 	})
 	if err != nil {
 		return err
 	}
-	if len(ts) == 0 && cfg.FileRoot == "" {
+	if len(ts) == 0 {
 		return fmt.Errorf("no transport enabled: --transports is empty and --file-root is not set; berth would have no volume to serve")
 	}
-	cfg.Transports = ts
+	cfg.Transports, cfg.Disabled = ts, disabled
 
 	// New locks the state directory before it reads it: a second berth on
 	// it stops here, before it binds anything.
@@ -338,7 +346,7 @@ func serve(c *cli.Context) error {
 		attrs = append(attrs, slog.String("metrics_address", metricsLis.Addr().String()))
 	}
 	log.Info("listening", append(attrs, slog.Int("pid", os.Getpid()))...)
-	go warnNodeChecks(ctx, log, startupChecks(c, ts, cfg.FileRoot != ""))
+	go warnNodeChecks(ctx, log, startupChecks(c, ts))
 
 	var wg sync.WaitGroup
 	defer wg.Wait()
@@ -374,13 +382,10 @@ func serve(c *cli.Context) error {
 
 // startupChecks is the doctor configuration of the transports this berth
 // serves, with the programs it runs.
-func startupChecks(c *cli.Context, ts []agent.Transport, file bool) doctor.Config {
+func startupChecks(c *cli.Context, ts []agent.Transport) doctor.Config {
 	var names []string
 	for _, t := range ts {
 		names = append(names, t.Name())
-	}
-	if file {
-		names = append(names, "file")
 	}
 	return doctor.Config{Transports: names, Iscsiadm: c.String(cliflags.Iscsiadm), Multipathd: c.String(cliflags.Multipathd)}
 }
@@ -424,35 +429,104 @@ func csiListener(endpoint, socket string) (lis net.Listener, activated bool, err
 	return locked, true, nil
 }
 
-// networkTransports builds the transports named in a comma-separated list.
-func networkTransports(list string, iscsiOpts iscsi.Options, l *devices.Listener, log *slog.Logger, staged func(context.Context) ([]map[string]string, error)) ([]agent.Transport, error) {
-	var out []agent.Transport
-	seen := map[string]bool{}
-	for _, name := range strings.Split(list, ",") {
-		name = strings.TrimSpace(name)
-		if name == "" || seen[name] {
-			continue
-		}
-		seen[name] = true
-		switch name {
-		case "nvmeof":
-			t, err := nvmeof.NewTransport(nvmeof.Options{Listener: l, Staged: staged, Logger: log})
-			if err != nil {
-				return nil, fmt.Errorf("nvmeof transport: %w", err)
-			}
-			out = append(out, agent.TransportFunc(t.Name(), t.Parse))
-		case "iscsi":
-			iscsiOpts.Listener, iscsiOpts.Logger = l, log
-			t, err := iscsi.New(iscsiOpts)
-			if err != nil {
-				return nil, fmt.Errorf("iscsi transport: %w", err)
-			}
-			out = append(out, agent.TransportFunc(t.Name(), t.Parse))
-		case "file":
-			return nil, fmt.Errorf("--transports: the file transport is enabled by --file-root")
-		default:
-			return nil, fmt.Errorf("--transports: unknown transport %q (want nvmeof, iscsi)", name)
+// transportPlugin is a transport berth knows: its kind (name and the
+// volume_context keys that select it) and how berth serve builds it.
+type transportPlugin struct {
+	kind agent.TransportKind
+	// flag is the flag that enables the transport (without the dashes),
+	// or "" for one that --transports lists: a network transport.
+	flag string
+	// build makes the transport from the flags. It runs for a listed
+	// transport that --transports names, and for every other one, which
+	// returns nil when its flag leaves it disabled.
+	build func(kind agent.TransportKind, o transportOptions) (agent.Transport, error)
+}
+
+// transportPlugins is every transport berth knows. A new transport is
+// its package and a line here.
+var transportPlugins = []transportPlugin{
+	{kind: agent.TransportKind{Name: file.Name, Keys: file.TransportKeys()}, flag: "file-root", build: newFileTransport},
+	{kind: agent.TransportKind{Name: nvmeof.Name, Keys: nvmeof.TransportKeys()}, build: newNVMeoFTransport},
+	{kind: agent.TransportKind{Name: iscsi.Name, Keys: iscsi.TransportKeys()}, build: newISCSITransport},
+}
+
+// transportOptions is what the transports are built from: berth serve's
+// flags, the uevent listener they share, and the volumes staged.
+type transportOptions struct {
+	list     string // --transports
+	fileRoot string // --file-root
+	iscsi    iscsi.Options
+	listener *devices.Listener
+	log      *slog.Logger
+	staged   func(context.Context) ([]map[string]string, error)
+}
+
+func newFileTransport(kind agent.TransportKind, o transportOptions) (agent.Transport, error) {
+	if o.fileRoot == "" {
+		return nil, nil
+	}
+	t, err := file.New(o.fileRoot, o.listener)
+	if err != nil {
+		return nil, err
+	}
+	return agent.TransportFunc(kind, t.Parse), nil
+}
+
+func newNVMeoFTransport(kind agent.TransportKind, o transportOptions) (agent.Transport, error) {
+	t, err := nvmeof.NewTransport(nvmeof.Options{Listener: o.listener, Staged: o.staged, Logger: o.log})
+	if err != nil {
+		return nil, fmt.Errorf("nvmeof transport: %w", err)
+	}
+	return agent.TransportFunc(kind, t.Parse), nil
+}
+
+func newISCSITransport(kind agent.TransportKind, o transportOptions) (agent.Transport, error) {
+	opts := o.iscsi
+	opts.Listener, opts.Logger = o.listener, o.log
+	t, err := iscsi.New(opts)
+	if err != nil {
+		return nil, fmt.Errorf("iscsi transport: %w", err)
+	}
+	return agent.TransportFunc(kind, t.Parse), nil
+}
+
+// buildTransports builds the transports the flags enable (o.list, a
+// comma-separated list of network transports, and each other transport's
+// own flag) and returns the kinds of the others.
+func buildTransports(o transportOptions) (enabled []agent.Transport, disabled []agent.TransportKind, err error) {
+	listed := map[string]bool{}
+	var want []string
+	for _, p := range transportPlugins {
+		if p.flag == "" {
+			want = append(want, p.kind.Name)
 		}
 	}
-	return out, nil
+	for _, name := range strings.Split(o.list, ",") {
+		name = strings.TrimSpace(name)
+		if name == "" {
+			continue
+		}
+		i := slices.IndexFunc(transportPlugins, func(p transportPlugin) bool { return p.kind.Name == name })
+		switch {
+		case i < 0:
+			return nil, nil, fmt.Errorf("--transports: unknown transport %q (want %s)", name, strings.Join(want, ", "))
+		case transportPlugins[i].flag != "":
+			return nil, nil, fmt.Errorf("--transports: the %s transport is enabled by --%s", name, transportPlugins[i].flag)
+		}
+		listed[name] = true
+	}
+	for _, p := range transportPlugins {
+		var t agent.Transport
+		if p.flag != "" || listed[p.kind.Name] {
+			if t, err = p.build(p.kind, o); err != nil {
+				return nil, nil, err
+			}
+		}
+		if t == nil {
+			disabled = append(disabled, p.kind)
+			continue
+		}
+		enabled = append(enabled, t)
+	}
+	return enabled, disabled, nil
 }

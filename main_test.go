@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -13,6 +14,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,9 +24,11 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
-	"github.com/berth-csi/berth/iscsi"
+	"github.com/berth-csi/berth/agent"
 )
 
 func TestParseTopology(t *testing.T) {
@@ -56,19 +60,69 @@ func TestNewLogger(t *testing.T) {
 	}
 }
 
-func TestNetworkTransports(t *testing.T) {
-	// iscsi needs a uevent listener (root); nvmeof opens nothing yet.
-	ts, err := networkTransports("nvmeof, ,nvmeof", iscsi.Options{}, nil, nil, nil)
-	if err != nil || len(ts) != 1 || ts[0].Name() != "nvmeof" {
-		t.Fatalf("networkTransports: %v, %v", ts, err)
-	}
-	if ts, err := networkTransports("", iscsi.Options{}, nil, nil, nil); err != nil || len(ts) != 0 {
-		t.Fatalf("no transports: %v, %v", ts, err)
-	}
-	for _, bad := range []string{"file", "fc"} {
-		if _, err := networkTransports(bad, iscsi.Options{}, nil, nil, nil); err == nil {
-			t.Errorf("networkTransports(%q) accepted", bad)
+func TestBuildTransports(t *testing.T) {
+	names := func(ts []agent.Transport) (out []string) {
+		for _, t := range ts {
+			out = append(out, t.Name())
 		}
+		return out
+	}
+	kinds := func(ks []agent.TransportKind) (out []string) {
+		for _, k := range ks {
+			out = append(out, k.Name)
+		}
+		return out
+	}
+	// iscsi needs a uevent listener (root); nvmeof opens nothing yet.
+	ts, off, err := buildTransports(transportOptions{list: "nvmeof, ,nvmeof"})
+	if err != nil || !slices.Equal(names(ts), []string{"nvmeof"}) || !slices.Equal(kinds(off), []string{"file", "iscsi"}) {
+		t.Fatalf("buildTransports: %v, %v, %v", names(ts), kinds(off), err)
+	}
+	if ts, off, err := buildTransports(transportOptions{}); err != nil || len(ts) != 0 || len(off) != len(transportPlugins) {
+		t.Fatalf("no transports: %v, %v, %v", names(ts), kinds(off), err)
+	}
+	root := t.TempDir()
+	ts, off, err = buildTransports(transportOptions{list: "nvmeof", fileRoot: root})
+	if err != nil || !slices.Equal(names(ts), []string{"file", "nvmeof"}) || !slices.Equal(kinds(off), []string{"iscsi"}) {
+		t.Fatalf("file root and nvmeof: %v, %v, %v", names(ts), kinds(off), err)
+	}
+	if !slices.Equal(ts[0].Keys(), []string{"file"}) {
+		t.Errorf("file transport's keys %q, want [file]", ts[0].Keys())
+	}
+	if _, _, err := buildTransports(transportOptions{fileRoot: "relative"}); err == nil {
+		t.Error("a relative --file-root accepted")
+	}
+	for bad, want := range map[string]string{
+		"file": "the file transport is enabled by --file-root",
+		"fc":   `unknown transport "fc" (want nvmeof, iscsi)`,
+	} {
+		if _, _, err := buildTransports(transportOptions{list: bad}); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("buildTransports(%q) = %v, want an error containing %q", bad, err, want)
+		}
+	}
+}
+
+// Every transport berth knows has a name of its own, the name its
+// package's transport answers, and keys no other transport claims; the
+// keys select it as before.
+func TestTransportPlugins(t *testing.T) {
+	owner := map[string]string{}
+	seen := map[string]bool{}
+	for _, p := range transportPlugins {
+		if p.kind.Name == "" || seen[p.kind.Name] {
+			t.Errorf("transport name %q empty or twice", p.kind.Name)
+		}
+		seen[p.kind.Name] = true
+		for _, k := range p.kind.Keys {
+			if o, ok := owner[k]; ok {
+				t.Errorf("volume_context key %q selects %s and %s", k, o, p.kind.Name)
+			}
+			owner[k] = p.kind.Name
+		}
+	}
+	want := map[string]string{"file": "file", "iqn": "iscsi", "targetPortal": "iscsi", "nqn": "nvmeof", "targetTrAddr": "nvmeof"}
+	if !maps.Equal(owner, want) {
+		t.Errorf("keys select %v, want %v", owner, want)
 	}
 }
 
@@ -419,6 +473,52 @@ func TestServeRefusesNoTransports(t *testing.T) {
 	if out := p.mustFail(t, "no transports"); !strings.Contains(out, "no transport enabled") {
 		t.Errorf("the refusal does not say that no transport is enabled:\n%s", out)
 	}
+}
+
+// berth serve selects a volume's transport by the keys each transport
+// declares, and refuses one it knows but does not serve by name: on a
+// node serving file and nvmeof, iSCSI keys are "not enabled", not "no
+// transport".
+func TestServeSelectsTransportByKeys(t *testing.T) {
+	requireRoot(t)
+	dir := t.TempDir()
+	sock, images, staging := filepath.Join(dir, "csi.sock"), filepath.Join(dir, "images"), filepath.Join(dir, "staging")
+	for _, d := range []string{images, staging} {
+		if err := os.Mkdir(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p := serveBerth(t, berthArgs(sock, filepath.Join(dir, "state"), "k", "--file-root="+images)...)
+	mustServe(t, p, sock, "k")
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	node := csi.NewNodeClient(conn)
+	for _, tc := range []struct {
+		vc   map[string]string
+		want string
+	}{
+		{map[string]string{"iqn": "iqn.2003-01.org.example:t", "targetPortal": "127.0.0.1:3260", "lun": "0"}, `transport "iscsi" is not enabled on this node (enabled: [file nvmeof])`},
+		{map[string]string{"lun": "0"}, `volume_context: names no transport`},
+		{map[string]string{"file": "a.img", "nqn": "nqn.2014-08.org.example:t"}, `keys of several transports [file nvmeof]`},
+		{map[string]string{"file": "../a.img"}, `volume_context["file"] "../a.img": contains ".."`},
+	} {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		_, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{
+			VolumeId: "v", StagingTargetPath: staging, VolumeContext: tc.vc,
+			VolumeCapability: &csi.VolumeCapability{
+				AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+				AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+			},
+		})
+		cancel()
+		if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("stage with %v: %v; want InvalidArgument with %q", tc.vc, err, tc.want)
+		}
+	}
+	p.stop(t)
 }
 
 // berth mounts, formats and attaches devices; run as another user it

@@ -46,9 +46,6 @@ type Config struct {
 	NodeID string
 	// StateDir holds the per-volume records (StateDir/volumes). Required.
 	StateDir string
-	// FileRoot enables the file transport: volume_context "file" names an
-	// image file below this directory. Empty disables it.
-	FileRoot string
 	// MaxVolumes is the number of volumes this node may have staged;
 	// 0 means no limit.
 	MaxVolumes int64
@@ -61,8 +58,12 @@ type Config struct {
 	// Listener is the uevent listener shared by the transports. If nil,
 	// New opens one and Serve closes it.
 	Listener *devices.Listener
-	// Transports are enabled in addition to the file transport.
+	// Transports are the transports this node serves.
 	Transports []Transport
+	// Disabled declares the transports berth knows that this node does
+	// not serve, so that a volume_context with their keys is refused as
+	// naming a transport not enabled here rather than as naming none.
+	Disabled []TransportKind
 
 	// Interceptors run around every RPC after berth's own logging one
 	// (metrics, tracing).
@@ -91,6 +92,7 @@ type Agent struct {
 	state       *store
 	locks       *inflight
 	transports  map[string]Transport
+	implied     map[string]string // volume_context key -> transport it selects
 	listener    *devices.Listener
 	ownListener bool
 	stateLock   *lockfile.Lock
@@ -197,18 +199,10 @@ func New(cfg Config) (_ *Agent, retErr error) {
 		}
 		a.listener, a.ownListener = l, true
 	}
-	ts := cfg.Transports
-	if cfg.FileRoot != "" {
-		ft, err := NewFileTransport(cfg.FileRoot, a.listener)
-		if err != nil {
-			return nil, err
-		}
-		ts = append([]Transport{ft}, ts...)
+	if a.implied, err = impliedTransports(cfg.Transports, cfg.Disabled); err != nil {
+		return nil, err
 	}
-	for _, t := range ts {
-		if _, dup := a.transports[t.Name()]; dup {
-			return nil, fmt.Errorf("transport %q: enabled twice", t.Name())
-		}
+	for _, t := range cfg.Transports {
 		a.transports[t.Name()] = t
 	}
 	a.log.Info("state loaded", slog.Int("volumes", st.count()), slog.String("state_dir", cfg.StateDir), slog.Any("transports", a.transportNames()))

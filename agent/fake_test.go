@@ -270,6 +270,8 @@ func newFakeTransport() *fakeTransport {
 
 func (ft *fakeTransport) Name() string { return "fake" }
 
+func (ft *fakeTransport) Keys() []string { return []string{"fake"} }
+
 func (ft *fakeTransport) Parse(vc, _ map[string]string) (Target, error) {
 	k := vc["fake"]
 	if k == "" {

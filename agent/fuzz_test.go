@@ -44,12 +44,16 @@ func FuzzVolumeContext(f *testing.F) {
 	f.Add("nqn", "nqn.x", "iqn", "iqn.y")
 	f.Add("file", "/etc/passwd", "transport", "file")
 	f.Add("file", "a/./../../b", "x", "\x00")
-	root := f.TempDir()
-	ft, err := NewFileTransport(root, nil)
+	root, err := filepath.EvalSymlinks(f.TempDir())
 	if err != nil {
 		f.Fatal(err)
 	}
-	ts := map[string]Transport{"file": ft}
+	ft := fileTransport(f, root, nil)
+	ts := map[string]Transport{ft.Name(): ft}
+	implied, err := impliedTransports([]Transport{ft}, nil)
+	if err != nil {
+		f.Fatal(err)
+	}
 	f.Fuzz(func(t *testing.T, k1, v1, k2, v2 string) {
 		vc, err := mergeContext(map[string]string{k1: v1}, map[string]string{k2: v2})
 		if err != nil {
@@ -60,7 +64,7 @@ func FuzzVolumeContext(f *testing.F) {
 				t.Fatalf("accepted control characters in %q=%q", k, v)
 			}
 		}
-		tr, err := selectTransport(vc, ts)
+		tr, err := selectTransport(vc, implied, ts)
 		if err != nil {
 			return
 		}
@@ -69,8 +73,8 @@ func FuzzVolumeContext(f *testing.F) {
 			return
 		}
 		key := tg.Key()
-		if !strings.HasPrefix(key, ft.root+"/") || filepath.Clean(key) != key {
-			t.Fatalf("volume_context %v names %q, outside the root %s", vc, key, ft.root)
+		if !strings.HasPrefix(key, root+"/") || filepath.Clean(key) != key {
+			t.Fatalf("volume_context %v names %q, outside the root %s", vc, key, root)
 		}
 	})
 }

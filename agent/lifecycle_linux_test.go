@@ -58,24 +58,33 @@ func newHarness(t testing.TB, mods ...func(*Config)) *harness {
 
 func (h *harness) start(mods ...func(*Config)) {
 	t := h.t
+	// Each start is a new berth process: its own uevent listener, which
+	// the agent and the file transport share, as in berth serve.
+	l, err := devices.NewListener()
+	if err != nil {
+		t.Fatal(err)
+	}
 	cfg := Config{
-		NodeID:   "test-node",
-		StateDir: h.stateDir,
-		FileRoot: h.root,
-		Version:  "test",
-		Logger:   slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: logLevel()})),
+		NodeID:     "test-node",
+		StateDir:   h.stateDir,
+		Listener:   l,
+		Transports: []Transport{fileTransport(t, h.root, l)},
+		Version:    "test",
+		Logger:     slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: logLevel()})),
 	}
 	for _, m := range mods {
 		m(&cfg)
 	}
 	a, err := New(cfg)
 	if err != nil {
+		l.Close()
 		t.Fatal(err)
 	}
 	h.agent = a
 	lis, err := Listen(h.endpoint)
 	if err != nil {
 		a.Close()
+		l.Close()
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -95,6 +104,7 @@ func (h *harness) start(mods ...func(*Config)) {
 		if err := <-done; err != nil {
 			t.Errorf("Serve: %v", err)
 		}
+		l.Close()
 	}
 }
 

@@ -115,7 +115,7 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 			return nil, err
 		}
 	}
-	tr, err := selectTransport(vctx, n.a.transports)
+	tr, err := selectTransport(vctx, n.a.implied, n.a.transports)
 	if err != nil {
 		return nil, err
 	}

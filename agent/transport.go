@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"sort"
 
@@ -10,16 +11,31 @@ import (
 )
 
 // Transport connects the volumes of one kind of storage: "file" (an image
-// file on a loop device), "nvmeof", "iscsi".
+// file on a loop device), "nvmeof", "iscsi". Each lives in its own
+// package, which does not import agent; TransportFunc adapts it.
 type Transport interface {
 	// Name is the value of volume_context "transport" that selects it.
 	Name() string
+	// Keys are the volume_context keys that select it when "transport"
+	// is absent (see TransportKind.Keys).
+	Keys() []string
 	// Parse validates volume_context (merged with publish_context) and
 	// the request's secrets and returns the target they name. It has no
 	// side effects. Unstage after a restart calls Parse with the stored
 	// context and nil secrets, so a Target must be able to Detach without
 	// secrets.
 	Parse(volumeContext, secrets map[string]string) (Target, error)
+}
+
+// TransportKind declares a transport berth knows, whether or not this
+// node serves it. Each transport's package declares its name and keys.
+type TransportKind struct {
+	// Name is the value of volume_context "transport" that selects it.
+	Name string
+	// Keys are the volume_context keys that select it when "transport"
+	// is absent: a context holding one of them, and none of another
+	// transport's, is this transport's. No two transports share a key.
+	Keys []string
 }
 
 // Target is one volume of a transport.
@@ -80,17 +96,19 @@ type Target interface {
 // TransportFunc makes a Transport of a package whose Parse returns its
 // own target type (so that it need not import agent):
 //
-//	agent.TransportFunc(t.Name(), t.Parse)
-func TransportFunc[T Target](name string, parse func(volumeContext, secrets map[string]string) (T, error)) Transport {
-	return funcTransport[T]{name: name, parse: parse}
+//	agent.TransportFunc(agent.TransportKind{Name: iscsi.Name, Keys: iscsi.TransportKeys()}, t.Parse)
+func TransportFunc[T Target](kind TransportKind, parse func(volumeContext, secrets map[string]string) (T, error)) Transport {
+	return funcTransport[T]{kind: kind, parse: parse}
 }
 
 type funcTransport[T Target] struct {
-	name  string
+	kind  TransportKind
 	parse func(volumeContext, secrets map[string]string) (T, error)
 }
 
-func (f funcTransport[T]) Name() string { return f.name }
+func (f funcTransport[T]) Name() string { return f.kind.Name }
+
+func (f funcTransport[T]) Keys() []string { return slices.Clone(f.kind.Keys) }
 
 func (f funcTransport[T]) Parse(vc, secrets map[string]string) (Target, error) {
 	t, err := f.parse(vc, secrets)
@@ -100,25 +118,46 @@ func (f funcTransport[T]) Parse(vc, secrets map[string]string) (Target, error) {
 	return t, nil
 }
 
-// volume_context keys that select or imply a transport.
-const (
-	ContextTransport = "transport"
-	ContextFile      = "file"
-)
+// ContextTransport is the volume_context key that names the transport.
+const ContextTransport = "transport"
 
-// inferKeys maps a volume_context key to the transport it implies when
-// "transport" is absent.
-var inferKeys = map[string]string{
-	"iqn":          "iscsi",
-	"targetPortal": "iscsi",
-	"nqn":          "nvmeof",
-	"targetTrAddr": "nvmeof",
-	ContextFile:    "file",
+// impliedTransports maps each volume_context key that selects a
+// transport, of the transports served and of those declared disabled, to
+// that transport's name. A transport named twice, or a key claimed by
+// two transports, is an error.
+func impliedTransports(enabled []Transport, disabled []TransportKind) (map[string]string, error) {
+	kinds := make([]TransportKind, 0, len(enabled)+len(disabled))
+	for _, t := range enabled {
+		kinds = append(kinds, TransportKind{Name: t.Name(), Keys: t.Keys()})
+	}
+	kinds = append(kinds, disabled...)
+	names := make(map[string]bool, len(kinds))
+	implied := make(map[string]string)
+	for _, k := range kinds {
+		if k.Name == "" {
+			return nil, fmt.Errorf("transport with keys %q: no name", k.Keys)
+		}
+		if names[k.Name] {
+			return nil, fmt.Errorf("transport %q: declared twice (enabled twice, or both enabled and disabled)", k.Name)
+		}
+		names[k.Name] = true
+		for _, key := range k.Keys {
+			if key == "" || key == ContextTransport {
+				return nil, fmt.Errorf("transport %q: volume_context key %q cannot select a transport", k.Name, key)
+			}
+			if other, ok := implied[key]; ok {
+				return nil, fmt.Errorf("volume_context key %q: selects both transport %q and %q", key, other, k.Name)
+			}
+			implied[key] = k.Name
+		}
+	}
+	return implied, nil
 }
 
 // transportName returns the transport a volume_context asks for: the
-// "transport" key, or the one its keys imply.
-func transportName(vc map[string]string) (string, error) {
+// "transport" key, or the one its keys imply (implied maps a key to the
+// transport it selects).
+func transportName(vc map[string]string, implied map[string]string) (string, error) {
 	if name, ok := vc[ContextTransport]; ok {
 		if name == "" {
 			return "", invalid("volume_context[%q]: empty", ContextTransport)
@@ -126,7 +165,7 @@ func transportName(vc map[string]string) (string, error) {
 		return name, nil
 	}
 	var found []string
-	for k, t := range inferKeys {
+	for k, t := range implied {
 		if _, ok := vc[k]; ok && !slices.Contains(found, t) {
 			found = append(found, t)
 		}
@@ -134,16 +173,20 @@ func transportName(vc map[string]string) (string, error) {
 	sort.Strings(found)
 	switch len(found) {
 	case 0:
-		return "", invalid("volume_context: names no transport (set %q, or give keys such as %q, \"nqn\" or \"iqn\")", ContextTransport, ContextFile)
+		if len(implied) == 0 {
+			return "", invalid("volume_context: names no transport (set %q)", ContextTransport)
+		}
+		keys := slices.Sorted(maps.Keys(implied))
+		return "", invalid("volume_context: names no transport (set %q, or give a key that selects one: %q)", ContextTransport, keys)
 	case 1:
 		return found[0], nil
 	}
 	return "", invalid("volume_context: keys of several transports %v; set %q to choose", found, ContextTransport)
 }
 
-// selectTransport finds the transport for a volume_context.
-func selectTransport(vc map[string]string, ts map[string]Transport) (Transport, error) {
-	name, err := transportName(vc)
+// selectTransport finds the enabled transport for a volume_context.
+func selectTransport(vc map[string]string, implied map[string]string, ts map[string]Transport) (Transport, error) {
+	name, err := transportName(vc, implied)
 	if err != nil {
 		return nil, err
 	}

@@ -35,7 +35,7 @@ func startAgent(t testing.TB, logger *slog.Logger) csi.NodeClient {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return csitest.StartAgent(t, logger, l, agent.TransportFunc(tr.Name(), tr.Parse))
+	return csitest.StartAgent(t, logger, l, agent.TransportFunc(agent.TransportKind{Name: iscsi.Name, Keys: iscsi.TransportKeys()}, tr.Parse))
 }
 
 // lockedBuffer is a bytes.Buffer for concurrent writers.

@@ -94,8 +94,16 @@ func New(opts Options) (*Transport, error) {
 	}, nil
 }
 
+// Name is the transport's name: volume_context "transport" selects it by
+// this value.
+const Name = "iscsi"
+
+// TransportKeys returns the volume_context keys that select the iSCSI
+// transport when volume_context has no "transport".
+func TransportKeys() []string { return []string{KeyIQN, KeyTargetPortal} }
+
 // Name is the transport's name in volume_context "transport".
-func (t *Transport) Name() string { return "iscsi" }
+func (t *Transport) Name() string { return Name }
 
 // Parse validates volume_context and secrets; see ParseVolume.
 func (t *Transport) Parse(volumeContext, secrets map[string]string) (*Target, error) {

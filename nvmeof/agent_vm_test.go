@@ -32,7 +32,7 @@ func startAgent(t testing.TB, logger *slog.Logger) csi.NodeClient {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return csitest.StartAgent(t, logger, l, agent.TransportFunc(tr.Name(), tr.Parse))
+	return csitest.StartAgent(t, logger, l, agent.TransportFunc(agent.TransportKind{Name: nvmeof.Name, Keys: nvmeof.TransportKeys()}, tr.Parse))
 }
 
 func subsysControllers(t *testing.T, nqn string) int {

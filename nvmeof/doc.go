@@ -13,7 +13,7 @@
 // berth's keys (csi-driver-nvmf's attribute names in parentheses are
 // accepted too, so that volumes made for it keep working):
 //
-//	transport       "nvmeof"; the agent infers it from nqn or targetTrAddr.
+//	transport       "nvmeof"; without it, nqn or targetTrAddr select it (TransportKeys).
 //	nqn             subsystem NQN (required): nqn.yyyy-mm.reverse.domain:name
 //	                or nqn.2014-08.org.nvmexpress:uuid:<uuid>, at most 223 bytes.
 //	nsid            namespace ID, 1..4294967294.

@@ -113,8 +113,16 @@ func NewTransport(opts Options) (*Transport, error) {
 	return t, nil
 }
 
+// Name is the transport's name: volume_context "transport" selects it by
+// this value.
+const Name = "nvmeof"
+
+// TransportKeys returns the volume_context keys that select the NVMe-oF
+// transport when volume_context has no "transport".
+func TransportKeys() []string { return []string{KeyNQN, AliasTrAddr} }
+
 // Name is the transport's volume_context "transport" value.
-func (t *Transport) Name() string { return "nvmeof" }
+func (t *Transport) Name() string { return Name }
 
 // Parse validates a volume_context and the DH-HMAC-CHAP keys in secrets
 // (see ParseAuth); see the package documentation for its keys. Errors

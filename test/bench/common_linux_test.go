@@ -19,6 +19,7 @@ import (
 
 	"github.com/berth-csi/berth/agent"
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/file"
 	"github.com/berth-csi/berth/test/csitest"
 )
 
@@ -66,9 +67,15 @@ func startNode(t *testing.T, dir string) *node {
 	}
 	steps := &csitest.StepTimes{}
 	warn := slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelWarn})
+	l := csitest.Listener(t)
+	ft, err := file.New(root, l)
+	if err != nil {
+		t.Fatal(err)
+	}
 	a, err := agent.New(agent.Config{
-		NodeID: "bench", StateDir: filepath.Join(dir, "state"), FileRoot: root,
-		Logger: slog.New(steps.Handler(warn)),
+		NodeID: "bench", StateDir: filepath.Join(dir, "state"), Logger: slog.New(steps.Handler(warn)),
+		Listener:   l,
+		Transports: []agent.Transport{agent.TransportFunc(agent.TransportKind{Name: file.Name, Keys: file.TransportKeys()}, ft.Parse)},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -136,7 +143,7 @@ func (n *node) newVolume(t *testing.T, name string, size int64) volume {
 func (v volume) stageRequest() *csi.NodeStageVolumeRequest {
 	return &csi.NodeStageVolumeRequest{
 		VolumeId: v.id, StagingTargetPath: v.staging, VolumeCapability: csitest.MountCap("ext4"),
-		VolumeContext: map[string]string{agent.ContextFile: filepath.Base(v.image)},
+		VolumeContext: map[string]string{file.KeyFile: filepath.Base(v.image)},
 	}
 }
 

@@ -7,7 +7,8 @@
 //	l := csitest.Listener(t)
 //	tr, err := iscsi.New(iscsi.Options{Listener: l, Logger: logger})
 //	...
-//	node := csitest.StartAgent(t, logger, l, agent.TransportFunc(tr.Name(), tr.Parse))
+//	kind := agent.TransportKind{Name: iscsi.Name, Keys: iscsi.TransportKeys()}
+//	node := csitest.StartAgent(t, logger, l, agent.TransportFunc(kind, tr.Parse))
 //	node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{..., VolumeCapability: csitest.MountCap("ext4")})
 package csitest
 

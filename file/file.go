@@ -1,4 +1,20 @@
-package agent
+// Package file is berth's file transport: a volume is an image file below
+// a root directory (berth serve --file-root), attached as a loop device.
+// It exists for tests, demos and single-node setups; it is also the
+// transport that exercises the whole CSI lifecycle on a host without
+// storage targets.
+//
+// volume_context "file" (KeyFile) names the image, relative to the root or
+// as an absolute path below it; it also selects this transport when
+// volume_context has no "transport". The name is checked lexically (no
+// "..", no escape from the root) when it is parsed, and what it resolves
+// to when the image is attached: a regular file reached without symbolic
+// links.
+//
+// A volume's key is the image's clean absolute path; its identity is the
+// device and inode numbers of the image, which every hard link to it
+// shares, so that two names of one image are known to be one volume.
+package file
 
 import (
 	"context"
@@ -13,21 +29,27 @@ import (
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
-// FileTransport serves volumes that are image files below a root
-// directory, attached as loop devices. volume_context "file" names the
-// image, relative to the root or as an absolute path below it. It exists
-// for tests, demos and single-node setups; it is also the transport that
-// exercises the whole CSI lifecycle on a host without storage targets.
-type FileTransport struct {
+// Name is the transport's name: volume_context "transport" selects it by
+// this value.
+const Name = "file"
+
+// KeyFile is the volume_context key that names the image file.
+const KeyFile = "file"
+
+// TransportKeys returns the volume_context keys that select the file
+// transport when volume_context has no "transport".
+func TransportKeys() []string { return []string{KeyFile} }
+
+// Transport serves the volumes that are image files below its root.
+type Transport struct {
 	root     string
 	listener *devices.Listener
 }
 
-var _ Transport = (*FileTransport)(nil)
-
-// NewFileTransport returns the file transport rooted at root, which must
-// exist. Symbolic links in root itself are resolved once here.
-func NewFileTransport(root string, l *devices.Listener) (*FileTransport, error) {
+// New returns the file transport rooted at root, which must exist; l is
+// the uevent listener the loop devices' events arrive on. Symbolic links
+// in root itself are resolved once here.
+func New(root string, l *devices.Listener) (*Transport, error) {
 	if !filepath.IsAbs(root) {
 		return nil, fmt.Errorf("file root %q: want an absolute path", root)
 	}
@@ -42,35 +64,35 @@ func NewFileTransport(root string, l *devices.Listener) (*FileTransport, error) 
 	if !fi.IsDir() {
 		return nil, fmt.Errorf("file root %q: not a directory", root)
 	}
-	return &FileTransport{root: real, listener: l}, nil
+	return &Transport{root: real, listener: l}, nil
 }
 
-// Name implements Transport.
-func (t *FileTransport) Name() string { return "file" }
+// Name is the transport's volume_context "transport" value.
+func (t *Transport) Name() string { return Name }
 
-// Parse implements Transport. It checks the file name lexically only (no
-// "..", no escape from the root): the file may be gone by the time a
-// volume is unstaged. Attach checks what the name resolves to.
-func (t *FileTransport) Parse(vc, _ map[string]string) (Target, error) {
-	p, err := t.resolve(vc[ContextFile])
+// Parse checks volume_context "file" lexically only (no "..", no escape
+// from the root): the file may be gone by the time a volume is unstaged.
+// Attach checks what the name resolves to. The secrets are not used.
+func (t *Transport) Parse(volumeContext, _ map[string]string) (*Target, error) {
+	p, err := t.resolve(volumeContext[KeyFile])
 	if err != nil {
 		return nil, err
 	}
-	return &fileTarget{t: t, path: p}, nil
+	return &Target{t: t, path: p}, nil
 }
 
 // resolve turns the volume_context value into a clean absolute path below
 // the root.
-func (t *FileTransport) resolve(v string) (string, error) {
+func (t *Transport) resolve(v string) (string, error) {
 	switch {
 	case v == "":
-		return "", invalid("volume_context[%q]: missing", ContextFile)
+		return "", invalid("volume_context[%q]: missing", KeyFile)
 	case hasControl(v):
-		return "", invalid("volume_context[%q]: contains control characters", ContextFile)
+		return "", invalid("volume_context[%q]: contains control characters", KeyFile)
 	}
 	for _, elem := range strings.Split(v, "/") {
 		if elem == ".." {
-			return "", invalid("volume_context[%q] %q: contains \"..\"", ContextFile, v)
+			return "", invalid("volume_context[%q] %q: contains \"..\"", KeyFile, v)
 		}
 	}
 	p := v
@@ -79,23 +101,25 @@ func (t *FileTransport) resolve(v string) (string, error) {
 	}
 	p = filepath.Clean(p)
 	if !strings.HasPrefix(p, t.root+"/") {
-		return "", invalid("volume_context[%q] %q: not below the file root %s", ContextFile, v, t.root)
+		return "", invalid("volume_context[%q] %q: not below the file root %s", KeyFile, v, t.root)
 	}
 	return p, nil
 }
 
-type fileTarget struct {
-	t    *FileTransport
+// Target is one image file.
+type Target struct {
+	t    *Transport
 	path string
 }
 
-func (f *fileTarget) Key() string { return f.path }
+// Key is the image's clean absolute path.
+func (f *Target) Key() string { return f.path }
 
-// Identity implements Target: the device and inode numbers of the image,
-// which every hard link to it shares. The path must reach the image
-// without symbolic links (see check), and its last element is not
-// followed either.
-func (f *fileTarget) Identity() (string, error) {
+// Identity is the device and inode numbers of the image, which every
+// hard link to it shares. The path must reach the image without symbolic
+// links (see check), and its last element is not followed either. An
+// image that is gone gives an error wrapping errdefs.ErrNotFound.
+func (f *Target) Identity() (string, error) {
 	if err := f.check(); err != nil {
 		return "", err
 	}
@@ -116,7 +140,7 @@ func (f *fileTarget) Identity() (string, error) {
 // check makes sure the image exists, is a regular file and that the
 // path reaches it without symbolic links (which could lead out of the
 // root, or change what a volume is after it was staged).
-func (f *fileTarget) check() error {
+func (f *Target) check() error {
 	real, err := filepath.EvalSymlinks(f.path)
 	if errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("image file %s: %w", f.path, errdefs.ErrNotFound)
@@ -137,16 +161,16 @@ func (f *fileTarget) check() error {
 	return nil
 }
 
-// PathStates implements Target: an image has no paths.
-func (f *fileTarget) PathStates(context.Context) (map[string]int, error) { return nil, nil }
+// PathStates: an image has no paths.
+func (f *Target) PathStates(context.Context) (map[string]int, error) { return nil, nil }
 
 // Preflight checks that the image is there and reached without
 // symbolic links.
-func (f *fileTarget) Preflight(context.Context) error { return f.check() }
+func (f *Target) Preflight(context.Context) error { return f.check() }
 
 // Attach attaches the image to a loop device, or returns the loop device
 // that already backs it.
-func (f *fileTarget) Attach(ctx context.Context) (*devices.Device, error) {
+func (f *Target) Attach(ctx context.Context) (*devices.Device, error) {
 	if err := f.check(); err != nil {
 		return nil, err
 	}
@@ -160,7 +184,7 @@ func (f *fileTarget) Attach(ctx context.Context) (*devices.Device, error) {
 // and by berth's mark on the device, so its loop device does not leak.
 // The agent does not call Detach while another volume uses the image
 // (another name of it).
-func (f *fileTarget) Detach(ctx context.Context) error {
+func (f *Target) Detach(ctx context.Context) error {
 	d, err := devices.FindLoop(f.path)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		d, err = devices.FindDeletedLoop(f.path)
@@ -177,7 +201,7 @@ func (f *fileTarget) Detach(ctx context.Context) error {
 }
 
 // Expand makes the loop device take the image file's current size.
-func (f *fileTarget) Expand(ctx context.Context) (int64, error) {
+func (f *Target) Expand(ctx context.Context) (int64, error) {
 	d, err := devices.FindLoop(f.path)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return 0, fmt.Errorf("image file %s: not attached to a loop device: %w", f.path, errdefs.ErrFailedPrecondition)
@@ -192,7 +216,7 @@ func (f *fileTarget) Expand(ctx context.Context) (int64, error) {
 		return 0, fmt.Errorf("image file %s: %w", f.path, err)
 	}
 	if fi.Size() < d.Size {
-		return 0, precondition("image file %s: holds %d bytes, less than its loop device %s (%d bytes); berth never shrinks a device under its data: restore the image's size", f.path, fi.Size(), d.Path, d.Size)
+		return 0, fmt.Errorf("image file %s: holds %d bytes, less than its loop device %s (%d bytes); berth never shrinks a device under its data: restore the image's size: %w", f.path, fi.Size(), d.Path, d.Size, errdefs.ErrFailedPrecondition)
 	}
 	return devices.RefreshLoopCapacity(ctx, d)
 }
@@ -200,15 +224,16 @@ func (f *fileTarget) Expand(ctx context.Context) (int64, error) {
 // ExpandTo is Expand: an image file's size is known at once, and one
 // still smaller than the CO asked for is answered OUT_OF_RANGE by
 // NodeExpandVolume, which compares.
-func (f *fileTarget) ExpandTo(ctx context.Context, _ int64) (int64, error) {
+func (f *Target) ExpandTo(ctx context.Context, _ int64) (int64, error) {
 	return f.Expand(ctx)
 }
 
 // StopQueueing: a loop device never queues I/O for a path to come back.
-func (f *fileTarget) StopQueueing(context.Context) (bool, error) { return false, nil }
+func (f *Target) StopQueueing(context.Context) (bool, error) { return false, nil }
 
-// Health reports a missing image or loop device.
-func (f *fileTarget) Health(context.Context) (bool, string) {
+// Health reports a missing image or loop device, and an image smaller
+// than its loop device.
+func (f *Target) Health(context.Context) (bool, string) {
 	if _, err := os.Stat(f.path); err != nil {
 		return true, fmt.Sprintf("image file %s: %v", f.path, err)
 	}
@@ -220,4 +245,18 @@ func (f *fileTarget) Health(context.Context) (bool, string) {
 		return true, fmt.Sprintf("image file %s: holds %d bytes, less than its loop device %s (%d bytes): the volume's end is gone", f.path, fi.Size(), d.Path, d.Size)
 	}
 	return false, ""
+}
+
+func invalid(format string, a ...any) error {
+	return fmt.Errorf(format+": %w", append(a, errdefs.ErrInvalidArgument)...)
+}
+
+// hasControl reports whether s holds a byte below 0x20 or DEL.
+func hasControl(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c == 0x7f {
+			return true
+		}
+	}
+	return false
 }
