@@ -388,3 +388,13 @@ func TestChangesRecords(t *testing.T) {
 		}
 	}
 }
+
+// Every exit code that maps to a sentinel is named in the message: the
+// sentinel is not printed, so its meaning must be.
+func TestExitMeaningCoversSentinels(t *testing.T) {
+	for code := 1; code <= ISCSI_ERR_CHILD_TERMINATED; code++ {
+		if sentinelForExit(code) != nil && exitMeaning(code) == "" {
+			t.Errorf("exit code %d maps to %v but has no meaning", code, sentinelForExit(code))
+		}
+	}
+}
