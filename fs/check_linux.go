@@ -9,6 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -116,8 +117,8 @@ func Resize(ctx context.Context, devPath, mountPath, fsType string) error {
 			}
 		}
 		_, err = runTool(ctx, "resize2fs", "--", devPath)
-		var te *ToolError
-		if errors.As(err, &te) && strings.Contains(te.Stderr, "Permission denied to resize") {
+		var te *command.Error
+		if errors.As(err, &te) && strings.Contains(te.Output, "Permission denied to resize") {
 			// EXT4_IOC_RESIZE_FS needs CAP_SYS_RESOURCE. A missing
 			// capability stays missing until berth is restarted with it:
 			// FailedPrecondition, not Unavailable, which COs retry

@@ -1,9 +1,7 @@
 package fs
 
 import (
-	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -12,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/failpoint"
 )
@@ -81,49 +80,8 @@ func isBusybox(path string) bool {
 	return strings.HasPrefix(filepath.Base(real), "busybox")
 }
 
-// ToolError is a failed run of an external tool. Its Error text carries
-// the tool's standard error, which is what an operator needs to act on.
-type ToolError struct {
-	Tool     string   // program name, "mkfs.ext4"
-	Args     []string // arguments, without the program
-	ExitCode int      // -1 when the tool did not exit normally
-	Stderr   string
-	Err      error // the *exec.ExitError or start error
-	// Kind is an errdefs sentinel the caller attached for this exit code,
-	// or nil.
-	Kind error
-}
-
-func (e *ToolError) Error() string {
-	var b strings.Builder
-	b.WriteString(e.Tool)
-	if len(e.Args) > 0 {
-		b.WriteString(" " + strings.Join(e.Args, " "))
-	}
-	if e.ExitCode >= 0 {
-		fmt.Fprintf(&b, ": exit status %d", e.ExitCode)
-	} else {
-		fmt.Fprintf(&b, ": %v", e.Err)
-	}
-	if s := strings.TrimSpace(e.Stderr); s != "" {
-		b.WriteString(": " + s)
-	}
-	return b.String()
-}
-
-// Unwrap returns the run error and, when set, the sentinel kind.
-func (e *ToolError) Unwrap() []error {
-	if e.Kind != nil {
-		return []error{e.Err, e.Kind}
-	}
-	return []error{e.Err}
-}
-
-// maxStderr caps how much of a tool's output goes into an error.
-const maxStderr = 4096
-
-// runTool runs name with args and returns its standard output. A non-zero
-// exit is a *ToolError with ExitCode set.
+// runTool runs name with args and returns its standard output. A failed
+// run is a *command.Error, with ExitCode set for a non-zero exit.
 func runTool(ctx context.Context, name string, args ...string) (stdout []byte, err error) {
 	return runToolInput(ctx, nil, name, args...)
 }
@@ -136,44 +94,17 @@ func runToolInput(ctx context.Context, stdin []byte, name string, args ...string
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.CommandContext(ctx, path, args...)
-	// A fixed locale keeps tool messages stable for operators and tests.
-	cmd.Env = []string{"LC_ALL=C", "PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
-	var out, errb bytes.Buffer
-	cmd.Stdout = &out
-	cmd.Stderr = &errb
-	if stdin != nil {
-		cmd.Stdin = bytes.NewReader(stdin)
-	}
-	// After a kill on ctx end, do not wait forever for a grandchild
-	// holding the output pipes.
-	cmd.WaitDelay = 5 * time.Second
-	runErr := cmd.Start()
-	if runErr == nil {
+	return command.Run(ctx, command.Cmd{
+		Path: path,
+		Name: name,
+		Args: args,
+		// A fixed locale keeps tool messages stable for operators and tests.
+		Env:   []string{"LC_ALL=C", "PATH=/usr/sbin:/usr/bin:/sbin:/bin"},
+		Stdin: stdin,
+		// After a kill on ctx end, do not wait forever for a grandchild
+		// holding the output pipes.
+		WaitDelay: 5 * time.Second,
 		// While the tool runs: a crash here leaves, say, half a mkfs.
-		failpoint.Hit("exec." + name)
-		runErr = cmd.Wait()
-	}
-	if runErr == nil {
-		return out.Bytes(), nil
-	}
-	te := &ToolError{Tool: name, Args: args, ExitCode: -1, Stderr: tail(errb.String(), maxStderr), Err: runErr}
-	var ee *exec.ExitError
-	if errors.As(runErr, &ee) && ee.Exited() {
-		te.ExitCode = ee.ExitCode()
-	}
-	if ctx.Err() != nil {
-		te.Err = fmt.Errorf("%w (%w)", runErr, ctx.Err())
-	}
-	if te.Stderr == "" {
-		te.Stderr = tail(out.String(), maxStderr)
-	}
-	return out.Bytes(), te
-}
-
-func tail(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return "..." + s[len(s)-n:]
+		Started: func() { failpoint.Hit("exec." + name) },
+	})
 }

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -89,7 +90,7 @@ func TestSupportedFsTypes(t *testing.T) {
 
 func TestFsckResult(t *testing.T) {
 	te := func(code int) error {
-		return &ToolError{Tool: "e2fsck", Args: []string{"-p", "/dev/x"}, ExitCode: code, Stderr: "stderr text", Err: errors.New("exit status")}
+		return &command.Error{Args: []string{"e2fsck", "-p", "/dev/x"}, ExitCode: code, Output: "stderr text"}
 	}
 	for _, tc := range []struct {
 		code         int
@@ -130,12 +131,12 @@ func TestFsckResult(t *testing.T) {
 func TestRunToolError(t *testing.T) {
 	// ls of a missing file writes to stderr and exits 2.
 	_, err := runTool(context.Background(), "ls", "/nonexistent-berth-path")
-	var te *ToolError
+	var te *command.Error
 	if !errors.As(err, &te) {
-		t.Fatalf("got %v, want *ToolError", err)
+		t.Fatalf("got %v, want *command.Error", err)
 	}
-	if te.ExitCode != 2 || !strings.Contains(te.Stderr, "nonexistent-berth-path") {
-		t.Errorf("got exit %d stderr %q", te.ExitCode, te.Stderr)
+	if te.ExitCode != 2 || !strings.Contains(te.Output, "nonexistent-berth-path") {
+		t.Errorf("got exit %d stderr %q", te.ExitCode, te.Output)
 	}
 	if !strings.Contains(err.Error(), "exit status 2") || !strings.Contains(err.Error(), "No such file") {
 		t.Errorf("error text %q lacks the exit status or stderr", err)

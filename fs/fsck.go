@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -24,7 +25,7 @@ func fsckResult(devPath string, err error) error {
 	if err == nil {
 		return nil
 	}
-	var te *ToolError
+	var te *command.Error
 	if !errors.As(err, &te) || te.ExitCode < 0 {
 		return fmt.Errorf("fsck %s: %w", devPath, err)
 	}

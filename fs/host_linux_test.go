@@ -17,6 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -404,7 +405,7 @@ func TestHostFsck(t *testing.T) {
 		if !errors.Is(err, errdefs.ErrFailedPrecondition) {
 			t.Fatalf("Fsck = %v, want ErrFailedPrecondition", err)
 		}
-		var te *ToolError
+		var te *command.Error
 		if !errors.As(err, &te) || te.ExitCode&fsckUncorrected == 0 || !strings.Contains(err.Error(), "MANUALLY") {
 			t.Fatalf("error %v lacks e2fsck's exit status 4 or its output", err)
 		}

@@ -7,6 +7,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -17,7 +18,7 @@ func cryptsetup(ctx context.Context, passphrase []byte, args ...string) error {
 		passphrase = []byte{}
 	}
 	_, err := runToolInput(ctx, passphrase, "cryptsetup", args...)
-	var te *ToolError
+	var te *command.Error
 	if errors.As(err, &te) && te.ExitCode >= 0 {
 		te.Kind = cryptsetupKind(te.ExitCode)
 	}

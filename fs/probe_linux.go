@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -91,7 +92,7 @@ func Probe(ctx context.Context, devPath string) (Signature, error) {
 	out, err := r.out, r.err
 	exit := 0
 	if err != nil {
-		var te *ToolError
+		var te *command.Error
 		if !errors.As(err, &te) || te.ExitCode < 0 {
 			return Signature{}, fmt.Errorf("probe %s: %w", devPath, err)
 		}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/failpoint"
 	"github.com/berth-csi/berth/internal/logctx"
@@ -401,7 +402,7 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 					logctx.From(ctx, t.log).Warn("delete node record after failed login", "target", v, "portal", p.String(), "error", err)
 				}
 			}
-			if _, err := t.run.run(context.WithoutCancel(ctx), t.opts.Iscsiadm, argsNodeDelete(v.IQN, p.IP, p.Port, v.Iface)...); err != nil && exitCode(err) != ISCSI_ERR_NO_OBJS_FOUND {
+			if _, err := t.run.run(context.WithoutCancel(ctx), t.opts.Iscsiadm, argsNodeDelete(v.IQN, p.IP, p.Port, v.Iface)...); err != nil && command.ExitCode(err) != ISCSI_ERR_NO_OBJS_FOUND {
 				logctx.From(ctx, t.log).Warn("delete node record after failed login", "target", v, "portal", p.String(), "error", err)
 			}
 		}
@@ -417,12 +418,12 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 	}
 	failpoint.Hit("iscsi.record_written")
 	_, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeLogin(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...)
-	if native && exitCode(err) == ISCSI_ERR_NO_OBJS_FOUND {
+	if native && command.ExitCode(err) == ISCSI_ERR_NO_OBJS_FOUND {
 		dir, _ := t.db.nodeDir()
 		return fmt.Errorf("log in to %s at %s: iscsiadm found no node record, though berth wrote it in %s: this iscsiadm keeps its records elsewhere: name its directory with --iscsi-node-dir: %w",
 			v.IQN, p, dir, errdefs.ErrUnavailable)
 	}
-	if err != nil && exitCode(err) != ISCSI_ERR_SESS_EXISTS {
+	if err != nil && command.ExitCode(err) != ISCSI_ERR_SESS_EXISTS {
 		return t.iscsiadmError(fmt.Sprintf("log in to %s at %s", v.IQN, p), err)
 	}
 	return nil
@@ -430,7 +431,7 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 
 // iscsiadmError adds what to do to the errors an operator can fix.
 func (t *Transport) iscsiadmError(op string, err error) error {
-	switch exitCode(err) {
+	switch command.ExitCode(err) {
 	case ISCSI_ERR_LOGIN_AUTH_FAILED:
 		return fmt.Errorf("%s: CHAP authentication failed: check the user names and secrets in the volume's node-stage secret against the target's ACL: %w", op, err)
 	case ISCSI_ERR_ISCSID_NOTCONN, ISCSI_ERR_ISCSID_COMM_ERR:
@@ -440,7 +441,7 @@ func (t *Transport) iscsiadmError(op string, err error) error {
 	case ISCSI_ERR_TRANS_TIMEOUT:
 		return fmt.Errorf("%s: the portal did not answer: check the address, the port and the network path: %w", op, err)
 	}
-	var ee *CommandError
+	var ee *command.Error
 	if errors.As(err, &ee) && ee.ExitCode < 0 && errors.Is(err, fs.ErrNotExist) {
 		return unavailable("%s: %s not found: install open-iscsi or set --iscsiadm", op, t.opts.Iscsiadm)
 	}
@@ -765,7 +766,7 @@ func (t *Transport) logoutIfUnused(ctx context.Context, v *Volume, p path, sess 
 // logout logs out of sess and deletes its node record.
 func (t *Transport) logout(ctx context.Context, v *Volume, p path, sess *Session) error {
 	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsSessionLogout(sess.ID)...); err != nil {
-		switch exitCode(err) {
+		switch command.ExitCode(err) {
 		case ISCSI_ERR_SESS_NOT_FOUND, ISCSI_ERR_NO_OBJS_FOUND:
 		default:
 			return t.iscsiadmError(fmt.Sprintf("log out of session %d (%s at %s)", sess.ID, v.IQN, p), err)
@@ -784,7 +785,7 @@ func (t *Transport) deleteRecord(ctx context.Context, v *Volume, p path) error {
 		return nil
 	}
 	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeDelete(v.IQN, p.IP, p.Port, v.Iface)...); err != nil {
-		if c := exitCode(err); c == ISCSI_ERR_NO_OBJS_FOUND || c == ISCSI_ERR_SESS_NOT_FOUND {
+		if c := command.ExitCode(err); c == ISCSI_ERR_NO_OBJS_FOUND || c == ISCSI_ERR_SESS_NOT_FOUND {
 			return nil
 		}
 		return t.iscsiadmError(fmt.Sprintf("delete the node record of %s at %s", v.IQN, p), err)

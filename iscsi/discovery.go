@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/logctx"
 )
@@ -58,7 +59,7 @@ func (t *Transport) discover(ctx context.Context, v *Volume, paths []path) (retE
 	defer func() {
 		// The discovery record may hold credentials: it does not outlive
 		// the discovery.
-		if _, err := t.run.run(context.WithoutCancel(ctx), t.opts.Iscsiadm, argsDiscoveryDelete(p.IP, p.Port)...); err != nil && exitCode(err) != ISCSI_ERR_NO_OBJS_FOUND {
+		if _, err := t.run.run(context.WithoutCancel(ctx), t.opts.Iscsiadm, argsDiscoveryDelete(p.IP, p.Port)...); err != nil && command.ExitCode(err) != ISCSI_ERR_NO_OBJS_FOUND {
 			logctx.From(ctx, t.log).Warn("delete discovery record", "portal", p.String(), "error", err)
 		}
 	}()

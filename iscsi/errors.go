@@ -1,9 +1,7 @@
 package iscsi
 
 import (
-	"errors"
 	"fmt"
-	"strings"
 
 	"github.com/berth-csi/berth/internal/errdefs"
 )
@@ -43,38 +41,6 @@ const (
 	ISCSI_ERR_CHILD_TERMINATED       = 31 // child process terminated
 )
 
-// CommandError is a failed iscsiadm (or multipathd) run. Its message holds
-// the argument vector, which never carries secrets, and the tool's output.
-type CommandError struct {
-	Args     []string
-	ExitCode int // -1 when the process did not exit normally
-	Output   string
-	Err      error // the exec error, or a sentinel chosen from ExitCode
-}
-
-func (e *CommandError) Error() string {
-	var b strings.Builder
-	b.WriteString(strings.Join(e.Args, " "))
-	if e.ExitCode >= 0 {
-		fmt.Fprintf(&b, ": exit status %d", e.ExitCode)
-		if s := exitMeaning(e.ExitCode); s != "" {
-			fmt.Fprintf(&b, " (%s)", s)
-		}
-	}
-	if out := strings.TrimSpace(e.Output); out != "" {
-		if len(out) > 2048 {
-			out = out[len(out)-2048:]
-		}
-		fmt.Fprintf(&b, ": %s", out)
-	}
-	if e.Err != nil {
-		fmt.Fprintf(&b, ": %v", e.Err)
-	}
-	return b.String()
-}
-
-func (e *CommandError) Unwrap() error { return e.Err }
-
 // exitMeaning names the exit codes iscsiadm users meet.
 func exitMeaning(code int) string {
 	switch code {
@@ -102,6 +68,14 @@ func exitMeaning(code int) string {
 		return "CHAP authentication failed"
 	case ISCSI_ERR_BUSY:
 		return "busy"
+	case ISCSI_ERR_TRANS:
+		return "transport error"
+	case ISCSI_ERR_INVAL:
+		return "invalid argument"
+	case ISCSI_ERR_ACCESS:
+		return "permission denied"
+	case ISCSI_ERR_AGAIN:
+		return "temporary failure, a retry may succeed"
 	}
 	return ""
 }
@@ -131,15 +105,6 @@ func sentinelForExit(code int) error {
 		return errdefs.ErrBusy
 	}
 	return nil
-}
-
-// exitCode returns the exit code of a CommandError in err's chain, or -1.
-func exitCode(err error) int {
-	var ce *CommandError
-	if errors.As(err, &ce) {
-		return ce.ExitCode
-	}
-	return -1
 }
 
 // unavailable wraps errdefs.ErrUnavailable with what the operator must do.

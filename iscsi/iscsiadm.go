@@ -1,19 +1,21 @@
 package iscsi
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"net"
-	"os/exec"
+	"os"
 	"strconv"
 	"sync"
 	"time"
+
+	"github.com/berth-csi/berth/internal/command"
 )
 
 // runner runs a tool with an argument vector and returns its standard
-// output. A failure is a *CommandError carrying the exit code and the
-// tool's messages.
+// output. A failure is a *command.Error carrying the exit code, the
+// tool's messages and, for iscsiadm's exit codes, their meaning and
+// sentinel.
 type runner interface {
 	run(ctx context.Context, name string, args ...string) ([]byte, error)
 }
@@ -70,31 +72,23 @@ func changesRecords(args []string) bool {
 var _ runner = execRunner{}
 
 func (execRunner) run(ctx context.Context, name string, args ...string) ([]byte, error) {
-	cmd := exec.CommandContext(ctx, name, args...)
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	// A wrapper that forks (nsenter, chroot) may leave a child holding the
-	// pipes after the context killed it.
-	cmd.WaitDelay = 2 * time.Second
-	err := cmd.Run()
-	if err == nil {
-		return stdout.Bytes(), nil
+	out, err := command.Run(ctx, command.Cmd{
+		Path: name,
+		Args: args,
+		// iscsiadm (or the wrapper --iscsiadm names, which may need
+		// berth's PATH to find nsenter or chroot) runs in berth's
+		// environment.
+		Env: os.Environ(),
+		// A wrapper that forks (nsenter, chroot) may leave a child holding
+		// the pipes after the context killed it.
+		WaitDelay: 2 * time.Second,
+	})
+	var ce *command.Error
+	if errors.As(err, &ce) && ce.ExitCode >= 0 {
+		ce.Kind = sentinelForExit(ce.ExitCode)
+		ce.Meaning = exitMeaning(ce.ExitCode)
 	}
-	ce := &CommandError{Args: append([]string{name}, args...), ExitCode: -1, Output: stderr.String()}
-	if ce.Output == "" {
-		ce.Output = stdout.String()
-	}
-	var ee *exec.ExitError
-	if errors.As(err, &ee) && ee.Exited() {
-		ce.ExitCode = ee.ExitCode()
-		ce.Err = sentinelForExit(ce.ExitCode)
-	} else {
-		ce.Err = err
-	}
-	if ctx.Err() != nil {
-		ce.Err = errors.Join(ce.Err, ctx.Err())
-	}
-	return stdout.Bytes(), ce
+	return out, err
 }
 
 // Argument vectors for iscsiadm. None of them ever holds a credential:

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -52,8 +53,8 @@ func TestExecRunnerExitCode(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err := execRunner{}.run(context.Background(), bin, "-m", "node", "--login")
-	if !errors.Is(err, errdefs.ErrPermissionDenied) || exitCode(err) != 24 {
-		t.Fatalf("got %v (code %d)", err, exitCode(err))
+	if !errors.Is(err, errdefs.ErrPermissionDenied) || command.ExitCode(err) != 24 {
+		t.Fatalf("got %v (code %d)", err, command.ExitCode(err))
 	}
 	if !strings.Contains(err.Error(), "failed to authenticate") || !strings.Contains(err.Error(), "CHAP authentication failed") {
 		t.Fatalf("message lacks the tool's words: %v", err)
@@ -85,7 +86,7 @@ func (f *fakeRunner) run(ctx context.Context, name string, args ...string) ([]by
 	joined := strings.Join(args, " ")
 	for k, code := range f.fail {
 		if strings.Contains(joined, k) {
-			return nil, &CommandError{Args: append([]string{name}, args...), ExitCode: code, Err: sentinelForExit(code)}
+			return nil, &command.Error{Args: append([]string{name}, args...), ExitCode: code, Kind: sentinelForExit(code), Meaning: exitMeaning(code)}
 		}
 	}
 	if strings.Contains(joined, "-o new") && args[1] == "node" {
@@ -384,6 +385,16 @@ func TestChangesRecords(t *testing.T) {
 	} {
 		if got := changesRecords(tc.args); got != tc.want {
 			t.Errorf("changesRecords(%q) = %v, want %v", tc.args, got, tc.want)
+		}
+	}
+}
+
+// Every exit code that maps to a sentinel is named in the message: the
+// sentinel is not printed, so its meaning must be.
+func TestExitMeaningCoversSentinels(t *testing.T) {
+	for code := 1; code <= ISCSI_ERR_CHILD_TERMINATED; code++ {
+		if sentinelForExit(code) != nil && exitMeaning(code) == "" {
+			t.Errorf("exit code %d maps to %v but has no meaning", code, sentinelForExit(code))
 		}
 	}
 }
