@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -411,4 +412,65 @@ func guestEncRun() string {
 		return r
 	}
 	return "^TestGuestEncryption"
+}
+
+// An encrypted ext4 volume is checked before it is mounted, like a plain
+// one: e2fsck runs on the mapping, where the filesystem is (the LUKS
+// device under it is held by the mapping, so a check of it is skipped
+// as "in use"). The filesystem is flagged as having errors between two
+// stages (tune2fs -E force_fsck, as the kernel flags it after an I/O
+// error); the second stage must have cleared the flag.
+func TestGuestEncryptionFsck(t *testing.T) {
+	vm.RequireGuest(t)
+	h, _ := encHarness(t)
+	const pass = "fsck-test passphrase"
+	secrets := map[string]string{SecretEncryptionPassphrase: pass}
+	v := encryptedVol(h, "enc-fsck", 64*mib, mountCap("ext4", snw))
+	img := filepath.Join(h.root, v.vctx["file"])
+	must(t, "stage", stageWith(t, h, v, secrets))
+	must(t, "unstage", h.unstage(v))
+
+	state := func(what string, edit ...string) string {
+		t.Helper()
+		loop := strings.TrimSpace(runOut(t, nil, "losetup", "--find", "--show", img))
+		defer runOut(t, nil, "losetup", "-d", loop)
+		const name = "enc-fsck-check"
+		runOut(t, []byte(pass), "cryptsetup", "open", "--type", "luks2", "--key-file=-", loop, name)
+		defer runOut(t, nil, "cryptsetup", "close", name)
+		if len(edit) > 0 {
+			runOut(t, nil, edit[0], append(edit[1:], "/dev/mapper/"+name)...)
+		}
+		for _, line := range strings.Split(runOut(t, nil, "dumpe2fs", "-h", "/dev/mapper/"+name), "\n") {
+			if s, ok := strings.CutPrefix(line, "Filesystem state:"); ok {
+				t.Logf("%s: filesystem state %q", what, strings.TrimSpace(s))
+				return strings.TrimSpace(s)
+			}
+		}
+		t.Fatalf("%s: dumpe2fs shows no filesystem state", what)
+		return ""
+	}
+	if s := state("flagged", "tune2fs", "-E", "force_fsck"); !strings.Contains(s, "errors") {
+		t.Fatalf("tune2fs -E force_fsck left the state %q", s)
+	}
+	must(t, "stage again", stageWith(t, h, v, secrets))
+	must(t, "unstage again", h.unstage(v))
+	wantClosed(t, h, v)
+	if s := state("after the second stage"); strings.Contains(s, "errors") {
+		t.Fatalf("the stage mounted the encrypted ext4 without checking it: state %q", s)
+	}
+}
+
+// runOut runs a tool with stdin and returns its output; a failure fails
+// t.
+func runOut(t *testing.T, stdin []byte, name string, args ...string) string {
+	t.Helper()
+	cmd := exec.Command(name, args...)
+	if stdin != nil {
+		cmd.Stdin = bytes.NewReader(stdin)
+	}
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return string(out)
 }

@@ -534,7 +534,9 @@ func (n *nodeServer) prepareFilesystem(ctx context.Context, s *stageRun) error {
 		s.log.InfoContext(ctx, "created filesystem", slog.String("fs_type", vcap.FsType))
 	} else {
 		s.took.mark("probe")
-		if err := n.a.host.Fsck(ctx, s.dev.Path, vcap.FsType); err != nil {
+		// The filesystem is on vdev: an encrypted volume's mapping, whose
+		// LUKS device under it is held and so never checked.
+		if err := n.a.host.Fsck(ctx, vdev.Path, vcap.FsType); err != nil {
 			return err
 		}
 		s.took.mark("fsck")
