@@ -331,7 +331,7 @@ func (n *nodeServer) stagedAlready(ctx context.Context, s *stageRun) (bool, erro
 		// lost controller or a removed LUN leaves a filesystem
 		// whose every I/O fails.
 		if n.a.recordedDevice(rec.Device) == nil || (rec.Crypt != nil && n.a.recordedDevice(rec.Crypt.Mapping) == nil) {
-			return false, precondition("volume %q: its device %s (or its dm-crypt mapping) is gone (target lost or LUN removed) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", s.id, rec.Device.Path, s.staging)
+			return false, precondition("volume %q: its device %s (or its dm-crypt mapping) is gone (target lost or LUN removed) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", s.id, rec.Device.path(), s.staging)
 		}
 		return true, nil
 	case !errors.Is(err, errdefs.ErrNotFound):
@@ -390,7 +390,7 @@ func (n *nodeServer) attachDevice(ctx context.Context, s *stageRun) error {
 	s.dev, s.vdev = dev, dev
 	s.log = s.log.With(slog.String("device", dev.Path))
 	if s.wasStaged && rec.Device != nil && (rec.Device.Major != dev.Major || rec.Device.Minor != dev.Minor) {
-		s.log.InfoContext(ctx, "volume came back on another device", slog.String("old_device", rec.Device.Path))
+		s.log.InfoContext(ctx, "volume came back on another device", slog.String("old_device", rec.Device.path()))
 	}
 	// The volume_context may name the storage by a number only (a LUN, a
 	// namespace ID): storage put behind that number since the device was
@@ -765,7 +765,7 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	}
 	took.mark("record")
 	if rec.Device != nil {
-		log = log.With(slog.String("device", rec.Device.Path))
+		log = log.With(slog.String("device", rec.Device.path()))
 	}
 	log.InfoContext(ctx, "unstaged", took.attr())
 	return &csi.NodeUnstageVolumeResponse{}, nil
@@ -1086,7 +1086,7 @@ func (n *nodeServer) openPublishStaging(rec *volumeRecord, p publishRequest) (*b
 	// is not given to a pod.
 	if n.a.recordedDevice(rec.Device) == nil || n.a.recordedDevice(rec.volumeDevice()) == nil {
 		source.Close()
-		return nil, precondition("volume %q: its device %s is gone or changed since stage (target lost, LUN or namespace removed or replaced) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", p.id, rec.Device.Path, p.staging)
+		return nil, precondition("volume %q: its device %s is gone or changed since stage (target lost, LUN or namespace removed or replaced) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", p.id, rec.Device.path(), p.staging)
 	}
 	return source, nil
 }
@@ -1176,7 +1176,7 @@ func (n *nodeServer) undoPublish(ctx context.Context, rec *volumeRecord, target 
 func (n *nodeServer) openPublishDevice(rec *volumeRecord, id string) (*devices.Device, *berthfs.Handle, error) {
 	d := n.a.recordedDevice(rec.volumeDevice())
 	if d == nil || n.a.recordedDevice(rec.Device) == nil {
-		return nil, nil, precondition("volume %q: its device %s (or its dm-crypt mapping) is gone or changed since stage; unstage and stage again", id, rec.Device.Path)
+		return nil, nil, precondition("volume %q: its device %s (or its dm-crypt mapping) is gone or changed since stage; unstage and stage again", id, rec.Device.path())
 	}
 	source, err := n.a.host.OpenDeviceNode(d.Path, d.Major, d.Minor)
 	if err != nil {
@@ -1457,7 +1457,7 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 	if rec.AccessType == "block" {
 		d := n.a.recordedDevice(rec.volumeDevice())
 		if d == nil {
-			cond.Abnormal, cond.Message = true, fmt.Sprintf("device %s (or its dm-crypt mapping) is gone or changed since stage", rec.Device.Path)
+			cond.Abnormal, cond.Message = true, fmt.Sprintf("device %s (or its dm-crypt mapping) is gone or changed since stage", rec.Device.path())
 			return resp, nil
 		}
 		size, err := n.a.host.BlockDeviceSize(d.Path)
@@ -1506,7 +1506,7 @@ func (a *Agent) conditionOf(ctx context.Context, rec *volumeRecord, t Target) *c
 	}
 	d := a.recordedDevice(rec.Device)
 	if d == nil {
-		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("device %s is gone or changed since stage", rec.Device.Path)}
+		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("device %s is gone or changed since stage", rec.Device.path())}
 	}
 	if rec.Device.Size > 0 && d.Size < rec.Device.Size {
 		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("device %s shrank from %d to %d bytes: the volume's end is gone", d.Path, rec.Device.Size, d.Size)}
@@ -1610,7 +1610,7 @@ func (n *nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVo
 		return nil, err
 	}
 	took.mark("record")
-	logFrom(ctx, n.a.log).InfoContext(ctx, "expanded", slog.String("device", rec.Device.Path),
+	logFrom(ctx, n.a.log).InfoContext(ctx, "expanded", slog.String("device", rec.Device.path()),
 		slog.Int64("old_bytes", old), slog.Int64("new_bytes", size), took.attr())
 	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
 }
@@ -1667,7 +1667,7 @@ func (n *nodeServer) checkExpand(e expandRequest) (*volumeRecord, Target, error)
 		return nil, nil, err
 	}
 	if n.a.recordedDevice(rec.Device) == nil {
-		return nil, nil, precondition("volume %q: its device %s is gone or changed since stage; unstage and stage again", id, rec.Device.Path)
+		return nil, nil, precondition("volume %q: its device %s is gone or changed since stage; unstage and stage again", id, rec.Device.path())
 	}
 	if rec.AccessType != "block" {
 		// The filesystem is grown through its staging mount.
@@ -1696,18 +1696,18 @@ func (n *nodeServer) checkExpandedSize(e expandRequest, rec *volumeRecord, size 
 	// the same number shows only now, and its filesystem is not the
 	// volume's to grow.
 	if n.a.recordedDevice(rec.Device) == nil {
-		return precondition("volume %q: its device %s changed during the rescan (the LUN or namespace was replaced?); nothing was resized: unstage and stage again", id, rec.Device.Path)
+		return precondition("volume %q: its device %s changed during the rescan (the LUN or namespace was replaced?); nothing was resized: unstage and stage again", id, rec.Device.path())
 	}
 	if rec.Device.Size > 0 && size < rec.Device.Size {
 		// The storage shrank (a LUN or namespace resized on the target):
 		// the filesystem is not touched, the operator has to look.
-		return precondition("volume %q: device %s shrank from %d to %d bytes; berth never shrinks a filesystem or grows it into a smaller device: restore the storage's size", id, rec.Device.Path, rec.Device.Size, size)
+		return precondition("volume %q: device %s shrank from %d to %d bytes; berth never shrinks a filesystem or grows it into a smaller device: restore the storage's size", id, rec.Device.path(), rec.Device.Size, size)
 	}
 	if e.required > size {
-		return fmt.Errorf("volume %q: device %s holds %d bytes after a rescan, %d are required; grow the storage first: %w", id, rec.Device.Path, size, e.required, errdefs.ErrOutOfRange)
+		return fmt.Errorf("volume %q: device %s holds %d bytes after a rescan, %d are required; grow the storage first: %w", id, rec.Device.path(), size, e.required, errdefs.ErrOutOfRange)
 	}
 	if e.limit > 0 && size > e.limit {
-		return fmt.Errorf("volume %q: device %s holds %d bytes, more than limit_bytes %d: %w", id, rec.Device.Path, size, e.limit, errdefs.ErrOutOfRange)
+		return fmt.Errorf("volume %q: device %s holds %d bytes, more than limit_bytes %d: %w", id, rec.Device.path(), size, e.limit, errdefs.ErrOutOfRange)
 	}
 	return nil
 }
@@ -1715,7 +1715,7 @@ func (n *nodeServer) checkExpandedSize(e expandRequest, rec *volumeRecord, size 
 // growVolume grows the dm-crypt mapping of an encrypted volume and the
 // filesystem of a mount volume to the device's new size.
 func (n *nodeServer) growVolume(ctx context.Context, e expandRequest, rec *volumeRecord, took *stepTimer) error {
-	fsDev := rec.Device.Path
+	fsDev := rec.Device.path()
 	if rec.Crypt != nil {
 		m, err := n.resizeMapping(ctx, rec, e.secrets)
 		if err != nil {

@@ -42,6 +42,16 @@ type deviceRecord struct {
 	DMName      string `json:"dmName,omitempty"`
 }
 
+// path is the recorded device's path, for messages: "<none>" for a
+// record that has no device (a stage interrupted before it recorded one,
+// or a damaged state file).
+func (r *deviceRecord) path() string {
+	if r == nil {
+		return "<none>"
+	}
+	return r.Path
+}
+
 // publishRecord is one target path a volume is published at.
 type publishRecord struct {
 	ReadOnly   bool     `json:"readOnly"`
