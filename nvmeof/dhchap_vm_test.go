@@ -38,7 +38,7 @@ func kernelAuth(t *testing.T, ctx context.Context, hostNQN, hostID string) (host
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := deleteController("/sys", "nvme"+itoa(inst), func(*Controller) bool { return true }); err != nil {
+	if err := deleteController("/sys", nqn, "nvme"+itoa(inst), func(*Controller) bool { return true }); err != nil {
 		t.Fatal(err)
 	}
 	return ca.supported, tgt

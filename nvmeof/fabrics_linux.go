@@ -118,8 +118,10 @@ func connectError(err error) error {
 // or ENODEV through the descriptor even when a new controller took the
 // name. The write returns once the kernel has torn the controller down. A
 // controller that is already gone, or whose name now stands for another
-// controller, is success.
-func deleteController(sysRoot, name string, is func(*Controller) bool) error {
+// controller, is success. nqn is the subsystem of the controller to
+// delete: no address of its controllers is read in this process while
+// the kernel tears the controller down (see readController).
+func deleteController(sysRoot, nqn, name string, is func(*Controller) bool) error {
 	dir, err := os.OpenFile(filepath.Join(sysRoot, "class", "nvme", name), os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if sysfs.Gone(err) {
 		return nil
@@ -129,7 +131,7 @@ func deleteController(sysRoot, name string, is func(*Controller) bool) error {
 	}
 	defer dir.Close()
 	at := fmt.Sprintf("/proc/self/fd/%d", dir.Fd())
-	cur, err := readController(at)
+	cur, err := readController(at, nqn)
 	if sysfs.Gone(err) {
 		return nil
 	}
@@ -148,7 +150,10 @@ func deleteController(sysRoot, name string, is func(*Controller) bool) error {
 		return fmt.Errorf("delete controller %s: %w", name, err)
 	}
 	defer f.Close()
-	if _, err := f.Write([]byte("1")); err != nil && !sysfs.Gone(err) {
+	unlock := teardown.lock(nqn)
+	_, err = f.Write([]byte("1"))
+	unlock()
+	if err != nil && !sysfs.Gone(err) {
 		return fmt.Errorf("delete controller %s: %w", name, err)
 	}
 	return nil

@@ -186,7 +186,7 @@ func TestWriteIdentityFileRace(t *testing.T) {
 }
 
 func TestCheckHostConflict(t *testing.T) {
-	cs, err := readControllers(sampleSys(t))
+	cs, err := readControllers(sampleSys(t), "")
 	if err != nil {
 		t.Fatal(err)
 	}

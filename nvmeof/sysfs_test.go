@@ -8,6 +8,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 )
 
 func readSample(t *testing.T, name string) []byte {
@@ -152,7 +153,7 @@ func sampleSys(t *testing.T) string {
 
 func TestReadControllers(t *testing.T) {
 	root := sampleSys(t)
-	cs, err := readControllers(root)
+	cs, err := readControllers(root, subA)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -174,15 +175,29 @@ func TestReadControllers(t *testing.T) {
 	if !cs[3].Deleting() || cs[1].Deleting() || cs[2].Deleting() {
 		t.Errorf("Deleting: %v %v %v", cs[1].Deleting(), cs[2].Deleting(), cs[3].Deleting())
 	}
+	// A deleting controller's address is not read (see readController).
+	if cs[2].Address.TrSvcID != "4421" || cs[3].Address != (Address{}) {
+		t.Errorf("addresses of nvme2 %+v and nvme3 (deleting) %+v", cs[2].Address, cs[3].Address)
+	}
+	// Nor is any address of another subsystem.
+	others, err := readControllers(root, "nqn.2026-01.io.berth:b")
+	if err != nil || len(others) != 4 {
+		t.Fatalf("readControllers for another subsystem: %v, %v", others, err)
+	}
+	for _, c := range others {
+		if c.Address != (Address{}) || c.State == "" || c.SubsysNQN == "" {
+			t.Errorf("%s read for another subsystem: %+v", c.Name, c)
+		}
+	}
 
 	// Without nvme-core there is no class directory: no controllers.
-	if cs, err := readControllers(t.TempDir()); err != nil || len(cs) != 0 {
+	if cs, err := readControllers(t.TempDir(), subA); err != nil || len(cs) != 0 {
 		t.Errorf("empty sysfs: %v, %v", cs, err)
 	}
 }
 
 func TestControllerMatches(t *testing.T) {
-	cs, err := readControllers(sampleSys(t))
+	cs, err := readControllers(sampleSys(t), subA)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -313,12 +328,12 @@ func TestReadControllersSkipsControllerTornDown(t *testing.T) {
 	root := sampleSys(t)
 	t.Cleanup(func() { readFile = os.ReadFile })
 	readFile = func(name string) ([]byte, error) {
-		if strings.HasSuffix(name, filepath.Join("nvme3", "address")) {
+		if strings.HasSuffix(name, filepath.Join("nvme2", "address")) {
 			return nil, &fs.PathError{Op: "read", Path: name, Err: syscall.ENODEV}
 		}
 		return os.ReadFile(name)
 	}
-	cs, err := readControllers(root)
+	cs, err := readControllers(root, subA)
 	if err != nil {
 		t.Fatalf("readControllers: %v", err)
 	}
@@ -326,7 +341,7 @@ func TestReadControllersSkipsControllerTornDown(t *testing.T) {
 	for _, c := range cs {
 		names = append(names, c.Name)
 	}
-	if want := []string{"nvme0", "nvme1", "nvme2"}; !reflect.DeepEqual(names, want) {
+	if want := []string{"nvme0", "nvme1", "nvme3"}; !reflect.DeepEqual(names, want) {
 		t.Fatalf("controllers %v, want %v", names, want)
 	}
 }
@@ -364,5 +379,33 @@ func TestReadHeadsSkipsNamespacesGoing(t *testing.T) {
 	}
 	if len(hs) == 0 {
 		t.Fatal("readHeads lost the subsystem's own namespaces")
+	}
+}
+
+// TestAddressReadWaitsForDelete: this process never reads an address of
+// a subsystem's controller while it deletes one of that subsystem's
+// controllers, and reads of other subsystems go on meanwhile.
+func TestAddressReadWaitsForDelete(t *testing.T) {
+	root := sampleSys(t)
+	unlock := teardown.lock(subA)
+	read := make(chan error, 1)
+	go func() {
+		_, err := readControllers(root, subA)
+		read <- err
+	}()
+	if _, err := readControllers(root, "nqn.2026-01.io.berth:b"); err != nil {
+		t.Fatalf("another subsystem's read during a delete: %v", err)
+	}
+	select {
+	case err := <-read:
+		t.Fatalf("an address of %s was read during a delete of its controller (%v)", subA, err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	unlock()
+	if err := <-read; err != nil {
+		t.Fatal(err)
+	}
+	if len(teardown.m) != 0 {
+		t.Errorf("locks left behind: %v", teardown.m)
 	}
 }

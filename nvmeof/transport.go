@@ -249,7 +249,7 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 	w := t.opts.Listener.Subscribe(g.matcher())
 	defer w.Close()
 
-	ctrls, err := readControllers(t.opts.SysRoot)
+	ctrls, err := readControllers(t.opts.SysRoot, g.vol.NQN)
 	if err != nil {
 		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
 	}
@@ -311,7 +311,7 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 				continue
 			}
 			is := func(c *Controller) bool { return c.matches(g.vol.NQN, host.NQN, r.rpath) }
-			if err := deleteController(t.opts.SysRoot, r.ctrl, is); err != nil {
+			if err := deleteController(t.opts.SysRoot, g.vol.NQN, r.ctrl, is); err != nil {
 				logctx.From(ctx, t.log).Warn("nvmeof: undo connect", "controller", r.ctrl, "error", err)
 			}
 		}
@@ -408,7 +408,7 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 	inst, err := fabricsConnect(ctx, t.opts.FabricsDevice, s)
 	if errors.Is(err, errDuplicate) {
 		// Another connect (nvme-cli, a concurrent berth) won the race.
-		cs, rerr := readControllers(t.opts.SysRoot)
+		cs, rerr := readControllers(t.opts.SysRoot, g.vol.NQN)
 		if rerr != nil {
 			r.err = rerr
 			return r
@@ -443,7 +443,7 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 		}
 		if err != nil {
 			is := func(c *Controller) bool { return c.matches(g.vol.NQN, host.NQN, rp) }
-			if derr := deleteController(t.opts.SysRoot, r.ctrl, is); derr != nil {
+			if derr := deleteController(t.opts.SysRoot, g.vol.NQN, r.ctrl, is); derr != nil {
 				err = errors.Join(err, derr)
 			}
 			r.err = err
@@ -509,7 +509,7 @@ func (g *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error)
 	if len(others) == 0 {
 		return func(string) bool { return false }, nil
 	}
-	ctrls, err := readControllers(t.opts.SysRoot)
+	ctrls, err := readControllers(t.opts.SysRoot, g.vol.NQN)
 	if err != nil {
 		return nil, err
 	}
@@ -575,7 +575,7 @@ func (g *Target) Detach(ctx context.Context) error {
 // those keep names.
 func (g *Target) deleteControllers(ctx context.Context, keep func(ctrl string) bool) error {
 	t := g.t
-	ctrls, err := readControllers(t.opts.SysRoot)
+	ctrls, err := readControllers(t.opts.SysRoot, g.vol.NQN)
 	if err != nil {
 		return err
 	}
@@ -605,7 +605,7 @@ func (g *Target) deleteControllers(ctx context.Context, keep func(ctrl string) b
 				continue
 			}
 			is := func(cur *Controller) bool { return cur.same(c) }
-			if err := deleteController(t.opts.SysRoot, c.Name, is); err != nil {
+			if err := deleteController(t.opts.SysRoot, g.vol.NQN, c.Name, is); err != nil {
 				errs = append(errs, err)
 				continue
 			}
@@ -636,7 +636,7 @@ func (g *Target) StopQueueing(ctx context.Context) (bool, error) {
 	if err != nil || !ok {
 		return false, err
 	}
-	ctrls, err := readControllers(t.opts.SysRoot)
+	ctrls, err := readControllers(t.opts.SysRoot, g.vol.NQN)
 	if err != nil {
 		return false, fmt.Errorf("%s: %w", g.Key(), err)
 	}
@@ -707,7 +707,7 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 	}
 	var live []string
 	if paths, err := readNamespacePaths(t.opts.SysRoot, h.Name); err == nil {
-		ctrls, _ := readControllers(t.opts.SysRoot)
+		ctrls, _ := readControllers(t.opts.SysRoot, g.vol.NQN)
 		for _, p := range paths {
 			for _, c := range ctrls {
 				if c.Name == p.Controller && c.State == StateLive {
@@ -888,7 +888,7 @@ func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, e
 	if err != nil {
 		return "", nil, err
 	}
-	ctrls, err := readControllers(t.opts.SysRoot)
+	ctrls, err := readControllers(t.opts.SysRoot, g.vol.NQN)
 	if err != nil {
 		return "", nil, err
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -246,5 +247,72 @@ func TestDetachSparesAReusedControllerName(t *testing.T) {
 	}
 	if got := readAttrT(t, dir, "delete_controller"); got != "" {
 		t.Fatalf("the controller of %s that took the name nvme1 was deleted (delete_controller %q)", other, got)
+	}
+}
+
+// TestAddressesReadOnlyOfTheVolumesSubsystem: a read of a TCP
+// controller's address attribute while the controller is deleted
+// crashes Debian 12's kernel (6.1) in the reading thread (measured in
+// the guest: a reader looping over every controller's address beside
+// connects and deletes of one subsystem oopsed within 20 s). Status,
+// health and detach of a volume read the addresses of its own subsystem's
+// controllers only, and none of a controller the kernel reports deleting.
+func TestAddressesReadOnlyOfTheVolumesSubsystem(t *testing.T) {
+	root := sampleSys(t)
+	other := "nqn.2026-01.io.berth:b"
+	dir4 := root + "/class/nvme/nvme4"
+	if err := os.MkdirAll(dir4, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for name, v := range map[string]string{"transport": "tcp", "subsysnqn": other, "state": "live",
+		"hostnqn": hostA, "hostid": hidA, "address": "traddr=127.0.0.1,trsvcid=4420"} {
+		writeID(t, dir4, name, v)
+	}
+	for _, c := range []string{"nvme1", "nvme2", "nvme3", "nvme4"} {
+		writeID(t, root+"/class/nvme/"+c, "delete_controller", "")
+	}
+	read := map[string]int{}
+	orig := readFile
+	t.Cleanup(func() { readFile = orig })
+	readFile = func(p string) ([]byte, error) {
+		if filepath.Base(p) == "address" {
+			dir := filepath.Dir(p)
+			if strings.HasPrefix(dir, "/proc/self/fd/") {
+				if d, err := os.Readlink(dir); err == nil {
+					dir = d
+				}
+			}
+			read[filepath.Base(dir)]++
+		}
+		return orig(p)
+	}
+	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	tg, err := tr.Parse(map[string]string{"nqn": subA, "nsid": "1", "targets": "127.0.0.1:4420,[::1]:4421"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := tg.Status(ctx); err != nil {
+		t.Fatal(err)
+	}
+	tg.Health(ctx)
+	if _, err := tg.PathStates(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := tg.Detach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if read["nvme1"] == 0 || read["nvme2"] == 0 {
+		t.Errorf("addresses read %v: the volume's own controllers nvme1 and nvme2 were not read", read)
+	}
+	if read["nvme3"] != 0 || read["nvme4"] != 0 {
+		t.Errorf("addresses read %v: nvme3 (deleting) and nvme4 (subsystem %s) must not be read", read, other)
+	}
+	if got := readAttrT(t, dir4, "delete_controller"); got != "" {
+		t.Errorf("nvme4 of another subsystem deleted (%q)", got)
 	}
 }

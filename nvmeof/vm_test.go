@@ -77,7 +77,7 @@ func guestTransport(t *testing.T, staged func(context.Context) ([]map[string]str
 // controllersOf lists the live-or-reconnecting controllers of a subsystem.
 func controllersOf(t *testing.T, nqn string) []Controller {
 	t.Helper()
-	cs, err := readControllers("/sys")
+	cs, err := readControllers("/sys", nqn)
 	if err != nil {
 		t.Fatal(err)
 	}
