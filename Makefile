@@ -11,7 +11,7 @@ COMMIT    ?= $(shell git describe --always --dirty --abbrev=40 --exclude='*' 2>/
 LDFLAGS   := -s -w -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 PREFIX    ?= /usr/local
 
-.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test reliability vm-image image image-check e2e-deps e2e-build e2e e2e-prebuild e2e-ci bench demo install clean fuzz
+.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test cover reliability vm-image image image-check e2e-deps e2e-build e2e e2e-prebuild e2e-ci bench demo install clean fuzz
 
 all: build
 
@@ -106,6 +106,24 @@ image-check: image
 vm-test: build vm-image
 	$(GO) test -p 1 -count=1 -timeout 25m -run '^TestVM' -skip '^TestVMBench|^TestVMCrash' ./...
 	cd test/sanity && $(GO) test -count=1 -timeout 20m -run '^TestVM' ./...
+
+# Coverage of the host tests (as unit-test runs them) and of the in-guest
+# tests (as vm-test runs them; the guests send their counters back, see
+# test/vm/cover.go), merged: one line per package, host alone and with the
+# guests. Raw counters in $(COVER_DIR)/host and $(COVER_DIR)/vm.
+COVER_DIR ?= bin/cover
+cover: build vm-image
+	@rm -rf $(COVER_DIR) && mkdir -p $(COVER_DIR)/host $(COVER_DIR)/vm
+	GOCOVERDIR=$(CURDIR)/$(COVER_DIR)/host BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 20m -cover -coverpkg=./... \
+		-skip '^TestVM|^TestCrashAtEveryStep$$' ./... -args -test.gocoverdir=$(CURDIR)/$(COVER_DIR)/host >$(COVER_DIR)/host.log \
+		|| { tail -40 $(COVER_DIR)/host.log; exit 1; }
+	BERTH_VM_COVERDIR=$(CURDIR)/$(COVER_DIR)/vm $(GO) test -p 1 -count=1 -timeout 40m -run '^TestVM' -skip '^TestVMBench|^TestVMCrash' ./... \
+		>$(COVER_DIR)/vm.log || { grep -E '^(---|ok|FAIL)' $(COVER_DIR)/vm.log | tail -40; exit 1; }
+	@$(GO) tool covdata percent -i=$(COVER_DIR)/host >$(COVER_DIR)/host.txt
+	@$(GO) tool covdata percent -i=$(COVER_DIR)/host,$(COVER_DIR)/vm >$(COVER_DIR)/all.txt
+	@printf '%-48s %8s %13s\n' package host host+guests
+	@awk 'NR == FNR { h[$$1] = $$3; next } { printf "%-48s %8s %13s\n", $$1, h[$$1] ? h[$$1] : "-", $$3 }' \
+		$(COVER_DIR)/host.txt $(COVER_DIR)/all.txt | sed 's|^github.com/berth-csi/berth/*||'
 
 # Crash at every step (test/reliability): berth built with failpoints is
 # killed at each step boundary of a volume's whole life, restarted, and the

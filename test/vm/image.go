@@ -227,7 +227,11 @@ func testBinary(pkgDir string) (string, error) {
 
 // buildTestBinary builds the test binary of the package in pkgDir.
 func buildTestBinary(pkgDir, out string) error {
-	cmd := exec.Command(goTool(), "test", "-c", "-ldflags=-s -w", "-o", out, ".")
+	args := []string{"test", "-c", "-ldflags=-s -w", "-o", out}
+	if coverDir() != "" {
+		args = append(args, "-cover", "-coverpkg="+coverPackages)
+	}
+	cmd := exec.Command(goTool(), append(args, ".")...)
 	cmd.Dir = pkgDir
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if b, err := cmd.CombinedOutput(); err != nil {

@@ -44,15 +44,27 @@ prepare() {
 	fi
 }
 
+# send_cover sends the coverage files the test binary wrote to the host,
+# a base64 line at a time (BERTH_VM_COVER: the host collects coverage).
+send_cover() {
+	for f in /berth-vm/cover/*; do
+		[ -f "$f" ] || continue
+		n=${f##*/}
+		base64 "$f" | while read -r l; do echo "BERTH-VM-COVER $n $l"; done
+	done >/dev/ttyS1
+}
+
 # run_tests runs the test binary and powers off.
 run_tests() {
 	stty -F /dev/ttyS1 raw -echo 2>/dev/null
 	cd /berth-vm/pkg || fail "no /berth-vm/pkg"
+	[ "$BERTH_VM_COVER" = 1 ] && mkdir -p /berth-vm/cover
 	read -r up _ </proc/uptime
 	echo "BERTH-VM-START guest uptime ${up}s" >/dev/console
 	/berth-vm/guest.test "$@" </dev/ttyS1 >/dev/ttyS1 2>&1
 	status=$?
 	cd /
+	[ "$BERTH_VM_COVER" = 1 ] && send_cover
 	finish $status
 }
 

@@ -58,6 +58,8 @@ type Machine struct {
 	signals  map[string]bool
 	guestOut bytes.Buffer // raw in-guest test output (CR stripped)
 	events   []testEvent
+	cover    coverFiles // coverage files sent by the guest (CoverDirEnv)
+	coverErr error
 	conn     net.Conn
 }
 
@@ -277,6 +279,12 @@ func (m *Machine) configScript(img *image) []byte {
 	}
 	guestTimeout := cfg.timeout - 20*time.Second
 	args := []string{"-test.v=test2json", "-test.timeout=" + guestTimeout.String()}
+	if coverDir() != "" {
+		set("BERTH_VM_COVER", "1")
+		// Programs the test runs that were built with -cover too.
+		fmt.Fprintf(&b, "export GOCOVERDIR=%s\n", guestCoverDir)
+		args = append(args, "-test.gocoverdir="+guestCoverDir)
+	}
 	if cfg.run != "" {
 		args = append(args, "-test.run="+cfg.run)
 	}
@@ -478,6 +486,19 @@ func (m *Machine) readGuestOutput(r io.Reader, j *test2json) {
 		line, err := br.ReadString('\n')
 		if len(line) > 0 {
 			line = strings.ReplaceAll(line, "\r", "")
+			if rest, ok := strings.CutPrefix(line, coverMarker); ok {
+				m.mu.Lock()
+				if m.cover == nil {
+					m.cover = coverFiles{}
+				}
+				if err := m.cover.add(rest); err != nil && m.coverErr == nil {
+					m.coverErr = err
+				}
+				m.mu.Unlock()
+				line = ""
+			}
+		}
+		if len(line) > 0 {
 			j.write(line)
 			m.mu.Lock()
 			m.guestOut.WriteString(line)
@@ -493,6 +514,11 @@ func (m *Machine) readGuestOutput(r io.Reader, j *test2json) {
 			m.mu.Unlock()
 		}
 		if err != nil {
+			m.mu.Lock()
+			if d := coverDir(); d != "" && m.coverErr == nil {
+				m.coverErr = m.cover.write(d)
+			}
+			m.mu.Unlock()
 			return
 		}
 	}
@@ -605,6 +631,7 @@ func (m *Machine) ReportTests(t *testing.T) {
 	m.mu.Lock()
 	events := m.events
 	exitCode, panicked, timedOut, killed := m.exitCode, m.panicked, m.timedOut, m.killed
+	coverErr := m.coverErr
 	diag := m.diagnosticsLocked()
 	booted := m.booted
 	m.mu.Unlock()
@@ -633,6 +660,9 @@ func (m *Machine) ReportTests(t *testing.T) {
 	}
 	t.Logf("vm %s: boot %v, total %v, %d in-guest tests", m.name, booted.Round(time.Millisecond),
 		time.Since(m.started).Round(time.Millisecond), len(results))
+	if coverErr != nil {
+		t.Error(coverErr)
+	}
 	switch {
 	case timedOut:
 		t.Errorf("vm %s: guest did not finish within %v\n%s", m.name, m.cfg.timeout, diag)
