@@ -594,7 +594,7 @@ func TestGuestExpand(t *testing.T) {
 		t.Fatalf("ExpandTo: %d, %v", r.size, r.err)
 	}
 	t.Logf("new size seen %v after ExpandTo started", time.Since(start).Round(time.Millisecond))
-	if d, err := devices.Lookup(dev.Name); err != nil || d.Size != 96<<20 {
+	if d, err := (devices.Roots{}).Lookup(dev.Name); err != nil || d.Size != 96<<20 {
 		t.Errorf("device after expand: %+v, %v", d, err)
 	}
 	// Expand without a size asks the controller for the namespace's
