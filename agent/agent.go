@@ -170,12 +170,10 @@ func New(cfg Config) (_ *Agent, retErr error) {
 		cfg:        cfg,
 		log:        cfg.Logger,
 		host:       newHostFS(),
-		crypt:      realCrypt{},
 		locks:      newInflight(),
 		transports: make(map[string]Transport),
 		listener:   cfg.Listener,
 		verify:     (*devices.Device).Verify,
-		lookup:     devices.Lookup,
 	}
 	lock, err := lockStateDir(cfg.StateDir)
 	if err != nil {
@@ -199,6 +197,10 @@ func New(cfg Config) (_ *Agent, retErr error) {
 		}
 		a.listener, a.ownListener = l, true
 	}
+	// Devices are read from the trees the listener reads them from.
+	roots := a.listener.Roots()
+	a.lookup = roots.Lookup
+	a.crypt = realCrypt{roots: roots}
 	if a.implied, err = impliedTransports(cfg.Transports, cfg.Disabled); err != nil {
 		return nil, err
 	}

@@ -128,15 +128,16 @@ type cryptHost interface {
 	Holders(name string) ([]string, error)
 }
 
-type realCrypt struct{}
+// realCrypt reads the device-mapper control node and holders below roots.
+type realCrypt struct{ roots devices.Roots }
 
 var _ cryptHost = realCrypt{}
 
-func (realCrypt) Check() error {
+func (c realCrypt) Check() error {
 	if err := fs.CheckCryptsetup(); err != nil {
 		return err
 	}
-	return devices.CheckDeviceMapper()
+	return c.roots.CheckDeviceMapper()
 }
 
 func (realCrypt) Probe(ctx context.Context, devPath string) (fs.Signature, error) {
@@ -161,7 +162,7 @@ func (realCrypt) Resize(ctx context.Context, name string, passphrase []byte) err
 	return fs.LUKSResize(ctx, name, passphrase)
 }
 
-func (realCrypt) Holders(name string) ([]string, error) { return devices.Holders(name) }
+func (c realCrypt) Holders(name string) ([]string, error) { return c.roots.Holders(name) }
 
 // wrongPassphrase rewords cryptsetup's refusal of a passphrase.
 func wrongPassphrase(id string, dev *devices.Device, err error) error {

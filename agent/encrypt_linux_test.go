@@ -37,7 +37,7 @@ func unchanged(t *testing.T, h *harness, img string, before []byte) {
 	if !bytes.Equal(before, after) {
 		t.Fatal("the refused stage changed the image's bytes")
 	}
-	if d, err := devices.FindLoop(img); err == nil {
+	if d, err := (devices.Roots{}).FindLoop(img); err == nil {
 		t.Fatalf("refused stage left %s attached", d.Path)
 	}
 	if n := len(stateFiles(t, h)); n != 0 {
@@ -124,7 +124,7 @@ func TestStageEncryptionBadRequests(t *testing.T) {
 // (Nodes with device-mapper run the encrypted stages in the VM tests.)
 func TestStageEncryptedWithoutDeviceMapper(t *testing.T) {
 	requireRoot(t, "cryptsetup")
-	if err := devices.CheckDeviceMapper(); err == nil {
+	if err := (devices.Roots{}).CheckDeviceMapper(); err == nil {
 		t.Skip("device-mapper works here: the encrypted stages run (see the VM test TestVMEncryption)")
 	}
 	h := newHarness(t)

@@ -160,7 +160,7 @@ func wantClosed(t *testing.T, h *harness, v vol) {
 	if mappingOpen(t, mappingName(v.id)) {
 		t.Errorf("mapping %s still open", mappingName(v.id))
 	}
-	if d, err := devices.FindLoop(filepath.Join(h.root, v.vctx["file"])); err == nil {
+	if d, err := (devices.Roots{}).FindLoop(filepath.Join(h.root, v.vctx["file"])); err == nil {
 		t.Errorf("%s still attached as %s", v.vctx["file"], d.Path)
 	}
 	if _, ok := h.recordOf(v.id); ok {

@@ -182,7 +182,7 @@ func detachImages(t *testing.T, root string) {
 		if !strings.HasPrefix(e.Name(), "loop") {
 			continue
 		}
-		if d, err := devices.Lookup(e.Name()); err == nil && strings.HasPrefix(d.ID.BackingFile, root+"/") {
+		if d, err := (devices.Roots{}).Lookup(e.Name()); err == nil && strings.HasPrefix(d.ID.BackingFile, root+"/") {
 			t.Errorf("test left %s attached to %s", d.ID.BackingFile, d.Path)
 			_ = devices.DetachLoop(d)
 		}

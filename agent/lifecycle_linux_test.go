@@ -134,7 +134,7 @@ func (h *harness) cleanup() {
 		if !strings.HasPrefix(e.Name(), "loop") {
 			continue
 		}
-		if d, err := devices.Lookup(e.Name()); err == nil && strings.HasPrefix(d.ID.BackingFile, h.root+"/") {
+		if d, err := (devices.Roots{}).Lookup(e.Name()); err == nil && strings.HasPrefix(d.ID.BackingFile, h.root+"/") {
 			h.t.Errorf("test left %s attached to %s", d.ID.BackingFile, d.Path)
 			_ = devices.DetachLoop(d)
 		}
@@ -301,7 +301,7 @@ func TestLifecycleMount(t *testing.T) {
 				t.Fatalf("target path still exists after unpublish: %v", err)
 			}
 			must(t, "unstage", h.unstage(v))
-			if d, err := devices.FindLoop(filepath.Join(h.root, "data.img")); err == nil {
+			if d, err := (devices.Roots{}).FindLoop(filepath.Join(h.root, "data.img")); err == nil {
 				t.Fatalf("image still attached to %s after unstage", d.Path)
 			}
 			if n := len(stateFiles(t, h)); n != 0 {
@@ -504,7 +504,7 @@ func TestForeignDataIsRefused(t *testing.T) {
 	if !bytes.Equal(before, after) {
 		t.Fatal("stage changed the bytes of a device holding foreign data")
 	}
-	if d, err := devices.FindLoop(img); err == nil {
+	if d, err := (devices.Roots{}).FindLoop(img); err == nil {
 		t.Fatalf("failed stage left %s attached", d.Path)
 	}
 	if n := len(stateFiles(t, h)); n != 0 {
@@ -832,7 +832,7 @@ func TestUnstageDeletedImage(t *testing.T) {
 	v := h.newVol("gone", 64*mib, mountCap("ext4", snw))
 	must(t, "stage", h.stage(v))
 	img := filepath.Join(h.root, "gone.img")
-	d, err := devices.FindLoop(img)
+	d, err := devices.Roots{}.FindLoop(img)
 	must(t, "find loop", err)
 	must(t, "delete image", os.Remove(img))
 	st, err := h.node.NodeGetVolumeStats(context.Background(), &csi.NodeGetVolumeStatsRequest{VolumeId: v.id, VolumePath: v.staging})
@@ -841,7 +841,7 @@ func TestUnstageDeletedImage(t *testing.T) {
 		t.Fatalf("deleted image reported healthy: %v", st.GetVolumeCondition())
 	}
 	must(t, "unstage", h.unstage(v))
-	if cur, err := devices.Lookup(d.Name); err == nil && cur.ID.BackingFile != "" && strings.HasPrefix(cur.ID.BackingFile, img) {
+	if cur, err := (devices.Roots{}).Lookup(d.Name); err == nil && cur.ID.BackingFile != "" && strings.HasPrefix(cur.ID.BackingFile, img) {
 		t.Fatalf("%s still backed by %q after unstage", d.Path, cur.ID.BackingFile)
 	}
 }

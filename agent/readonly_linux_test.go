@@ -88,7 +88,7 @@ func TestReadOnlyBlockPublish(t *testing.T) {
 	v.target = filepath.Join(filepath.Dir(v.target), "dev-ro")
 	img := filepath.Join(h.root, "rawro.img")
 	must(t, "stage", h.stage(v))
-	loop, err := devices.FindLoop(img)
+	loop, err := devices.Roots{}.FindLoop(img)
 	must(t, "find loop", err)
 	// A failed run must not hand a read-only loop device to the next.
 	t.Cleanup(func() { _ = fs.SetDeviceReadOnly(loop.Path, false) })
@@ -167,7 +167,7 @@ func TestReaderOnlyModeBlock(t *testing.T) {
 			v.target = filepath.Join(filepath.Dir(v.target), "dev")
 			img := filepath.Join(h.root, "reader.img")
 			must(t, "stage", h.stage(v))
-			loop, err := devices.FindLoop(img)
+			loop, err := devices.Roots{}.FindLoop(img)
 			must(t, "find loop", err)
 			t.Cleanup(func() { _ = fs.SetDeviceReadOnly(loop.Path, false) })
 			wantDeviceRO(t, "after stage", loop.Path, false)

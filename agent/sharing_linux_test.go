@@ -26,7 +26,7 @@ func loopsOf(t *testing.T, dir string) []*devices.Device {
 		if !strings.HasPrefix(e.Name(), "loop") {
 			continue
 		}
-		if d, err := devices.Lookup(e.Name()); err == nil && strings.HasPrefix(d.ID.BackingFile, dir+"/") {
+		if d, err := (devices.Roots{}).Lookup(e.Name()); err == nil && strings.HasPrefix(d.ID.BackingFile, dir+"/") {
 			out = append(out, d)
 		}
 	}
@@ -131,7 +131,7 @@ func TestOldRecordStillWorks(t *testing.T) {
 			if !block {
 				must(t, "unmount", syscall.Unmount(v.staging, 0))
 			}
-			d, err := devices.FindLoop(img)
+			d, err := devices.Roots{}.FindLoop(img)
 			must(t, "find loop", err)
 			must(t, "detach", devices.DetachLoop(d))
 			if out, err := exec.Command("losetup", "--find", img).CombinedOutput(); err != nil {

@@ -55,6 +55,9 @@ type Device struct {
 	designators []string
 	// sysPath is the sysfs directory the device was read from.
 	sysPath string
+	// roots are the trees the device was read from; what is done with it
+	// later looks there again.
+	roots Roots
 	// dmSuspended: a device-mapper map without a live table.
 	dmSuspended bool
 }
@@ -185,7 +188,7 @@ func (m dmMatcher) Match(d *Device) bool {
 	if len(m.paths) == 0 {
 		return true
 	}
-	slaves, err := Slaves(d.Name)
+	slaves, err := d.roots.Slaves(d.Name)
 	if err != nil {
 		return false
 	}

@@ -18,7 +18,7 @@ func (*ueventConn) sendMarker(uint64) error { return errUnsupported }
 
 func isQueueFull(error) bool { return false }
 
-var nodeMatches = func(*Device) bool { return false }
+func nodeMatches(*Device) bool { return false }
 
 // NewListener is only supported on Linux.
 func NewListener(...ListenerOption) (*Listener, error) { return nil, errUnsupported }
@@ -41,10 +41,10 @@ func AttachLoop(context.Context, *Listener, string, bool) (*Device, error) {
 }
 
 // FindLoop is only supported on Linux.
-func FindLoop(string) (*Device, error) { return nil, errUnsupported }
+func (Roots) FindLoop(string) (*Device, error) { return nil, errUnsupported }
 
 // FindDeletedLoop is only supported on Linux.
-func FindDeletedLoop(string) (*Device, error) { return nil, errUnsupported }
+func (Roots) FindDeletedLoop(string) (*Device, error) { return nil, errUnsupported }
 
 // DetachLoop is only supported on Linux.
 func DetachLoop(*Device) error { return errUnsupported }
@@ -74,4 +74,4 @@ func SetQueueIfNoPath(*Device, bool) error { return errUnsupported }
 func InUse(*Device) error { return errUnsupported }
 
 // CheckDeviceMapper is only supported on Linux.
-func CheckDeviceMapper() error { return errUnsupported }
+func (Roots) CheckDeviceMapper() error { return errUnsupported }

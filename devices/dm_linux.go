@@ -23,15 +23,15 @@ const (
 )
 
 // dmControl is the device-mapper control node.
-func dmControl() string { return filepath.Join(devRoot, "mapper", "control") }
+func (r Roots) dmControl() string { return filepath.Join(r.dev(), "mapper", "control") }
 
 // dmIoctl issues one device-mapper ioctl on the map with the given device
 // number. payload is placed after the header; the answer's header and data
 // area are returned. A buffer the kernel found too small is grown.
-func dmIoctl(req uint, major, minor uint32, flags uint32, payload []byte) (*unix.DmIoctl, []byte, error) {
-	ctl, err := os.OpenFile(dmControl(), os.O_RDWR|unix.O_CLOEXEC, 0)
+func (r Roots) dmIoctl(req uint, major, minor uint32, flags uint32, payload []byte) (*unix.DmIoctl, []byte, error) {
+	ctl, err := os.OpenFile(r.dmControl(), os.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, nil, fmt.Errorf("open %s: %w (is dm_mod loaded?)", dmControl(), err)
+		return nil, nil, fmt.Errorf("open %s: %w (is dm_mod loaded?)", r.dmControl(), err)
 	}
 	defer ctl.Close()
 	size := dmStatusBufSize
@@ -72,8 +72,8 @@ type dmTarget struct {
 
 // dmTableStatus returns the status of the live table's targets
 // (DM_TABLE_STATUS, as `dmsetup status`).
-func dmTableStatus(major, minor uint32) (*unix.DmIoctl, []dmTarget, error) {
-	hdr, data, err := dmIoctl(unix.DM_TABLE_STATUS, major, minor, 0, nil)
+func (r Roots) dmTableStatus(major, minor uint32) (*unix.DmIoctl, []dmTarget, error) {
+	hdr, data, err := r.dmIoctl(unix.DM_TABLE_STATUS, major, minor, 0, nil)
 	if err != nil {
 		return nil, nil, fmt.Errorf("DM_TABLE_STATUS %d:%d: %w", major, minor, err)
 	}
@@ -112,26 +112,26 @@ func indexNUL(b []byte) int {
 
 // dmTargetMessage sends a message to the target at sector 0 of a map
 // (DM_TARGET_MSG, as `dmsetup message`).
-func dmTargetMessage(major, minor uint32, msg string) error {
+func (r Roots) dmTargetMessage(major, minor uint32, msg string) error {
 	payload := make([]byte, 8+len(msg)+1) // struct dm_target_msg { __u64 sector; char message[]; }
 	copy(payload[8:], msg)
-	if _, _, err := dmIoctl(unix.DM_TARGET_MSG, major, minor, 0, payload); err != nil {
+	if _, _, err := r.dmIoctl(unix.DM_TARGET_MSG, major, minor, 0, payload); err != nil {
 		return fmt.Errorf("DM_TARGET_MSG %d:%d %q: %w", major, minor, msg, err)
 	}
 	return nil
 }
 
 // dmRemove removes a map (DM_DEV_REMOVE). EBUSY means it is open.
-func dmRemove(major, minor uint32) error {
-	if _, _, err := dmIoctl(unix.DM_DEV_REMOVE, major, minor, 0, nil); err != nil {
+func (r Roots) dmRemove(major, minor uint32) error {
+	if _, _, err := r.dmIoctl(unix.DM_DEV_REMOVE, major, minor, 0, nil); err != nil {
 		return fmt.Errorf("DM_DEV_REMOVE %d:%d: %w", major, minor, err)
 	}
 	return nil
 }
 
 // dmOpenCount returns how many times the map is open (DM_DEV_STATUS).
-func dmOpenCount(major, minor uint32) (int, error) {
-	hdr, _, err := dmIoctl(unix.DM_DEV_STATUS, major, minor, 0, nil)
+func (r Roots) dmOpenCount(major, minor uint32) (int, error) {
+	hdr, _, err := r.dmIoctl(unix.DM_DEV_STATUS, major, minor, 0, nil)
 	if err != nil {
 		return 0, fmt.Errorf("DM_DEV_STATUS %d:%d: %w", major, minor, err)
 	}
@@ -145,7 +145,7 @@ func MultipathPaths(dm *Device) ([]PathState, error) {
 	if dm == nil || dm.ID.Kind != KindDM {
 		return nil, fmt.Errorf("multipath paths: %v is not a device-mapper map: %w", dm, errdefs.ErrInvalidArgument)
 	}
-	_, targets, err := dmTableStatus(dm.Major, dm.Minor)
+	_, targets, err := dm.roots.dmTableStatus(dm.Major, dm.Minor)
 	if err != nil {
 		return nil, fmt.Errorf("multipath paths of %s: %w", dm.Path, err)
 	}
@@ -161,9 +161,9 @@ func MultipathPaths(dm *Device) ([]PathState, error) {
 		for _, p := range paths {
 			maj, min, _ := parseMajorMinor(p.dev)
 			ps := PathState{Major: maj, Minor: min, Active: p.active, FailCount: p.failCount, Group: p.group, GroupState: p.groupState}
-			if link, err := os.Readlink(filepath.Join(sysfsRoot, "dev", "block", p.dev)); err == nil {
+			if link, err := os.Readlink(filepath.Join(dm.roots.sys(), "dev", "block", p.dev)); err == nil {
 				ps.Name = filepath.Base(link)
-				ps.SCSIState, _ = readAttr(filepath.Join(sysfsRoot, "class", "block", ps.Name), "device/state")
+				ps.SCSIState, _ = readAttr(dm.roots.block(ps.Name), "device/state")
 			}
 			out = append(out, ps)
 		}
@@ -185,7 +185,7 @@ func SetQueueIfNoPath(dm *Device, queue bool) error {
 	if queue {
 		msg = "queue_if_no_path"
 	}
-	if err := dmTargetMessage(dm.Major, dm.Minor, msg); err != nil && !errors.Is(err, unix.ENXIO) {
+	if err := dm.roots.dmTargetMessage(dm.Major, dm.Minor, msg); err != nil && !errors.Is(err, unix.ENXIO) {
 		return fmt.Errorf("multipath map %s (%s): %w", dm.ID.DMName, dm.Path, err)
 	}
 	return nil
@@ -205,7 +205,7 @@ func InUse(dev *Device) error {
 	if err != nil || !same {
 		return err
 	}
-	path := filepath.Join(devRoot, cur.Name)
+	path := filepath.Join(dev.roots.dev(), cur.Name)
 	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_EXCL|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err == nil {
 		unix.Close(fd)
@@ -224,7 +224,7 @@ func InUse(dev *Device) error {
 // points of its filesystem, or else an exclusive opener.
 func holdersOf(dev *Device) string {
 	var out []string
-	if hs, _ := Holders(dev.Name); len(hs) > 0 {
+	if hs, _ := dev.roots.Holders(dev.Name); len(hs) > 0 {
 		out = append(out, "held by "+strings.Join(hs, ", "))
 	}
 	mounts, _ := mountinfo.GetMounts(func(i *mountinfo.Info) (skip, stop bool) {
@@ -247,13 +247,13 @@ func holdersOf(dev *Device) string {
 // its control node: dm-crypt mappings (encrypted volumes) need it. A
 // kernel without it (dm_mod not loaded, a container without the node)
 // gives an error wrapping errdefs.ErrUnavailable.
-func CheckDeviceMapper() error {
-	ctl, err := os.OpenFile(dmControl(), os.O_RDWR|unix.O_CLOEXEC, 0)
+func (r Roots) CheckDeviceMapper() error {
+	ctl, err := os.OpenFile(r.dmControl(), os.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
 		if errors.Is(err, unix.ENODEV) || errors.Is(err, unix.ENXIO) || errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("device-mapper: open %s: %w (load dm_mod and dm_crypt): %w", dmControl(), err, errdefs.ErrUnavailable)
+			return fmt.Errorf("device-mapper: open %s: %w (load dm_mod and dm_crypt): %w", r.dmControl(), err, errdefs.ErrUnavailable)
 		}
-		return fmt.Errorf("device-mapper: open %s: %w", dmControl(), err)
+		return fmt.Errorf("device-mapper: open %s: %w", r.dmControl(), err)
 	}
 	return ctl.Close()
 }

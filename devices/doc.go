@@ -21,4 +21,9 @@
 // backing file for loop devices and the map UUID for device-mapper. Device.Verify
 // reads it again, with stat(2) of the device node, right before anything
 // destructive.
+//
+// Where sysfs, /dev and /run/udev are is a Roots value the caller passes in,
+// not a setting of the package: its zero value is the host's trees, a Device
+// keeps the Roots it was read from and a Listener the Roots it was opened
+// with, so tests on fake trees need no shared state and run in parallel.
 package devices

@@ -98,6 +98,25 @@ func WithEventHook(fn func(EventInfo)) ListenerOption {
 	return func(c *listenerConfig) { c.hook = fn }
 }
 
+// WithRoots reads devices from the trees r names instead of the host's
+// /sys, /dev and /run/udev. The Devices the listener returns, and what is
+// done with them, keep to those trees.
+func WithRoots(r Roots) ListenerOption {
+	return func(c *listenerConfig) { c.roots = r }
+}
+
+// withBeforeConfigure calls fn with the name of the free loop device an
+// attach is about to configure.
+func withBeforeConfigure(fn func(name string)) ListenerOption {
+	return func(c *listenerConfig) { c.beforeConfigure = fn }
+}
+
+// withoutLoopConfigure binds loop devices the way kernels before 5.8 must
+// (LOOP_SET_FD, LOOP_SET_STATUS64).
+func withoutLoopConfigure() ListenerOption {
+	return func(c *listenerConfig) { c.noLoopConfigure = true }
+}
+
 // WithReceiveBuffer sets the socket receive buffer in bytes (default 32 MiB;
 // SO_RCVBUFFORCE when permitted, SO_RCVBUF otherwise).
 func WithReceiveBuffer(n int) ListenerOption {

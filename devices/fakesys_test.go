@@ -9,9 +9,9 @@ import (
 )
 
 // fakeSys builds the sysfs tree described by testdata/<spec> in a temporary
-// directory and points the package at it (sysfs, /dev and /run/udev) until
-// the test ends. Device nodes are taken to exist.
-func fakeSys(t *testing.T, spec string) string {
+// directory and returns the Roots of it (sysfs, /dev and /run/udev). A
+// listener on it takes device nodes to exist (anyNode).
+func fakeSys(t *testing.T, spec string) Roots {
 	t.Helper()
 	root := t.TempDir()
 	sys := filepath.Join(root, "sys")
@@ -54,18 +54,12 @@ func fakeSys(t *testing.T, spec string) string {
 	if err := sc.Err(); err != nil {
 		t.Fatal(err)
 	}
-	setRoots(t, sys, filepath.Join(root, "dev"), filepath.Join(root, "run-udev"))
-	oldNode := nodeMatches
-	nodeMatches = func(*Device) bool { return true }
-	t.Cleanup(func() { nodeMatches = oldNode })
-	return sys
+	return Roots{Sys: sys, Dev: filepath.Join(root, "dev"), UdevRun: filepath.Join(root, "run-udev")}
 }
 
-func setRoots(t *testing.T, sys, dev, udev string) {
-	oldSys, oldDev, oldUdev := sysfsRoot, devRoot, udevRunDir
-	sysfsRoot, devRoot, udevRunDir = sys, dev, udev
-	t.Cleanup(func() { sysfsRoot, devRoot, udevRunDir = oldSys, oldDev, oldUdev })
-}
+// anyNode stands in for the device node check on fake trees, which have no
+// nodes.
+func anyNode(*Device) bool { return true }
 
 // writeFile writes a file below dir, creating parents.
 func writeFile(t *testing.T, dir, rel, content string) {

@@ -23,6 +23,16 @@ type listenerConfig struct {
 	hook   func(EventInfo)
 	log    *slog.Logger
 	rcvbuf int
+	roots  Roots
+	// nodeMatches reports whether a found device's node exists with its
+	// number; nil checks the node (tests on fake trees have no nodes).
+	nodeMatches func(*Device) bool
+	// beforeConfigure is called with the name of the free loop device an
+	// attach is about to configure (tests).
+	beforeConfigure func(name string)
+	// noLoopConfigure binds loop devices with LOOP_SET_FD and
+	// LOOP_SET_STATUS64 even where LOOP_CONFIGURE exists (tests).
+	noLoopConfigure bool
 }
 
 // WithLogger sets the logger for events the listener cannot return as an
@@ -34,10 +44,14 @@ func WithLogger(l *slog.Logger) ListenerOption {
 // Listener receives uevents on one netlink socket and fans them out to the
 // Waiters subscribed to it. One Listener serves the whole agent.
 type Listener struct {
-	udev bool
-	hook func(EventInfo)
-	log  *slog.Logger
-	conn *ueventConn // nil in tests that feed events by hand
+	roots           Roots
+	nodeMatches     func(*Device) bool
+	beforeConfigure func(name string)
+	noLoopConfigure bool
+	udev            bool
+	hook            func(EventInfo)
+	log             *slog.Logger
+	conn            *ueventConn // nil in tests that feed events by hand
 
 	mu    sync.Mutex
 	subs  map[*Waiter]struct{}
@@ -64,16 +78,23 @@ type devState struct {
 
 func newListener(cfg listenerConfig, udev bool) *Listener {
 	l := &Listener{
-		udev:     udev,
-		hook:     cfg.hook,
-		log:      cfg.log,
-		subs:     make(map[*Waiter]struct{}),
-		state:    make(map[string]*devState),
-		done:     make(chan struct{}),
-		progress: make(chan struct{}),
+		roots:           cfg.roots,
+		nodeMatches:     cfg.nodeMatches,
+		beforeConfigure: cfg.beforeConfigure,
+		noLoopConfigure: cfg.noLoopConfigure,
+		udev:            udev,
+		hook:            cfg.hook,
+		log:             cfg.log,
+		subs:            make(map[*Waiter]struct{}),
+		state:           make(map[string]*devState),
+		done:            make(chan struct{}),
+		progress:        make(chan struct{}),
 	}
 	if l.log == nil {
 		l.log = slog.Default()
+	}
+	if l.nodeMatches == nil {
+		l.nodeMatches = nodeMatches
 	}
 	return l
 }
@@ -81,6 +102,15 @@ func newListener(cfg listenerConfig, udev bool) *Listener {
 // Overflows returns how often the kernel dropped uevents because the
 // receive queue was full (each time, all waiters rescanned sysfs).
 func (l *Listener) Overflows() uint64 { return l.overflows.Load() }
+
+// Roots returns the trees the listener reads devices from (the host's for
+// a nil listener).
+func (l *Listener) Roots() Roots {
+	if l == nil {
+		return Roots{}
+	}
+	return l.roots
+}
 
 // Udev reports whether the listener waits for udev to process devices.
 func (l *Listener) Udev() bool { return l.udev }
@@ -127,7 +157,7 @@ func (l *Listener) dispatch(ev *Event) {
 	if ev.Subsystem != "block" {
 		return
 	}
-	e := &event{Event: ev}
+	e := &event{Event: ev, roots: l.roots}
 	l.mu.Lock()
 	l.record(ev)
 	subs := make([]*Waiter, 0, len(l.subs))
@@ -286,14 +316,15 @@ func (l *Listener) closedErr() error {
 // names is read from sysfs once, by the first waiter that needs it.
 type event struct {
 	*Event
-	once sync.Once
-	dev  *Device
-	err  error
+	roots Roots
+	once  sync.Once
+	dev   *Device
+	err   error
 }
 
 func (e *event) device() (*Device, error) {
 	e.once.Do(func() {
-		e.dev, e.err = readDeviceEvent(sysfsRoot+e.DevPath, "", e.Event)
+		e.dev, e.err = e.roots.readDeviceEvent(e.roots.sys()+e.DevPath, "", e.Event)
 	})
 	return e.dev, e.err
 }
@@ -469,11 +500,11 @@ func (w *Waiter) scan() (*Device, bool, error) {
 		return nil, false, nil
 	}
 	var found *Device
-	err := scanBlock(w.kind, w.m, func(d *Device) bool {
-		if !w.m.Match(d) || !nodeMatches(d) {
+	err := w.l.roots.scanBlock(w.kind, w.m, func(d *Device) bool {
+		if !w.m.Match(d) || !w.l.nodeMatches(d) {
 			return false
 		}
-		if w.l.udev && (!udevInitialized(d.Major, d.Minor) || w.l.udevPending(d.Name)) {
+		if w.l.udev && (!w.l.roots.udevInitialized(d.Major, d.Minor) || w.l.udevPending(d.Name)) {
 			return false
 		}
 		found = d
@@ -510,7 +541,7 @@ func (w *Waiter) consider(e *event) (*Device, bool) {
 	}
 	considered := time.Now()
 	d, err := e.device()
-	if err != nil || !w.m.Match(d) || !nodeMatches(d) {
+	if err != nil || !w.m.Match(d) || !w.l.nodeMatches(d) {
 		w.mu.Lock()
 		w.trace.Rejected++
 		w.mu.Unlock()
@@ -541,7 +572,7 @@ func (w *Waiter) found(d *Device, fromScan bool) {
 // isGone reports whether dev no longer exists: its name is gone or now
 // belongs to another device.
 func isGone(dev *Device) bool {
-	d, err := Lookup(dev.Name)
+	d, err := dev.roots.Lookup(dev.Name)
 	if err != nil {
 		return errors.Is(err, errdefs.ErrNotFound)
 	}

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -14,8 +15,8 @@ import (
 // The tests in this file drive a Listener without a socket: events are
 // handed to dispatch as the receive loop would, on a fake sysfs tree.
 
-func fakeListener(t *testing.T, udev bool) *Listener {
-	l := newListener(listenerConfig{}, udev)
+func fakeListener(t *testing.T, roots Roots, udev bool) *Listener {
+	l := newListener(listenerConfig{roots: roots, nodeMatches: anyNode}, udev)
 	t.Cleanup(func() { l.Close() })
 	return l
 }
@@ -74,13 +75,13 @@ func expectDevice(t *testing.T, res <-chan waitResult, name string) *Device {
 	return nil
 }
 
-var seq uint64 = 1000
+// seq numbers the events of all tests, which run in parallel.
+var seq atomic.Uint64
 
 func blockEvent(src Source, action, devpath string, maj, min uint32) *Event {
-	seq++
 	return &Event{
 		Source: src, Action: action, DevPath: devpath, Subsystem: "block", DevType: "disk",
-		Major: maj, Minor: min, HasDevNum: true, Seqnum: seq, Received: time.Now(),
+		Major: maj, Minor: min, HasDevNum: true, Seqnum: 1000 + seq.Add(1), Received: time.Now(),
 	}
 }
 
@@ -93,8 +94,9 @@ func attachFake(t *testing.T, sys, file string) {
 }
 
 func TestWaitFindsExistingDevice(t *testing.T) {
-	fakeSys(t, "sysfs.txt")
-	l := fakeListener(t, false)
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
+	l := fakeListener(t, roots, false)
 	w := l.Subscribe(MatchLoop("/var/lib/berth/volumes/pvc-1/disk.img"))
 	defer w.Close()
 	d, err := w.Wait(context.Background())
@@ -107,8 +109,10 @@ func TestWaitFindsExistingDevice(t *testing.T) {
 }
 
 func TestWaitKernelEvent(t *testing.T) {
-	sys := fakeSys(t, "sysfs.txt")
-	l := fakeListener(t, false)
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
+	sys := roots.Sys
+	l := fakeListener(t, roots, false)
 	const file = "/var/lib/berth/volumes/pvc-9/disk.img"
 	w := l.Subscribe(MatchLoop(file))
 	defer w.Close()
@@ -136,13 +140,15 @@ func TestWaitKernelEvent(t *testing.T) {
 }
 
 func TestWaitUdev(t *testing.T) {
-	sys := fakeSys(t, "sysfs.txt")
-	l := fakeListener(t, true)
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
+	sys := roots.Sys
+	l := fakeListener(t, roots, true)
 	if !l.Udev() {
 		t.Fatal("udev mode off")
 	}
 	// loop0 exists and udev's database has it: found by the scan.
-	writeFile(t, udevRunDir, "data/b7:0", "I:123\n")
+	writeFile(t, roots.UdevRun, "data/b7:0", "I:123\n")
 	w0 := l.Subscribe(MatchLoop("/var/lib/berth/volumes/pvc-1/disk.img"))
 	defer w0.Close()
 	if d, err := w0.Wait(context.Background()); err != nil || d.Name != "loop0" {
@@ -151,7 +157,7 @@ func TestWaitUdev(t *testing.T) {
 
 	// loop1 gets attached: the kernel event arrives, udev still runs rules.
 	const file = "/var/lib/berth/volumes/pvc-9/disk.img"
-	writeFile(t, udevRunDir, "data/b7:1", "I:456\n") // from loop1's earlier "add"
+	writeFile(t, roots.UdevRun, "data/b7:1", "I:456\n") // from loop1's earlier "add"
 	w := l.Subscribe(MatchLoop(file))
 	defer w.Close()
 	attachFake(t, sys, file)
@@ -186,8 +192,10 @@ func TestWaitUdev(t *testing.T) {
 }
 
 func TestWaitUdevNewDevice(t *testing.T) {
-	sys := fakeSys(t, "sysfs.txt")
-	l := fakeListener(t, true)
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
+	sys := roots.Sys
+	l := fakeListener(t, roots, true)
 	const file = "/var/lib/berth/volumes/pvc-7/disk.img"
 	w := l.Subscribe(MatchLoop(file))
 	defer w.Close()
@@ -201,8 +209,9 @@ func TestWaitUdevNewDevice(t *testing.T) {
 }
 
 func TestWaitContextEnds(t *testing.T) {
-	fakeSys(t, "sysfs.txt")
-	l := fakeListener(t, false)
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
+	l := fakeListener(t, roots, false)
 	w := l.Subscribe(MatchNVMe("nqn.2014-08.org.berth:missing", 1, "", ""))
 	defer w.Close()
 
@@ -225,8 +234,10 @@ func TestWaitContextEnds(t *testing.T) {
 }
 
 func TestWaitOverflowRescans(t *testing.T) {
-	sys := fakeSys(t, "sysfs.txt")
-	l := fakeListener(t, false)
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
+	sys := roots.Sys
+	l := fakeListener(t, roots, false)
 	const file = "/var/lib/berth/volumes/pvc-8/disk.img"
 	w := l.Subscribe(MatchLoop(file))
 	defer w.Close()
@@ -239,8 +250,9 @@ func TestWaitOverflowRescans(t *testing.T) {
 }
 
 func TestWaitListenerClosed(t *testing.T) {
-	fakeSys(t, "sysfs.txt")
-	l := fakeListener(t, false)
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
+	l := fakeListener(t, roots, false)
 	w := l.Subscribe(MatchLoop("/nonexistent"))
 	defer w.Close()
 	res := startWait(t, context.Background(), w)
@@ -251,8 +263,9 @@ func TestWaitListenerClosed(t *testing.T) {
 }
 
 func TestWaiterClosed(t *testing.T) {
-	fakeSys(t, "sysfs.txt")
-	l := fakeListener(t, false)
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
+	l := fakeListener(t, roots, false)
 	w := l.Subscribe(MatchLoop("/nonexistent"))
 	w.Close()
 	w.Close()
@@ -266,9 +279,11 @@ func TestWaiterClosed(t *testing.T) {
 }
 
 func TestRemovalWaiter(t *testing.T) {
-	sys := fakeSys(t, "sysfs.txt")
-	l := fakeListener(t, false)
-	d, err := Lookup("sdc")
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
+	sys := roots.Sys
+	l := fakeListener(t, roots, false)
+	d, err := roots.Lookup("sdc")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -299,8 +314,10 @@ func TestRemovalWaiter(t *testing.T) {
 }
 
 func TestFanOut(t *testing.T) {
-	sys := fakeSys(t, "sysfs.txt")
-	l := fakeListener(t, false)
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
+	sys := roots.Sys
+	l := fakeListener(t, roots, false)
 	const n = 50
 	results := make([]<-chan waitResult, n)
 	for i := range n {

@@ -53,12 +53,9 @@ var loopClaims = struct {
 	held map[int]struct{}
 }{held: make(map[int]struct{})}
 
-// beforeConfigureHook, when set by a test, is called with the name of the
-// free loop device an attach is about to configure.
-var beforeConfigureHook func(name string)
-
 // loopConfigureMissing caches that the kernel has no LOOP_CONFIGURE (before
-// 5.8); LOOP_SET_FD and LOOP_SET_STATUS64 are used instead.
+// 5.8); LOOP_SET_FD and LOOP_SET_STATUS64 are used instead. It is a fact
+// about the running kernel, probed once for the process.
 var loopConfigureMissing atomic.Bool
 
 // AttachLoop attaches file to a loop device and returns it once it is
@@ -102,7 +99,7 @@ func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (_
 	}
 	defer unlock()
 
-	if d, err := findLoopFile(path, id, true); err == nil {
+	if d, err := l.roots.findLoopFile(path, id, true); err == nil {
 		ro, _ := readAttr(d.sysPath, "ro")
 		if (ro == "1") != readOnly {
 			return nil, fmt.Errorf("attach loop device for %s: %s already backs it with read-only=%t, requested %t: %w",
@@ -117,13 +114,13 @@ func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (_
 	w := l.Subscribe(m)
 	defer w.Close()
 
-	name, err := configureFreeLoop(ctx, backing, path, readOnly)
+	name, err := l.configureFreeLoop(ctx, backing, path, readOnly)
 	if err != nil {
 		return nil, err
 	}
 	defer func() {
 		if retErr != nil {
-			if err := clearLoop(name); err != nil {
+			if err := l.roots.clearLoop(name); err != nil {
 				retErr = fmt.Errorf("%w; detaching %s again failed: %v", retErr, name, err)
 			}
 		}
@@ -174,8 +171,8 @@ func loopBackingPath(file string) (string, error) {
 // still be being added by another caller and not open yet (ENOENT,
 // ENXIO); the next attempt then takes a device LOOP_CTL_ADD has finished
 // adding.
-func configureFreeLoop(ctx context.Context, backing *os.File, path string, readOnly bool) (string, error) {
-	ctl, err := os.OpenFile(filepath.Join(devRoot, "loop-control"), os.O_RDWR|unix.O_CLOEXEC, 0)
+func (l *Listener) configureFreeLoop(ctx context.Context, backing *os.File, path string, readOnly bool) (string, error) {
+	ctl, err := os.OpenFile(filepath.Join(l.roots.dev(), "loop-control"), os.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return "", fmt.Errorf("attach loop device for %s: %w (is the loop module loaded?)", path, err)
 	}
@@ -185,13 +182,13 @@ func configureFreeLoop(ctx context.Context, backing *os.File, path string, readO
 		if err := ctx.Err(); err != nil {
 			return "", fmt.Errorf("attach loop device for %s: %w", path, err)
 		}
-		n, release, err := claimFreeLoop(ctl, added)
+		n, release, err := l.roots.claimFreeLoop(ctl, added)
 		if err == nil {
 			name := "loop" + strconv.Itoa(n)
-			if h := beforeConfigureHook; h != nil {
+			if h := l.beforeConfigure; h != nil {
 				h(name)
 			}
-			err = configureLoop(name, backing, path, readOnly)
+			err = l.configureLoop(name, backing, path, readOnly)
 			release()
 			if err == nil {
 				return name, nil
@@ -216,7 +213,7 @@ func configureFreeLoop(ctx context.Context, backing *os.File, path string, readO
 // one after it. Past the existing devices, or with add, it is a new one
 // that LOOP_CTL_ADD has finished adding. release gives the claim back. An
 // error wrapping EBUSY asks the caller to try again.
-func claimFreeLoop(ctl *os.File, add bool) (n int, release func(), err error) {
+func (r Roots) claimFreeLoop(ctl *os.File, add bool) (n int, release func(), err error) {
 	release = func() {
 		loopClaims.Lock()
 		delete(loopClaims.held, n)
@@ -235,7 +232,7 @@ func claimFreeLoop(ctl *os.File, add bool) (n int, release func(), err error) {
 			if n == free {
 				break
 			}
-			sys := filepath.Join(sysfsRoot, "class", "block", "loop"+strconv.Itoa(n))
+			sys := r.block("loop" + strconv.Itoa(n))
 			if _, err := os.Lstat(sys); err != nil {
 				n = -1 // past the existing devices
 				break
@@ -254,11 +251,11 @@ func claimFreeLoop(ctl *os.File, add bool) (n int, release func(), err error) {
 	// A number of our own choosing could be one the kernel is adding for
 	// another caller right now, which cannot be opened yet; LOOP_CTL_ADD
 	// with -1 picks a free number and returns once the device is added.
-	r, _, errno := unix.Syscall(unix.SYS_IOCTL, ctl.Fd(), unix.LOOP_CTL_ADD, ^uintptr(0))
+	ret, _, errno := unix.Syscall(unix.SYS_IOCTL, ctl.Fd(), unix.LOOP_CTL_ADD, ^uintptr(0))
 	if errno != 0 {
 		return 0, nil, fmt.Errorf("LOOP_CTL_ADD: %w", errno)
 	}
-	n = int(r)
+	n = int(ret)
 	loopClaims.Lock()
 	defer loopClaims.Unlock()
 	if _, claimed := loopClaims.held[n]; claimed {
@@ -268,8 +265,8 @@ func claimFreeLoop(ctl *os.File, add bool) (n int, release func(), err error) {
 	return n, release, nil
 }
 
-func configureLoop(name string, backing *os.File, path string, readOnly bool) error {
-	lf, err := openLoop(name)
+func (l *Listener) configureLoop(name string, backing *os.File, path string, readOnly bool) error {
+	lf, err := l.roots.openLoop(name)
 	if err != nil {
 		return err
 	}
@@ -279,7 +276,7 @@ func configureLoop(name string, backing *os.File, path string, readOnly bool) er
 	if readOnly {
 		info.Flags |= loFlagsReadOnly
 	}
-	if !loopConfigureMissing.Load() {
+	if !loopConfigureMissing.Load() && !l.noLoopConfigure {
 		cfg := unix.LoopConfig{Fd: uint32(backing.Fd()), Info: info}
 		err := unix.IoctlLoopConfigure(int(lf.Fd()), &cfg)
 		if err == nil {
@@ -302,17 +299,17 @@ func configureLoop(name string, backing *os.File, path string, readOnly bool) er
 }
 
 // openLoop opens /dev/<name> for reading and writing.
-func openLoop(name string) (*os.File, error) { return openLoopFlags(name, os.O_RDWR) }
+func (r Roots) openLoop(name string) (*os.File, error) { return r.openLoopFlags(name, os.O_RDWR) }
 
 // openLoopFlags opens /dev/<name>. Where /dev is not devtmpfs (some
 // containers), a missing node is created from the number sysfs reports.
-func openLoopFlags(name string, flags int) (*os.File, error) {
-	path := filepath.Join(devRoot, name)
+func (r Roots) openLoopFlags(name string, flags int) (*os.File, error) {
+	path := filepath.Join(r.dev(), name)
 	f, err := os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
 	if err == nil || !errors.Is(err, fs.ErrNotExist) {
 		return f, err
 	}
-	s, rerr := readAttr(filepath.Join(sysfsRoot, "class", "block", name), "dev")
+	s, rerr := readAttr(r.block(name), "dev")
 	if rerr != nil {
 		return nil, err
 	}
@@ -331,7 +328,7 @@ func openLoopFlags(name string, flags int) (*os.File, error) {
 // a size limit. Loop devices of the file at an offset or with a size limit
 // (an operator's losetup -o) are not it; without one that is, the error
 // wraps errdefs.ErrNotFound.
-func FindLoop(file string) (*Device, error) {
+func (r Roots) FindLoop(file string) (*Device, error) {
 	path := canonicalFile(file)
 	var st unix.Stat_t
 	if err := unix.Stat(path, &st); err != nil {
@@ -340,7 +337,7 @@ func FindLoop(file string) (*Device, error) {
 		}
 		return nil, fmt.Errorf("loop device backed by %s: %w", path, err)
 	}
-	return findLoopFile(path, fileID{dev: st.Dev, ino: st.Ino}, false)
+	return r.findLoopFile(path, fileID{dev: st.Dev, ino: st.Ino}, false)
 }
 
 // FindDeletedLoop returns the loop device berth attached to the file path
@@ -348,10 +345,10 @@ func FindLoop(file string) (*Device, error) {
 // "<path> (deleted)". Its inode cannot be compared any more, so only a
 // device with berth's marker (see loopMarker), offset 0 and no size limit
 // is returned. path is taken as it is.
-func FindDeletedLoop(path string) (*Device, error) {
+func (r Roots) FindDeletedLoop(path string) (*Device, error) {
 	backing := path + " (deleted)"
 	var found *Device
-	err := scanBlock(KindLoop, loopMatcher{file: backing}, func(d *Device) bool {
+	err := r.scanBlock(KindLoop, loopMatcher{file: backing}, func(d *Device) bool {
 		if d.ID.Kind != KindLoop || d.ID.BackingFile != backing {
 			return false
 		}
@@ -397,8 +394,8 @@ func fileIDOf(f *os.File) (fileID, error) {
 // (LOOP_GET_STATUS64); only the devices of the file are read from sysfs
 // in full. On a node with hundreds of loop devices this scan runs for
 // every attach and every volume's health check.
-func findLoopFile(path string, id fileID, strict bool) (*Device, error) {
-	dir := filepath.Join(sysfsRoot, "class", "block")
+func (r Roots) findLoopFile(path string, id fileID, strict bool) (*Device, error) {
+	dir := filepath.Join(r.sys(), "class", "block")
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, fmt.Errorf("list block devices: %w", err)
@@ -413,12 +410,12 @@ func findLoopFile(path string, id fileID, strict bool) (*Device, error) {
 		if !loopBound(sysPath) {
 			continue
 		}
-		info, dev, err := loopStatusByName(e.Name())
+		info, dev, err := r.loopStatusByName(e.Name())
 		if err != nil || info.Device != id.dev || info.Inode != id.ino {
 			continue
 		}
 		// The whole device, checked to be the one whose status was read.
-		d, err := readDevice(sysPath, KindLoop)
+		d, err := r.readDevice(sysPath, KindLoop)
 		if err != nil || d.ID.Kind != KindLoop || d.ID.BackingFile == "" ||
 			d.Major != unix.Major(dev) || d.Minor != unix.Minor(dev) {
 			continue
@@ -443,8 +440,8 @@ func findLoopFile(path string, id fileID, strict bool) (*Device, error) {
 
 // loopStatusByName reads the status of the loop device /dev/<name> and
 // returns it with the device number of the node it opened.
-func loopStatusByName(name string) (*unix.LoopInfo64, uint64, error) {
-	f, err := openLoopFlags(name, os.O_RDONLY)
+func (r Roots) loopStatusByName(name string) (*unix.LoopInfo64, uint64, error) {
+	f, err := r.openLoopFlags(name, os.O_RDONLY)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -479,7 +476,7 @@ func loopDiff(info *unix.LoopInfo64) string {
 // loopStatus reads the status of the loop device d, checking that the
 // device still has d's number once it is open.
 func loopStatus(d *Device) (*unix.LoopInfo64, error) {
-	f, err := openLoopFlags(d.Name, os.O_RDONLY)
+	f, err := d.roots.openLoopFlags(d.Name, os.O_RDONLY)
 	if err != nil {
 		return nil, err
 	}
@@ -527,7 +524,7 @@ func DetachLoop(dev *Device) error {
 	if !stillBacked(dev) {
 		return nil
 	}
-	lf, err := os.OpenFile(filepath.Join(devRoot, dev.Name), os.O_RDONLY|unix.O_CLOEXEC, 0)
+	lf, err := os.OpenFile(filepath.Join(dev.roots.dev(), dev.Name), os.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENXIO) {
 			return nil
@@ -583,8 +580,8 @@ func DetachLoopContext(ctx context.Context, l *Listener, dev *Device) error {
 }
 
 // clearLoop detaches a loop device that AttachLoop just configured.
-func clearLoop(name string) error {
-	lf, err := os.OpenFile(filepath.Join(devRoot, name), os.O_RDONLY|unix.O_CLOEXEC, 0)
+func (r Roots) clearLoop(name string) error {
+	lf, err := os.OpenFile(filepath.Join(r.dev(), name), os.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}
@@ -596,7 +593,7 @@ func clearLoop(name string) error {
 }
 
 func stillBacked(dev *Device) bool {
-	cur, err := readDevice(filepath.Join(sysfsRoot, "class", "block", dev.Name), KindLoop)
+	cur, err := dev.roots.readDevice(dev.roots.block(dev.Name), KindLoop)
 	return err == nil && cur.ID.BackingFile != "" && cur.ID.BackingFile == dev.ID.BackingFile &&
 		cur.Major == dev.Major && cur.Minor == dev.Minor
 }

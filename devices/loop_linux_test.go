@@ -85,6 +85,21 @@ func testContext(t testing.TB) context.Context {
 	return ctx
 }
 
+// TestListenerUdevDetection: a listener looks for udev's control socket
+// below the Roots it is given, not below the host's /run/udev.
+func TestListenerUdevDetection(t *testing.T) {
+	requireRoot(t)
+	t.Parallel()
+	run := t.TempDir()
+	if l := newTestListener(t, WithRoots(Roots{UdevRun: run})); l.Udev() || l.Roots().UdevRun != run {
+		t.Fatalf("without %s/control: udev %v, roots %+v", run, l.Udev(), l.Roots())
+	}
+	writeFile(t, run, "control", "")
+	if l := newTestListener(t, WithRoots(Roots{UdevRun: run})); !l.Udev() {
+		t.Fatalf("with %s/control: udev off", run)
+	}
+}
+
 func TestLoopAttachDetach(t *testing.T) {
 	requireRoot(t)
 	ctx := testContext(t)
@@ -129,7 +144,7 @@ func TestLoopAttachDetach(t *testing.T) {
 	if _, err := AttachLoop(ctx, l, file, true); !errors.Is(err, errdefs.ErrAlreadyExists) {
 		t.Errorf("attach read-only over read-write: %v, want ErrAlreadyExists", err)
 	}
-	if f, err := FindLoop(file); err != nil || f.Name != d.Name {
+	if f, err := (Roots{}).FindLoop(file); err != nil || f.Name != d.Name {
 		t.Errorf("FindLoop = %v %v", f, err)
 	}
 
@@ -147,7 +162,7 @@ func TestLoopAttachDetach(t *testing.T) {
 	if err := DetachLoopContext(ctx, l, d); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := FindLoop(file); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := (Roots{}).FindLoop(file); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Errorf("FindLoop after detach: %v", err)
 	}
 	if err := DetachLoop(d); err != nil {
@@ -207,7 +222,7 @@ func TestLoopAttachErrors(t *testing.T) {
 	if _, err := AttachLoop(cctx, l, file, false); !errors.Is(err, context.Canceled) {
 		t.Errorf("cancelled: %v", err)
 	}
-	if d, err := FindLoop(file); err == nil {
+	if d, err := (Roots{}).FindLoop(file); err == nil {
 		DetachLoop(d)
 		t.Errorf("cancelled attach left %s", d)
 	}
@@ -335,10 +350,10 @@ func TestVerifyDetectsSwappedBackingFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer bf.Close()
-	if err := configureLoop(d.Name, bf, b, false); err != nil {
+	if err := l.configureLoop(d.Name, bf, b, false); err != nil {
 		t.Fatal(err)
 	}
-	swapped, err := Lookup(d.Name)
+	swapped, err := Roots{}.Lookup(d.Name)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -353,7 +368,7 @@ func TestVerifyDetectsSwappedBackingFile(t *testing.T) {
 	if err := DetachLoop(d); err != nil {
 		t.Fatal(err)
 	}
-	if cur, err := FindLoop(b); err != nil || cur.Name != d.Name {
+	if cur, err := (Roots{}).FindLoop(b); err != nil || cur.Name != d.Name {
 		t.Errorf("DetachLoop of the stale device detached %s: %v", b, err)
 	}
 	// Same file again on the same name: the disk sequence number tells.
@@ -365,10 +380,10 @@ func TestVerifyDetectsSwappedBackingFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer af.Close()
-	if err := configureLoop(d.Name, af, a, false); err != nil {
+	if err := l.configureLoop(d.Name, af, a, false); err != nil {
 		t.Fatal(err)
 	}
-	if again, err := Lookup(d.Name); err == nil {
+	if again, err := (Roots{}).Lookup(d.Name); err == nil {
 		t.Cleanup(func() { detachForTest(t, again) })
 	}
 	if err := d.Verify(); !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "sequence") {
@@ -397,7 +412,7 @@ func TestDetachBusy(t *testing.T) {
 	if err := DetachLoop(d); err != nil {
 		t.Errorf("detach after close: %v", err)
 	}
-	if _, err := FindLoop(file); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := (Roots{}).FindLoop(file); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Errorf("still attached: %v", err)
 	}
 
@@ -416,7 +431,7 @@ func TestDetachBusy(t *testing.T) {
 	if err := DetachLoopContext(ctx, l, d); err != nil {
 		t.Errorf("DetachLoopContext with a short-lived holder: %v", err)
 	}
-	if _, err := FindLoop(file); !errors.Is(err, errdefs.ErrNotFound) {
+	if _, err := (Roots{}).FindLoop(file); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Errorf("still attached: %v", err)
 	}
 }
@@ -454,11 +469,11 @@ func TestOverflowRescan(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer bf.Close()
-	name, err := configureFreeLoop(ctx, bf, file, false)
+	name, err := l.configureFreeLoop(ctx, bf, file, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := Lookup(name)
+	d, err := Roots{}.Lookup(name)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -474,10 +489,8 @@ func TestOverflowRescan(t *testing.T) {
 // the path taken on kernels without LOOP_CONFIGURE (before 5.8).
 func TestLoopLegacyIoctls(t *testing.T) {
 	requireRoot(t)
-	loopConfigureMissing.Store(true)
-	defer loopConfigureMissing.Store(false)
 	ctx := testContext(t)
-	l := newTestListener(t)
+	l := newTestListener(t, withoutLoopConfigure())
 	dir := t.TempDir()
 	for _, ro := range []bool{false, true} {
 		file := testFile(t, dir, fmt.Sprintf("legacy-%v.img", ro), 2<<20)
@@ -526,7 +539,7 @@ func foreignLoop(t *testing.T, file string, offset, sizeLimit uint64) *Device {
 			t.Fatal(err)
 		}
 		name = fmt.Sprintf("loop%d", n)
-		lf, err := openLoop(name)
+		lf, err := Roots{}.openLoop(name)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -542,7 +555,7 @@ func foreignLoop(t *testing.T, file string, offset, sizeLimit uint64) *Device {
 			t.Fatalf("LOOP_CONFIGURE %s: %v", name, err)
 		}
 	}
-	d, err := Lookup(name)
+	d, err := Roots{}.Lookup(name)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -582,7 +595,7 @@ func TestAttachLoopRefusesForeignDevice(t *testing.T) {
 				t.Fatalf("AttachLoop with %s on the file: %v, %v; want ErrFailedPrecondition naming %s and %q", foreign.Path, d, err, foreign.Path, tc.want)
 			}
 			t.Log(err)
-			if got, err := FindLoop(file); !errors.Is(err, errdefs.ErrNotFound) {
+			if got, err := (Roots{}).FindLoop(file); !errors.Is(err, errdefs.ErrNotFound) {
 				t.Fatalf("FindLoop = %v, %v; want ErrNotFound", got, err)
 			}
 			if err := foreign.Verify(); err != nil {
@@ -622,7 +635,7 @@ func TestFindLoopByInode(t *testing.T) {
 	}
 	d := attachForTest(t, ctx, l, file)
 	attachForTest(t, ctx, l, other)
-	got, err := FindLoop(link)
+	got, err := Roots{}.FindLoop(link)
 	if err != nil || got.Name != d.Name {
 		t.Fatalf("FindLoop(hard link) = %v, %v; want %s", got, err, d.Name)
 	}
@@ -653,15 +666,15 @@ func TestFindDeletedLoopOnlyBerths(t *testing.T) {
 	// recognise the devices.
 	t.Cleanup(func() {
 		for _, d := range all {
-			if cur, err := Lookup(d.Name); err == nil && strings.HasPrefix(cur.ID.BackingFile, dir+"/") {
+			if cur, err := (Roots{}).Lookup(d.Name); err == nil && strings.HasPrefix(cur.ID.BackingFile, dir+"/") {
 				detachForTest(t, cur)
 			}
 		}
 	})
-	if got, err := FindDeletedLoop(mine); err != nil || got.Name != d.Name {
+	if got, err := (Roots{}).FindDeletedLoop(mine); err != nil || got.Name != d.Name {
 		t.Fatalf("FindDeletedLoop(%s) = %v, %v; want %s", mine, got, err, d.Name)
 	}
-	if got, err := FindDeletedLoop(theirs); !errors.Is(err, errdefs.ErrNotFound) {
+	if got, err := (Roots{}).FindDeletedLoop(theirs); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("FindDeletedLoop(%s) = %v, %v; want ErrNotFound", theirs, got, err)
 	}
 }
@@ -672,18 +685,16 @@ func TestFindDeletedLoopOnlyBerths(t *testing.T) {
 func TestAttachLoopNotSerialised(t *testing.T) {
 	requireRoot(t)
 	ctx := testContext(t)
-	l := newTestListener(t)
 	dir := t.TempDir()
 	first, second := testFile(t, dir, "first.img", 1<<20), testFile(t, dir, "second.img", 1<<20)
 	held, release := make(chan string, 1), make(chan struct{})
 	var taken atomic.Bool
-	beforeConfigureHook = func(name string) {
+	l := newTestListener(t, withBeforeConfigure(func(name string) {
 		if taken.CompareAndSwap(false, true) {
 			held <- name
 			<-release
 		}
-	}
-	defer func() { beforeConfigureHook = nil }()
+	}))
 	releaseOnce := sync.OnceFunc(func() { close(release) })
 	defer releaseOnce()
 
@@ -757,7 +768,7 @@ func TestClaimFreeLoopAddsDevice(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ctl.Close()
-	n, release, err := claimFreeLoop(ctl, false)
+	n, release, err := Roots{}.claimFreeLoop(ctl, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -770,7 +781,7 @@ func TestClaimFreeLoopAddsDevice(t *testing.T) {
 	if slices.Contains(fake, n) {
 		t.Fatalf("claimFreeLoop handed out loop%d, which another attach holds", n)
 	}
-	f, err := openLoop("loop" + strconv.Itoa(n))
+	f, err := Roots{}.openLoop("loop" + strconv.Itoa(n))
 	if err != nil {
 		t.Fatalf("the new loop%d cannot be opened: %v", n, err)
 	}

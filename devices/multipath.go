@@ -34,13 +34,13 @@ func (p PathState) Working() bool {
 
 // MultipathMap returns the dm-multipath map that holds the path device
 // pathName, or an error wrapping errdefs.ErrNotFound when none does.
-func MultipathMap(pathName string) (*Device, error) {
-	holders, err := Holders(pathName)
+func (r Roots) MultipathMap(pathName string) (*Device, error) {
+	holders, err := r.Holders(pathName)
 	if err != nil {
 		return nil, err
 	}
 	for _, h := range holders {
-		d, err := Lookup(h)
+		d, err := r.Lookup(h)
 		if err != nil {
 			continue
 		}

@@ -71,17 +71,18 @@ func FuzzParseMultipathStatus(f *testing.F) {
 }
 
 func TestMultipathMapFakeSysfs(t *testing.T) {
-	fakeSys(t, "sysfs.txt")
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
 	for _, path := range []string{"sdb", "sdc"} {
-		d, err := MultipathMap(path)
+		d, err := roots.MultipathMap(path)
 		if err != nil || d.Name != "dm-0" || d.ID.DMName != "mpatha" {
-			t.Errorf("MultipathMap(%s) = %v %v", path, d, err)
+			t.Errorf("roots.MultipathMap(%s) = %v %v", path, d, err)
 		}
 	}
-	if _, err := MultipathMap("loop0"); !errors.Is(err, errdefs.ErrNotFound) {
-		t.Errorf("MultipathMap(loop0) = %v, want ErrNotFound", err)
+	if _, err := roots.MultipathMap("loop0"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("roots.MultipathMap(loop0) = %v, want ErrNotFound", err)
 	}
-	if _, err := MultipathMap("sdz"); !errors.Is(err, errdefs.ErrNotFound) {
-		t.Errorf("MultipathMap(sdz) = %v, want ErrNotFound", err)
+	if _, err := roots.MultipathMap("sdz"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("roots.MultipathMap(sdz) = %v, want ErrNotFound", err)
 	}
 }

@@ -51,7 +51,7 @@ func NewListener(opts ...ListenerOption) (*Listener, error) {
 	}
 	udev := cfg.udev > 0
 	if cfg.udev == 0 {
-		_, err := os.Stat(filepath.Join(udevRunDir, "control"))
+		_, err := os.Stat(filepath.Join(cfg.roots.udevRun(), "control"))
 		udev = err == nil
 	}
 	groups := uint32(groupKernel)
@@ -244,8 +244,8 @@ func senderUID(oob []byte) int64 {
 }
 
 // nodeMatches reports whether d.Path is a block device node with d's
-// number; it is a variable so tests on fake sysfs trees can replace it.
-var nodeMatches = func(d *Device) bool {
+// number.
+func nodeMatches(d *Device) bool {
 	maj, min, err := statBlockNode(d.Path)
 	return err == nil && maj == d.Major && min == d.Minor
 }

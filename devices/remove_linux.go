@@ -63,7 +63,7 @@ func FlushDevice(ctx context.Context, dev *Device) error {
 // current re-reads dev and reports whether it still exists as the same
 // device (same number, identity and medium).
 func current(dev *Device) (*Device, bool, error) {
-	cur, err := Lookup(dev.Name)
+	cur, err := dev.roots.Lookup(dev.Name)
 	if err != nil {
 		if errors.Is(err, errdefs.ErrNotFound) {
 			return nil, false, nil
@@ -107,7 +107,7 @@ func RemoveSCSIDevice(ctx context.Context, l *Listener, dev *Device) error {
 	if !same {
 		return nil
 	}
-	if holders, _ := Holders(dev.Name); len(holders) > 0 {
+	if holders, _ := dev.roots.Holders(dev.Name); len(holders) > 0 {
 		return fmt.Errorf("remove SCSI device %s: held by %s; remove the multipath map first: %w",
 			dev.Path, strings.Join(holders, ", "), errdefs.ErrBusy)
 	}
@@ -167,13 +167,13 @@ func RemoveMultipathMap(ctx context.Context, l *Listener, dm *Device) error {
 	if !same {
 		return nil
 	}
-	if holders, _ := Holders(dm.Name); len(holders) > 0 {
+	if holders, _ := dm.roots.Holders(dm.Name); len(holders) > 0 {
 		return fail(fmt.Errorf("held by %s: %w", strings.Join(holders, ", "), errdefs.ErrBusy))
 	}
 	if err := InUse(cur); err != nil {
 		return fail(err)
 	}
-	if err := dmTargetMessage(cur.Major, cur.Minor, "fail_if_no_path"); err != nil && !errors.Is(err, unix.ENXIO) {
+	if err := cur.roots.dmTargetMessage(cur.Major, cur.Minor, "fail_if_no_path"); err != nil && !errors.Is(err, unix.ENXIO) {
 		return fail(err)
 	}
 	// Without a working path the flush could only fail: what was not
@@ -186,7 +186,7 @@ func RemoveMultipathMap(ctx context.Context, l *Listener, dm *Device) error {
 	w := l.subscribeRemoval(cur)
 	defer w.Close()
 	for attempt := 1; ; attempt++ {
-		err := dmRemove(cur.Major, cur.Minor)
+		err := cur.roots.dmRemove(cur.Major, cur.Minor)
 		if err == nil || errors.Is(err, unix.ENXIO) {
 			break
 		}
@@ -194,7 +194,7 @@ func RemoveMultipathMap(ctx context.Context, l *Listener, dm *Device) error {
 			return fail(err)
 		}
 		if attempt == dmRemoveAttempts {
-			n, _ := dmOpenCount(cur.Major, cur.Minor)
+			n, _ := cur.roots.dmOpenCount(cur.Major, cur.Minor)
 			return fail(fmt.Errorf("still open %d time(s) after %d attempts (mounted, or used by a process: check `fuser -vm %s`): %w",
 				n, attempt, dm.Path, errdefs.ErrBusy))
 		}

@@ -14,22 +14,14 @@ import (
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
-// Roots of the kernel and udev trees; tests point them at fake trees under
-// testdata.
-var (
-	sysfsRoot  = "/sys"
-	devRoot    = "/dev"
-	udevRunDir = "/run/udev"
-)
-
 // Lookup reads the block device with the given kernel name from
-// /sys/class/block. A name that does not exist gives an error wrapping
-// errdefs.ErrNotFound.
-func Lookup(name string) (*Device, error) {
+// class/block under r.Sys. A name that does not exist gives an error
+// wrapping errdefs.ErrNotFound.
+func (r Roots) Lookup(name string) (*Device, error) {
 	if err := checkName(name); err != nil {
 		return nil, err
 	}
-	return readDevice(filepath.Join(sysfsRoot, "class", "block", name), "")
+	return r.readDevice(r.block(name), "")
 }
 
 func checkName(name string) error {
@@ -42,8 +34,8 @@ func checkName(name string) error {
 // readDevice reads the device whose sysfs directory is sysPath. When kind is
 // not empty and the device is of another kind, only its number, size and
 // kind are read.
-func readDevice(sysPath, kind string) (*Device, error) {
-	return readDeviceEvent(sysPath, kind, nil)
+func (r Roots) readDevice(sysPath, kind string) (*Device, error) {
+	return r.readDeviceEvent(sysPath, kind, nil)
 }
 
 // readDeviceEvent is readDevice for the device an event announced: the
@@ -51,7 +43,7 @@ func readDevice(sysPath, kind string) (*Device, error) {
 // be nil). Either way the device's "dev" attribute
 // is read last and must still hold the number, so that a name reused while
 // its attributes were read is not taken for the device.
-func readDeviceEvent(sysPath, kind string, ev *Event) (*Device, error) {
+func (r Roots) readDeviceEvent(sysPath, kind string, ev *Event) (*Device, error) {
 	name := filepath.Base(sysPath)
 	dir, err := openAttrDir(sysPath)
 	if err != nil {
@@ -61,7 +53,7 @@ func readDeviceEvent(sysPath, kind string, ev *Event) (*Device, error) {
 		return nil, fmt.Errorf("block device %s: %w", name, err)
 	}
 	defer dir.close()
-	d := &Device{Name: name, sysPath: sysPath, Path: filepath.Join(devRoot, name)}
+	d := &Device{Name: name, sysPath: sysPath, Path: filepath.Join(r.dev(), name), roots: r}
 	var env map[string]string
 	if ev != nil && ev.HasDevNum && ev.Env != nil {
 		env = ev.Env
@@ -88,7 +80,7 @@ func readDeviceEvent(sysPath, kind string, ev *Event) (*Device, error) {
 		d.Major, d.Minor = maj, min
 	}
 	if n := strings.TrimPrefix(env["DEVNAME"], "/dev/"); n != "" && !strings.Contains(n, "..") && !strings.HasPrefix(n, "/") {
-		d.Path = filepath.Join(devRoot, n)
+		d.Path = filepath.Join(r.dev(), n)
 	}
 	if s, err := dir.read("size"); err == nil {
 		if n, err := strconv.ParseInt(s, 10, 64); err == nil {
@@ -245,8 +237,8 @@ func parseUeventFile(b []byte) map[string]string {
 // without identity. When m can reject a device from one attribute (see
 // prefilter) the others are not read at all: a scan over hundreds of loop
 // devices then costs one read per device.
-func scanBlock(kind string, m Matcher, fn func(*Device) bool) error {
-	dir := filepath.Join(sysfsRoot, "class", "block")
+func (r Roots) scanBlock(kind string, m Matcher, fn func(*Device) bool) error {
+	dir := filepath.Join(r.sys(), "class", "block")
 	var names []string
 	if nm, ok := m.(namedMatcher); ok && nm.deviceName() != "" {
 		names = []string{nm.deviceName()}
@@ -268,7 +260,7 @@ func scanBlock(kind string, m Matcher, fn func(*Device) bool) error {
 		if pf != nil && !pf.mayMatch(sysPath) {
 			continue
 		}
-		d, err := readDevice(sysPath, kind)
+		d, err := r.readDevice(sysPath, kind)
 		if err != nil {
 			continue // removed meanwhile
 		}
@@ -322,28 +314,30 @@ func nameMayBeKind(name, kind string) bool {
 
 // udevInitialized reports whether udev's database has an entry for the
 // device, which udevd writes when it has finished processing an event for it.
-func udevInitialized(major, minor uint32) bool {
-	_, err := os.Stat(filepath.Join(udevRunDir, "data", fmt.Sprintf("b%d:%d", major, minor)))
+func (r Roots) udevInitialized(major, minor uint32) bool {
+	_, err := os.Stat(filepath.Join(r.udevRun(), "data", fmt.Sprintf("b%d:%d", major, minor)))
 	return err == nil
 }
 
 // Holders lists the kernel names of the devices stacked on name
-// (/sys/class/block/<name>/holders), for example the dm map using a path.
-func Holders(name string) ([]string, error) {
-	return listDir(name, "holders")
+// (class/block/<name>/holders under r.Sys), for example the dm map using a
+// path.
+func (r Roots) Holders(name string) ([]string, error) {
+	return r.listDir(name, "holders")
 }
 
 // Slaves lists the kernel names of the devices name is stacked on
-// (/sys/class/block/<name>/slaves), for example the paths of a dm map.
-func Slaves(name string) ([]string, error) {
-	return listDir(name, "slaves")
+// (class/block/<name>/slaves under r.Sys), for example the paths of a dm
+// map.
+func (r Roots) Slaves(name string) ([]string, error) {
+	return r.listDir(name, "slaves")
 }
 
-func listDir(name, sub string) ([]string, error) {
+func (r Roots) listDir(name, sub string) ([]string, error) {
 	if err := checkName(name); err != nil {
 		return nil, err
 	}
-	ents, err := os.ReadDir(filepath.Join(sysfsRoot, "class", "block", name, sub))
+	ents, err := os.ReadDir(filepath.Join(r.block(name), sub))
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil, fmt.Errorf("block device %s: %w", name, errdefs.ErrNotFound)

@@ -15,7 +15,8 @@ const (
 )
 
 func TestLookupFakeSysfs(t *testing.T) {
-	sys := fakeSys(t, "sysfs.txt")
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
 	for _, tc := range []struct {
 		name    string
 		path    string
@@ -42,11 +43,11 @@ func TestLookupFakeSysfs(t *testing.T) {
 		{"vda1", "vda1", 252, 1, 2048 * 512, 0, Identity{}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			d, err := Lookup(tc.name)
+			d, err := roots.Lookup(tc.name)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if d.Name != tc.name || d.Path != filepath.Join(devRoot, tc.path) || d.Major != tc.maj || d.Minor != tc.min {
+			if d.Name != tc.name || d.Path != filepath.Join(roots.Dev, tc.path) || d.Major != tc.maj || d.Minor != tc.min {
 				t.Errorf("got %s %s %d:%d, want %s %s %d:%d", d.Name, d.Path, d.Major, d.Minor, tc.name, tc.path, tc.maj, tc.min)
 			}
 			if d.Size != tc.size || d.DiskSeq != tc.diskSeq {
@@ -57,7 +58,7 @@ func TestLookupFakeSysfs(t *testing.T) {
 			}
 		})
 	}
-	d, err := Lookup("sdc")
+	d, err := roots.Lookup("sdc")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -65,44 +66,45 @@ func TestLookupFakeSysfs(t *testing.T) {
 		t.Errorf("designators %q, want %q", d.designators, want)
 	}
 
-	if _, err := Lookup("sdz"); !errors.Is(err, errdefs.ErrNotFound) {
-		t.Errorf("Lookup(sdz) = %v, want ErrNotFound", err)
+	if _, err := roots.Lookup("sdz"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("roots.Lookup(sdz) = %v, want ErrNotFound", err)
 	}
 	for _, bad := range []string{"", "..", "../sda", "a/b"} {
-		if _, err := Lookup(bad); !errors.Is(err, errdefs.ErrInvalidArgument) {
-			t.Errorf("Lookup(%q) = %v, want ErrInvalidArgument", bad, err)
+		if _, err := roots.Lookup(bad); !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("roots.Lookup(%q) = %v, want ErrInvalidArgument", bad, err)
 		}
 	}
 	// A map whose table is not loaded yet is marked suspended.
-	if d, err := Lookup("dm-1"); err != nil || !d.dmSuspended {
+	if d, err := roots.Lookup("dm-1"); err != nil || !d.dmSuspended {
 		t.Errorf("dm-1: %+v %v, want suspended", d, err)
 	}
-	_ = sys
 }
 
 func TestHoldersSlaves(t *testing.T) {
-	fakeSys(t, "sysfs.txt")
-	if h, err := Holders("sdb"); err != nil || !slices.Equal(h, []string{"dm-0"}) {
-		t.Errorf("Holders(sdb) = %q, %v", h, err)
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
+	if h, err := roots.Holders("sdb"); err != nil || !slices.Equal(h, []string{"dm-0"}) {
+		t.Errorf("roots.Holders(sdb) = %q, %v", h, err)
 	}
-	if h, err := Holders("loop0"); err != nil || len(h) != 0 {
-		t.Errorf("Holders(loop0) = %q, %v", h, err)
+	if h, err := roots.Holders("loop0"); err != nil || len(h) != 0 {
+		t.Errorf("roots.Holders(loop0) = %q, %v", h, err)
 	}
-	if s, err := Slaves("dm-0"); err != nil || !slices.Equal(s, []string{"sdb", "sdc"}) {
-		t.Errorf("Slaves(dm-0) = %q, %v", s, err)
+	if s, err := roots.Slaves("dm-0"); err != nil || !slices.Equal(s, []string{"sdb", "sdc"}) {
+		t.Errorf("roots.Slaves(dm-0) = %q, %v", s, err)
 	}
-	if _, err := Holders("sdz"); !errors.Is(err, errdefs.ErrNotFound) {
-		t.Errorf("Holders(sdz) = %v, want ErrNotFound", err)
+	if _, err := roots.Holders("sdz"); !errors.Is(err, errdefs.ErrNotFound) {
+		t.Errorf("roots.Holders(sdz) = %v, want ErrNotFound", err)
 	}
-	if _, err := Slaves("../x"); !errors.Is(err, errdefs.ErrInvalidArgument) {
-		t.Errorf("Slaves(../x) = %v, want ErrInvalidArgument", err)
+	if _, err := roots.Slaves("../x"); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		t.Errorf("roots.Slaves(../x) = %v, want ErrInvalidArgument", err)
 	}
 }
 
 func TestMatchers(t *testing.T) {
-	fakeSys(t, "sysfs.txt")
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
 	all := map[string]*Device{}
-	if err := scanBlock("", nil, func(d *Device) bool { all[d.Name] = d; return false }); err != nil {
+	if err := roots.scanBlock("", nil, func(d *Device) bool { all[d.Name] = d; return false }); err != nil {
 		t.Fatal(err)
 	}
 	if len(all) != 11 {

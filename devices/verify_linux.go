@@ -3,7 +3,6 @@ package devices
 import (
 	"errors"
 	"fmt"
-	"path/filepath"
 	"strings"
 
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -28,7 +27,7 @@ func (d *Device) Verify() error {
 	if err := checkName(d.Name); err != nil {
 		return fmt.Errorf("verify %s: %w", d.Path, err)
 	}
-	cur, err := readDevice(filepath.Join(sysfsRoot, "class", "block", d.Name), "")
+	cur, err := d.roots.readDevice(d.roots.block(d.Name), "")
 	if err != nil {
 		if errors.Is(err, errdefs.ErrNotFound) {
 			return fmt.Errorf("verify %s: expected %s %s, the device is gone: %w", d.Path, d.Name, describeID(d.ID), errdefs.ErrFailedPrecondition)

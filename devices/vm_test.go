@@ -133,7 +133,7 @@ func guestListener(t *testing.T, opts ...ListenerOption) *Listener {
 // device when udevd runs.
 func checkReady(t *testing.T, l *Listener, d *Device) {
 	t.Helper()
-	if l.Udev() && !udevInitialized(d.Major, d.Minor) {
+	if l.Udev() && !l.Roots().udevInitialized(d.Major, d.Minor) {
 		t.Errorf("%s returned before udev initialised it", d)
 	}
 	if err := d.Verify(); err != nil {
@@ -423,7 +423,7 @@ func TestGuestSCSIMatch(t *testing.T) {
 }
 
 func logSCSIDisks(t *testing.T) {
-	scanBlock(KindSCSI, nil, func(d *Device) bool {
+	Roots{}.scanBlock(KindSCSI, nil, func(d *Device) bool {
 		t.Logf("SCSI disk %s: %+v designators %q", d.Name, d.ID, d.designators)
 		return false
 	})
@@ -456,13 +456,13 @@ func checkMap(t *testing.T, ctx context.Context, l *Listener, dm *Device, paths 
 	var names []string
 	for name := range paths {
 		names = append(names, name)
-		m, err := MultipathMap(name)
+		m, err := Roots{}.MultipathMap(name)
 		if err != nil || m.Name != dm.Name {
 			t.Errorf("MultipathMap(%s) = %v %v, want %s", name, m, err, dm.Name)
 		}
 	}
 	sort.Strings(names)
-	slaves, err := Slaves(dm.Name)
+	slaves, err := Roots{}.Slaves(dm.Name)
 	if sort.Strings(slaves); err != nil || strings.Join(slaves, ",") != strings.Join(names, ",") {
 		t.Errorf("slaves %v %v, want %v", slaves, err, names)
 	}
@@ -714,7 +714,7 @@ func TestGuestBenchNVMe(t *testing.T) {
 		attrLat.probe(d)
 		t0 := time.Now()
 		for range 10 {
-			if _, err := Lookup(d.Name); err != nil {
+			if _, err := (Roots{}).Lookup(d.Name); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -786,7 +786,7 @@ func (a attrLatencies) probe(d *Device) {
 	exists(d.sysPath, "dev")
 	latencies(a).add("event's device, whole paths (before)", time.Since(t0))
 	t0 = time.Now()
-	readDeviceEvent(d.sysPath, "", &Event{DevName: d.Name, Major: d.Major, Minor: d.Minor, HasDevNum: true,
+	Roots{}.readDeviceEvent(d.sysPath, "", &Event{DevName: d.Name, Major: d.Major, Minor: d.Minor, HasDevNum: true,
 		Env: map[string]string{"DEVNAME": d.Name, "DEVTYPE": "disk"}})
 	latencies(a).add("event's device, readDeviceEvent (after)", time.Since(t0))
 }

@@ -185,9 +185,9 @@ func (f *Target) Attach(ctx context.Context) (*devices.Device, error) {
 // The agent does not call Detach while another volume uses the image
 // (another name of it).
 func (f *Target) Detach(ctx context.Context) error {
-	d, err := devices.FindLoop(f.path)
+	d, err := f.t.listener.Roots().FindLoop(f.path)
 	if errors.Is(err, errdefs.ErrNotFound) {
-		d, err = devices.FindDeletedLoop(f.path)
+		d, err = f.t.listener.Roots().FindDeletedLoop(f.path)
 	}
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return nil
@@ -202,7 +202,7 @@ func (f *Target) Detach(ctx context.Context) error {
 
 // Expand makes the loop device take the image file's current size.
 func (f *Target) Expand(ctx context.Context) (int64, error) {
-	d, err := devices.FindLoop(f.path)
+	d, err := f.t.listener.Roots().FindLoop(f.path)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return 0, fmt.Errorf("image file %s: not attached to a loop device: %w", f.path, errdefs.ErrFailedPrecondition)
 	}
@@ -237,7 +237,7 @@ func (f *Target) Health(context.Context) (bool, string) {
 	if _, err := os.Stat(f.path); err != nil {
 		return true, fmt.Sprintf("image file %s: %v", f.path, err)
 	}
-	d, err := devices.FindLoop(f.path)
+	d, err := f.t.listener.Roots().FindLoop(f.path)
 	if err != nil {
 		return true, fmt.Sprintf("image file %s: no loop device: %v", f.path, err)
 	}

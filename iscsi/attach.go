@@ -294,7 +294,7 @@ func (t *Transport) describeLUN(h HCTL) string {
 	if err != nil {
 		return fmt.Sprintf("no disk (SCSI device state %q)", t.sys.SCSIDeviceState(h))
 	}
-	d, err := devices.Lookup(name)
+	d, err := t.devs.Lookup(name)
 	if err != nil {
 		return fmt.Sprintf("disk %s unreadable: %v", name, err)
 	}
@@ -578,7 +578,7 @@ func (t *Transport) findPaths(v *Volume, paths []path) ([]*pathDevice, error) {
 		} else if ok {
 			pd.hctl = h
 			if name, err := t.sys.BlockDevice(h); err == nil {
-				pd.dev, _ = devices.Lookup(name)
+				pd.dev, _ = t.devs.Lookup(name)
 			}
 		} else if unresolved && p.IP == s.PersistentAddress && !t.portalListed(v, p) {
 			continue // a session of the target this volume has no LUN on
@@ -676,7 +676,7 @@ func (t *Transport) removeDiskNow(ctx context.Context, sess *Session, h HCTL) er
 	}
 	name, err := lun.blockDevice()
 	if err == nil {
-		dev, err := devices.Lookup(name)
+		dev, err := t.devs.Lookup(name)
 		if err == nil && dev.ID.HCTL != h.String() {
 			// The disk name went to another device after the one read
 			// through the descriptor: nothing of h's is left to remove.
@@ -812,7 +812,7 @@ func (tg *Target) Expand(ctx context.Context) (int64, error) {
 		}
 		// The rescan write returns after READ CAPACITY: the size is
 		// current now.
-		d, err := devices.Lookup(pd.dev.Name)
+		d, err := t.devs.Lookup(pd.dev.Name)
 		if err != nil {
 			return 0, err
 		}

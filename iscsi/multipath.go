@@ -45,7 +45,7 @@ func (t *Transport) mapOf(pds []*pathDevice) *devices.Device {
 		if pd.dev == nil {
 			continue
 		}
-		if dm, err := devices.MultipathMap(pd.dev.Name); err == nil {
+		if dm, err := t.devs.MultipathMap(pd.dev.Name); err == nil {
 			return dm
 		}
 	}

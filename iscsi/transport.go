@@ -28,8 +28,10 @@ type Options struct {
 	// InitiatorNameFile is checked before a login. Default
 	// /etc/iscsi/initiatorname.iscsi.
 	InitiatorNameFile string
-	// SysfsRoot is where sysfs is mounted. Default /sys.
-	SysfsRoot string
+	// SysRoot is where sysfs is mounted. Default /sys.
+	SysRoot string
+	// DevRoot holds block device nodes. Default /dev.
+	DevRoot string
 	// Params are node-wide session parameters (Param* names), applied to
 	// every new node record; a volume's own values win.
 	Params map[string]int
@@ -44,9 +46,11 @@ type Options struct {
 // interface) are serialized so that a LUN scanned in by one volume is
 // never logged out from under it by another.
 type Transport struct {
-	opts  Options
-	log   *slog.Logger
-	sys   sysfs
+	opts Options
+	log  *slog.Logger
+	sys  sysfs
+	// devs are the trees block devices are read from.
+	devs  devices.Roots
 	db    recordDB
 	run   runner
 	locks keyedMutex
@@ -66,8 +70,11 @@ func New(opts Options) (*Transport, error) {
 	if opts.InitiatorNameFile == "" {
 		opts.InitiatorNameFile = "/etc/iscsi/initiatorname.iscsi"
 	}
-	if opts.SysfsRoot == "" {
-		opts.SysfsRoot = "/sys"
+	if opts.SysRoot == "" {
+		opts.SysRoot = "/sys"
+	}
+	if opts.DevRoot == "" {
+		opts.DevRoot = "/dev"
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -88,7 +95,8 @@ func New(opts Options) (*Transport, error) {
 	return &Transport{
 		opts: opts,
 		log:  opts.Logger,
-		sys:  sysfs{root: opts.SysfsRoot},
+		sys:  sysfs{root: opts.SysRoot},
+		devs: devices.Roots{Sys: opts.SysRoot, Dev: opts.DevRoot},
 		db:   recordDB{nodes: opts.NodeDir, lockDir: opts.LockDir, walks: walks},
 		run:  recordsRunner{runner: execRunner{}, iscsiadm: opts.Iscsiadm, walks: walks},
 	}, nil

@@ -53,7 +53,7 @@ func deviceOf(major, minor uint32) (*devices.Device, error) {
 	if err != nil {
 		return nil, err
 	}
-	return devices.Lookup(filepath.Base(link))
+	return devices.Roots{}.Lookup(filepath.Base(link))
 }
 
 // isMountRoot reports whether something is mounted at p.

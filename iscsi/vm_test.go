@@ -251,7 +251,7 @@ func TestGuestISCSINodeNotReady(t *testing.T) {
 	if _, err := target(t, tr, vctx(lt, 0), nil).Attach(ctx); !errors.Is(err, errdefs.ErrUnavailable) {
 		t.Fatalf("missing iscsiadm: %v", err)
 	}
-	tr = guestTransport(t, Options{SysfsRoot: t.TempDir()})
+	tr = guestTransport(t, Options{SysRoot: t.TempDir()})
 	if _, err := target(t, tr, vctx(lt, 0), nil).Attach(ctx); !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "iscsi_tcp") {
 		t.Fatalf("no iscsi_tcp: %v", err)
 	}
@@ -726,7 +726,7 @@ func TestMultipathISCSIFailoverAndExpand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	slaves, _ := devices.Slaves(dm.Name)
+	slaves, _ := devices.Roots{}.Slaves(dm.Name)
 	t.Logf("map %s (%s) over %v", dm.Path, dm.ID.DMName, slaves)
 	if dm.ID.Kind != devices.KindDM || len(slaves) != 2 {
 		t.Fatalf("want a dm map over two paths, got %s kind %s slaves %v", dm.Name, dm.ID.Kind, slaves)
@@ -781,12 +781,12 @@ func TestMultipathISCSIFailoverAndExpand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, _ := devices.Lookup(dm.Name)
+	d, _ := devices.Roots{}.Lookup(dm.Name)
 	if size != 64<<20 || d.Size != 64<<20 {
 		t.Fatalf("after expand: returned %d, map %d, want %d", size, d.Size, 64<<20)
 	}
 	for _, s := range slaves {
-		if p, _ := devices.Lookup(s); p.Size != 64<<20 {
+		if p, _ := (devices.Roots{}).Lookup(s); p.Size != 64<<20 {
 			t.Fatalf("path %s has %d bytes", s, p.Size)
 		}
 	}

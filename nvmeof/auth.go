@@ -36,16 +36,16 @@ func (c ctrlAuth) describe() string {
 }
 
 // readCtrlAuth reads a controller's key attributes.
-func readCtrlAuth(sysRoot, name string) (ctrlAuth, error) {
-	dir := filepath.Join(sysRoot, "class", "nvme", name)
-	host, err := readAttr(dir, "dhchap_secret")
+func (s sysTree) readCtrlAuth(name string) (ctrlAuth, error) {
+	dir := filepath.Join(s.root, "class", "nvme", name)
+	host, err := s.readAttr(dir, "dhchap_secret")
 	if errors.Is(err, fs.ErrNotExist) {
 		return ctrlAuth{}, nil
 	}
 	if err != nil {
 		return ctrlAuth{}, fmt.Errorf("read controller %s: DH-HMAC-CHAP key: %w", name, unwrapPath(err))
 	}
-	ctrl, err := readAttr(dir, "dhchap_ctrl_secret")
+	ctrl, err := s.readAttr(dir, "dhchap_ctrl_secret")
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return ctrlAuth{}, fmt.Errorf("read controller %s: DH-HMAC-CHAP controller key: %w", name, unwrapPath(err))
 	}
@@ -98,7 +98,7 @@ func errNoKernelAuth(ctrl string) error {
 // effect at the next connect, once no volume of the subsystem on this
 // node uses the controller.
 func (g *Target) checkReuse(name string) error {
-	c, err := readCtrlAuth(g.t.opts.SysRoot, name)
+	c, err := g.t.sys.readCtrlAuth(name)
 	if err != nil {
 		return err
 	}
@@ -127,7 +127,7 @@ func (g *Target) checkKernelAuth(ctrls []Controller) error {
 		if c.Transport == "pcie" || c.Deleting() {
 			continue
 		}
-		ca, err := readCtrlAuth(g.t.opts.SysRoot, c.Name)
+		ca, err := g.t.sys.readCtrlAuth(c.Name)
 		if err != nil {
 			continue
 		}

@@ -319,7 +319,7 @@ func TestCheckReuseKeys(t *testing.T) {
 	// A kernel whose controllers lack the attributes refuses keys before
 	// connecting.
 	tg, _ := tr.Parse(vc, map[string]string{SecretDHCHAPKey: k1})
-	ctrls, err := readControllers(root, "")
+	ctrls, err := sysTree{root: root}.readControllers("")
 	if err != nil {
 		t.Fatal(err)
 	}

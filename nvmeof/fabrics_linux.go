@@ -121,8 +121,8 @@ func connectError(err error) error {
 // controller, is success. nqn is the subsystem of the controller to
 // delete: no address of its controllers is read in this process while
 // the kernel tears the controller down (see readController).
-func deleteController(sysRoot, nqn, name string, is func(*Controller) bool) error {
-	dir, err := os.OpenFile(filepath.Join(sysRoot, "class", "nvme", name), os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+func (s sysTree) deleteController(nqn, name string, is func(*Controller) bool) error {
+	dir, err := os.OpenFile(filepath.Join(s.root, "class", "nvme", name), os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if sysfs.Gone(err) {
 		return nil
 	}
@@ -131,7 +131,7 @@ func deleteController(sysRoot, nqn, name string, is func(*Controller) bool) erro
 	}
 	defer dir.Close()
 	at := fmt.Sprintf("/proc/self/fd/%d", dir.Fd())
-	cur, err := readController(at, nqn)
+	cur, err := s.readController(at, nqn)
 	if sysfs.Gone(err) {
 		return nil
 	}
@@ -161,8 +161,8 @@ func deleteController(sysRoot, nqn, name string, is func(*Controller) bool) erro
 
 // rescanController asks a controller to identify its namespaces again,
 // which picks up size changes the target did not announce by AEN.
-func rescanController(sysRoot, name string) error {
-	p := filepath.Join(sysRoot, "class", "nvme", name, "rescan_controller")
+func (s sysTree) rescanController(name string) error {
+	p := filepath.Join(s.root, "class", "nvme", name, "rescan_controller")
 	if err := os.WriteFile(p, []byte("1"), 0); err != nil {
 		return fmt.Errorf("rescan controller %s: %w", name, err)
 	}

@@ -19,10 +19,10 @@ var errRefused = errors.New("connection refused")
 
 var errNotLinux = fmt.Errorf("NVMe over Fabrics needs Linux: %w", errdefs.ErrUnsupported)
 
-func fabricsConnect(context.Context, string, string) (int, error)           { return 0, errNotLinux }
-func deleteController(string, string, string, func(*Controller) bool) error { return errNotLinux }
-func rescanController(string, string) error                                 { return errNotLinux }
-func flushDevice(string) error                                              { return errNotLinux }
-func openedExclusively(string) bool                                         { return false }
+func fabricsConnect(context.Context, string, string) (int, error)             { return 0, errNotLinux }
+func (sysTree) deleteController(string, string, func(*Controller) bool) error { return errNotLinux }
+func (sysTree) rescanController(string) error                                 { return errNotLinux }
+func flushDevice(string) error                                                { return errNotLinux }
+func openedExclusively(string) bool                                           { return false }
 
 func identifyNamespaceSize(string, string, uint32) (int64, error) { return 0, errNotLinux }

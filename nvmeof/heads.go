@@ -41,11 +41,11 @@ func (h *Head) matches(v *Volume) bool {
 	return true
 }
 
-// readHeads lists the NVMe namespace devices in sysRoot/block that
+// readHeads lists the NVMe namespace devices in block/ of the tree that
 // belong to subsystem nqn ("" = all). Hidden multipath path devices
 // (nvme0c1n1) are not heads and are left out.
-func readHeads(sysRoot, nqn string) ([]Head, error) {
-	dir := filepath.Join(sysRoot, "block")
+func (s sysTree) readHeads(nqn string) ([]Head, error) {
+	dir := filepath.Join(s.root, "block")
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, fmt.Errorf("list block devices: %w", err)
@@ -55,7 +55,7 @@ func readHeads(sysRoot, nqn string) ([]Head, error) {
 		if !headNameRE.MatchString(e.Name()) {
 			continue
 		}
-		h, err := readHead(filepath.Join(dir, e.Name()))
+		h, err := s.readHead(filepath.Join(dir, e.Name()))
 		if sysfs.Gone(err) {
 			continue // removed while listing
 		}
@@ -69,15 +69,15 @@ func readHeads(sysRoot, nqn string) ([]Head, error) {
 	return out, nil
 }
 
-func readHead(dir string) (Head, error) {
+func (tree sysTree) readHead(dir string) (Head, error) {
 	h := Head{Name: filepath.Base(dir)}
 	fail := func(err error) (Head, error) { return h, fmt.Errorf("read namespace %s: %w", h.Name, err) }
-	nqn, err := readAttr(filepath.Join(dir, "device"), "subsysnqn")
+	nqn, err := tree.readAttr(filepath.Join(dir, "device"), "subsysnqn")
 	if err != nil {
 		return fail(err)
 	}
 	h.NQN = nqn
-	s, err := readAttr(dir, "nsid")
+	s, err := tree.readAttr(dir, "nsid")
 	if err != nil {
 		return fail(err)
 	}
@@ -87,25 +87,25 @@ func readHead(dir string) (Head, error) {
 	}
 	h.NSID = uint32(n)
 	// uuid and nguid are hidden when the target reports none.
-	if s, err := readAttr(dir, "uuid"); err == nil {
+	if s, err := tree.readAttr(dir, "uuid"); err == nil {
 		h.UUID = normalizeZeroID(s)
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		return fail(err)
 	}
-	if s, err := readAttr(dir, "nguid"); err == nil {
+	if s, err := tree.readAttr(dir, "nguid"); err == nil {
 		h.NGUID = normalizeZeroID(s)
 	} else if !errors.Is(err, fs.ErrNotExist) {
 		return fail(err)
 	}
-	if h.Size, err = readSize(dir); err != nil {
+	if h.Size, err = tree.readSize(dir); err != nil {
 		return fail(err)
 	}
 	return h, nil
 }
 
 // readSize reads the size attribute (512-byte sectors) of a block device.
-func readSize(dir string) (int64, error) {
-	s, err := readAttr(dir, "size")
+func (tree sysTree) readSize(dir string) (int64, error) {
+	s, err := tree.readAttr(dir, "size")
 	if err != nil {
 		return 0, err
 	}

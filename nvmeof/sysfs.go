@@ -167,26 +167,34 @@ var pathNameRE = regexp.MustCompile(`^nvme([0-9]+)c([0-9]+)n([0-9]+)$`)
 // headNameRE matches a namespace head (or non-multipath namespace) device.
 var headNameRE = regexp.MustCompile(`^nvme([0-9]+)n([0-9]+)$`)
 
-// readFile reads a sysfs attribute (a variable for tests that need an
-// error only the kernel gives).
-var readFile = os.ReadFile
+// sysTree reads the sysfs tree mounted at root.
+type sysTree struct {
+	root string
+	// readFile reads an attribute; nil is os.ReadFile (tests give errors
+	// only the kernel gives).
+	readFile func(name string) ([]byte, error)
+}
 
-func readAttr(dir, name string) (string, error) {
-	b, err := readFile(filepath.Join(dir, name))
+func (s sysTree) readAttr(dir, name string) (string, error) {
+	read := s.readFile
+	if read == nil {
+		read = os.ReadFile
+	}
+	b, err := read(filepath.Join(dir, name))
 	if err != nil {
 		return "", err
 	}
 	return string(bytes.TrimRight(b, "\n\x00 ")), nil
 }
 
-// readControllers lists every controller under sysRoot/class/nvme, with
+// readControllers lists every controller under class/nvme of the tree, with
 // the address of those of subsystem nqn only (see readController). A
 // controller that disappears while it is read is left out (its files are
 // gone, or the kernel tore it down already and its attributes answer
 // ENODEV); a missing class directory (nvme-core not loaded) is an empty
 // list.
-func readControllers(sysRoot, nqn string) ([]Controller, error) {
-	dir := filepath.Join(sysRoot, "class", "nvme")
+func (s sysTree) readControllers(nqn string) ([]Controller, error) {
+	dir := filepath.Join(s.root, "class", "nvme")
 	ents, err := os.ReadDir(dir)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
@@ -199,7 +207,7 @@ func readControllers(sysRoot, nqn string) ([]Controller, error) {
 		if !ctrlNameRE.MatchString(e.Name()) {
 			continue
 		}
-		c, err := readController(filepath.Join(dir, e.Name()), nqn)
+		c, err := s.readController(filepath.Join(dir, e.Name()), nqn)
 		if sysfs.Gone(err) {
 			continue
 		}
@@ -229,28 +237,28 @@ func ctrlNum(name string) int {
 // of one subsystem oopsed within 20 s; the same loop beside 8 losses and
 // returns of a target, reading reconnecting controllers 64,405 times, did
 // not). An empty nqn reads no address.
-func readController(dir, nqn string) (Controller, error) {
+func (s sysTree) readController(dir, nqn string) (Controller, error) {
 	c := Controller{Name: filepath.Base(dir)}
 	var err error
-	if c.Transport, err = readAttr(dir, "transport"); err != nil {
+	if c.Transport, err = s.readAttr(dir, "transport"); err != nil {
 		return c, fmt.Errorf("read controller %s: %w", c.Name, err)
 	}
-	if c.SubsysNQN, err = readAttr(dir, "subsysnqn"); err != nil {
+	if c.SubsysNQN, err = s.readAttr(dir, "subsysnqn"); err != nil {
 		return c, fmt.Errorf("read controller %s: %w", c.Name, err)
 	}
-	if c.State, err = readAttr(dir, "state"); err != nil {
+	if c.State, err = s.readAttr(dir, "state"); err != nil {
 		return c, fmt.Errorf("read controller %s: %w", c.Name, err)
 	}
 	// hostnqn, hostid and address exist for fabrics controllers only.
-	if c.HostNQN, err = readAttr(dir, "hostnqn"); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	if c.HostNQN, err = s.readAttr(dir, "hostnqn"); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return c, fmt.Errorf("read controller %s: %w", c.Name, err)
 	}
-	if c.HostID, err = readAttr(dir, "hostid"); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	if c.HostID, err = s.readAttr(dir, "hostid"); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return c, fmt.Errorf("read controller %s: %w", c.Name, err)
 	}
 	if c.Transport != "pcie" && nqn != "" && c.SubsysNQN == nqn && !c.Deleting() {
 		unlock := teardown.rlock(nqn)
-		a, err := readAttr(dir, "address")
+		a, err := s.readAttr(dir, "address")
 		unlock()
 		switch {
 		case errors.Is(err, fs.ErrNotExist):
@@ -374,21 +382,21 @@ type NamespacePath struct {
 // readNamespacePaths lists the paths of a namespace head device
 // nvme<S>n<N>: the hidden per-controller devices nvme<S>c<C>n<N>, whose
 // controller is nvme<C>. Kernels since 6.14 also link them from
-// sysRoot/block/<head>/multipath; older ones only list them in
-// sysRoot/block. A namespace without native multipath is its own single
+// block/<head>/multipath; older ones only list them in
+// block. A namespace without native multipath is its own single
 // path, and its controller is its "device" link.
-func readNamespacePaths(sysRoot, head string) ([]NamespacePath, error) {
+func (s sysTree) readNamespacePaths(head string) ([]NamespacePath, error) {
 	m := headNameRE.FindStringSubmatch(head)
 	if m == nil {
 		return nil, fmt.Errorf("read paths of %s: not an NVMe namespace name", head)
 	}
-	if _, err := os.Stat(filepath.Join(sysRoot, "block", head)); err != nil {
+	if _, err := os.Stat(filepath.Join(s.root, "block", head)); err != nil {
 		return nil, fmt.Errorf("read paths of %s: %w", head, err)
 	}
 	var names []string
-	ents, err := os.ReadDir(filepath.Join(sysRoot, "block", head, "multipath"))
+	ents, err := os.ReadDir(filepath.Join(s.root, "block", head, "multipath"))
 	if errors.Is(err, fs.ErrNotExist) {
-		ents, err = os.ReadDir(filepath.Join(sysRoot, "block"))
+		ents, err = os.ReadDir(filepath.Join(s.root, "block"))
 	}
 	if err != nil {
 		return nil, fmt.Errorf("read paths of %s: %w", head, err)
@@ -402,7 +410,7 @@ func readNamespacePaths(sysRoot, head string) ([]NamespacePath, error) {
 	for _, name := range names {
 		pm := pathNameRE.FindStringSubmatch(name)
 		p := NamespacePath{Name: name, Controller: "nvme" + pm[2]}
-		s, err := readAttr(filepath.Join(sysRoot, "block", name), "ana_state")
+		s, err := s.readAttr(filepath.Join(s.root, "block", name), "ana_state")
 		if err != nil && !sysfs.Gone(err) {
 			return nil, fmt.Errorf("read ANA state of %s: %w", name, err)
 		}
@@ -413,7 +421,7 @@ func readNamespacePaths(sysRoot, head string) ([]NamespacePath, error) {
 	if len(out) > 0 {
 		return out, nil
 	}
-	link, err := os.Readlink(filepath.Join(sysRoot, "block", head, "device"))
+	link, err := os.Readlink(filepath.Join(s.root, "block", head, "device"))
 	if err != nil {
 		return nil, fmt.Errorf("read paths of %s: %w", head, err)
 	}

@@ -153,7 +153,7 @@ func sampleSys(t *testing.T) string {
 
 func TestReadControllers(t *testing.T) {
 	root := sampleSys(t)
-	cs, err := readControllers(root, subA)
+	cs, err := sysTree{root: root}.readControllers(subA)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -180,7 +180,7 @@ func TestReadControllers(t *testing.T) {
 		t.Errorf("addresses of nvme2 %+v and nvme3 (deleting) %+v", cs[2].Address, cs[3].Address)
 	}
 	// Nor is any address of another subsystem.
-	others, err := readControllers(root, "nqn.2026-01.io.berth:b")
+	others, err := sysTree{root: root}.readControllers("nqn.2026-01.io.berth:b")
 	if err != nil || len(others) != 4 {
 		t.Fatalf("readControllers for another subsystem: %v, %v", others, err)
 	}
@@ -191,13 +191,13 @@ func TestReadControllers(t *testing.T) {
 	}
 
 	// Without nvme-core there is no class directory: no controllers.
-	if cs, err := readControllers(t.TempDir(), subA); err != nil || len(cs) != 0 {
+	if cs, err := (sysTree{root: t.TempDir()}).readControllers(subA); err != nil || len(cs) != 0 {
 		t.Errorf("empty sysfs: %v, %v", cs, err)
 	}
 }
 
 func TestControllerMatches(t *testing.T) {
-	cs, err := readControllers(sampleSys(t), subA)
+	cs, err := sysTree{root: sampleSys(t)}.readControllers(subA)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -237,7 +237,7 @@ func TestControllerMatches(t *testing.T) {
 
 func TestReadHeadsAndPaths(t *testing.T) {
 	root := sampleSys(t)
-	hs, err := readHeads(root, subA)
+	hs, err := sysTree{root: root}.readHeads(subA)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -248,7 +248,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 	if !reflect.DeepEqual(hs, want) {
 		t.Fatalf("heads:\n got %+v\nwant %+v", hs, want)
 	}
-	all, err := readHeads(root, "")
+	all, err := sysTree{root: root}.readHeads("")
 	if err != nil || len(all) != 3 {
 		t.Errorf("all heads: %+v, %v", all, err)
 	}
@@ -268,7 +268,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 		}
 	}
 
-	paths, err := readNamespacePaths(root, "nvme1n1")
+	paths, err := sysTree{root: root}.readNamespacePaths("nvme1n1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -279,7 +279,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 	if !reflect.DeepEqual(paths, wantPaths) {
 		t.Errorf("paths:\n got %+v\nwant %+v", paths, wantPaths)
 	}
-	if _, err := readNamespacePaths(root, "nvme9n9"); err == nil {
+	if _, err := (sysTree{root: root}).readNamespacePaths("nvme9n9"); err == nil {
 		t.Error("paths of a missing namespace: no error")
 	}
 
@@ -288,7 +288,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 	if err := os.RemoveAll(filepath.Join(root, "block", "nvme1n1", "multipath")); err != nil {
 		t.Fatal(err)
 	}
-	paths, err = readNamespacePaths(root, "nvme1n1")
+	paths, err = sysTree{root: root}.readNamespacePaths("nvme1n1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -296,7 +296,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 		t.Errorf("paths without multipath directory:\n got %+v\nwant %+v", paths, wantPaths)
 	}
 	// Without native multipath a namespace is its controller's device.
-	paths, err = readNamespacePaths(root, "nvme0n1")
+	paths, err = sysTree{root: root}.readNamespacePaths("nvme0n1")
 	if err != nil || !reflect.DeepEqual(paths, []NamespacePath{{Name: "nvme0n1", Controller: "nvme0"}}) {
 		t.Errorf("non-multipath paths: %+v, %v", paths, err)
 	}
@@ -326,14 +326,13 @@ func TestPathStatusHealthy(t *testing.T) {
 // one whose directory went away, and does not fail the listing.
 func TestReadControllersSkipsControllerTornDown(t *testing.T) {
 	root := sampleSys(t)
-	t.Cleanup(func() { readFile = os.ReadFile })
-	readFile = func(name string) ([]byte, error) {
+	tree := sysTree{root: root, readFile: func(name string) ([]byte, error) {
 		if strings.HasSuffix(name, filepath.Join("nvme2", "address")) {
 			return nil, &fs.PathError{Op: "read", Path: name, Err: syscall.ENODEV}
 		}
 		return os.ReadFile(name)
-	}
-	cs, err := readControllers(root, subA)
+	}}
+	cs, err := tree.readControllers(subA)
 	if err != nil {
 		t.Fatalf("readControllers: %v", err)
 	}
@@ -365,15 +364,13 @@ func TestReadHeadsSkipsNamespacesGoing(t *testing.T) {
 	if err := os.Symlink("../../class/nvme-subsystem/nvme-subsys7", filepath.Join(root, "block/nvme7n1/device")); err != nil {
 		t.Fatal(err)
 	}
-	orig := readFile
-	t.Cleanup(func() { readFile = orig })
-	readFile = func(p string) ([]byte, error) {
+	tree := sysTree{root: root, readFile: func(p string) ([]byte, error) {
 		if strings.Contains(p, "/nvme7n1/") {
 			return nil, &fs.PathError{Op: "read", Path: p, Err: syscall.ENODEV}
 		}
-		return orig(p)
-	}
-	hs, err := readHeads(root, subA)
+		return os.ReadFile(p)
+	}}
+	hs, err := tree.readHeads(subA)
 	if err != nil {
 		t.Fatalf("readHeads with another subsystem's namespace going: %v", err)
 	}
@@ -390,10 +387,10 @@ func TestAddressReadWaitsForDelete(t *testing.T) {
 	unlock := teardown.lock(subA)
 	read := make(chan error, 1)
 	go func() {
-		_, err := readControllers(root, subA)
+		_, err := sysTree{root: root}.readControllers(subA)
 		read <- err
 	}()
-	if _, err := readControllers(root, "nqn.2026-01.io.berth:b"); err != nil {
+	if _, err := (sysTree{root: root}).readControllers("nqn.2026-01.io.berth:b"); err != nil {
 		t.Fatalf("another subsystem's read during a delete: %v", err)
 	}
 	select {

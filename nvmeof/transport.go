@@ -46,6 +46,8 @@ type Options struct {
 	SysRoot string
 	// DevRoot holds block device nodes; default "/dev".
 	DevRoot string
+	// readFile reads sysfs attributes; nil is os.ReadFile (tests).
+	readFile func(name string) ([]byte, error)
 	// FabricsDevice is the connect interface; default DefaultFabricsDevice.
 	FabricsDevice string
 	// Resolver resolves target host names; default net.DefaultResolver.
@@ -61,6 +63,7 @@ type Options struct {
 // concurrent use; operations on one subsystem are serialized.
 type Transport struct {
 	opts Options
+	sys  sysTree
 	log  *slog.Logger
 
 	hostMu sync.Mutex
@@ -106,7 +109,7 @@ func NewTransport(opts Options) (*Transport, error) {
 			return nil, err
 		}
 	}
-	t := &Transport{opts: opts, log: opts.Logger, host: opts.Host, released: make(map[string]bool)}
+	t := &Transport{opts: opts, sys: sysTree{root: opts.SysRoot, readFile: opts.readFile}, log: opts.Logger, host: opts.Host, released: make(map[string]bool)}
 	if t.log == nil {
 		t.log = slog.Default()
 	}
@@ -249,7 +252,7 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 	w := t.opts.Listener.Subscribe(g.matcher())
 	defer w.Close()
 
-	ctrls, err := readControllers(t.opts.SysRoot, g.vol.NQN)
+	ctrls, err := t.sys.readControllers(g.vol.NQN)
 	if err != nil {
 		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
 	}
@@ -311,7 +314,7 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 				continue
 			}
 			is := func(c *Controller) bool { return c.matches(g.vol.NQN, host.NQN, r.rpath) }
-			if err := deleteController(t.opts.SysRoot, g.vol.NQN, r.ctrl, is); err != nil {
+			if err := t.sys.deleteController(g.vol.NQN, r.ctrl, is); err != nil {
 				logctx.From(ctx, t.log).Warn("nvmeof: undo connect", "controller", r.ctrl, "error", err)
 			}
 		}
@@ -408,7 +411,7 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 	inst, err := fabricsConnect(ctx, t.opts.FabricsDevice, s)
 	if errors.Is(err, errDuplicate) {
 		// Another connect (nvme-cli, a concurrent berth) won the race.
-		cs, rerr := readControllers(t.opts.SysRoot, g.vol.NQN)
+		cs, rerr := t.sys.readControllers(g.vol.NQN)
 		if rerr != nil {
 			r.err = rerr
 			return r
@@ -437,13 +440,13 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 		// A kernel without in-band authentication takes the keys and
 		// connects without authenticating when the target asks for
 		// none: such a controller must not serve the volume.
-		ca, err := readCtrlAuth(t.opts.SysRoot, r.ctrl)
+		ca, err := t.sys.readCtrlAuth(r.ctrl)
 		if err == nil && !ca.supported {
 			err = errNoKernelAuth(r.ctrl)
 		}
 		if err != nil {
 			is := func(c *Controller) bool { return c.matches(g.vol.NQN, host.NQN, rp) }
-			if derr := deleteController(t.opts.SysRoot, g.vol.NQN, r.ctrl, is); derr != nil {
+			if derr := t.sys.deleteController(g.vol.NQN, r.ctrl, is); derr != nil {
 				err = errors.Join(err, derr)
 			}
 			r.err = err
@@ -458,7 +461,7 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 
 // head returns the namespace device of the volume, or ok false.
 func (g *Target) head() (Head, bool, error) {
-	hs, err := readHeads(g.t.opts.SysRoot, g.vol.NQN)
+	hs, err := g.t.sys.readHeads(g.vol.NQN)
 	if err != nil {
 		return Head{}, false, err
 	}
@@ -477,7 +480,7 @@ func (g *Target) head() (Head, bool, error) {
 // open, every controller of the subsystem.
 func (g *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error) {
 	t := g.t
-	heads, err := readHeads(t.opts.SysRoot, g.vol.NQN)
+	heads, err := t.sys.readHeads(g.vol.NQN)
 	if err != nil {
 		return nil, err
 	}
@@ -509,7 +512,7 @@ func (g *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error)
 	if len(others) == 0 {
 		return func(string) bool { return false }, nil
 	}
-	ctrls, err := readControllers(t.opts.SysRoot, g.vol.NQN)
+	ctrls, err := t.sys.readControllers(g.vol.NQN)
 	if err != nil {
 		return nil, err
 	}
@@ -575,7 +578,7 @@ func (g *Target) Detach(ctx context.Context) error {
 // those keep names.
 func (g *Target) deleteControllers(ctx context.Context, keep func(ctrl string) bool) error {
 	t := g.t
-	ctrls, err := readControllers(t.opts.SysRoot, g.vol.NQN)
+	ctrls, err := t.sys.readControllers(g.vol.NQN)
 	if err != nil {
 		return err
 	}
@@ -605,7 +608,7 @@ func (g *Target) deleteControllers(ctx context.Context, keep func(ctrl string) b
 				continue
 			}
 			is := func(cur *Controller) bool { return cur.same(c) }
-			if err := deleteController(t.opts.SysRoot, g.vol.NQN, c.Name, is); err != nil {
+			if err := t.sys.deleteController(g.vol.NQN, c.Name, is); err != nil {
 				errs = append(errs, err)
 				continue
 			}
@@ -636,7 +639,7 @@ func (g *Target) StopQueueing(ctx context.Context) (bool, error) {
 	if err != nil || !ok {
 		return false, err
 	}
-	ctrls, err := readControllers(t.opts.SysRoot, g.vol.NQN)
+	ctrls, err := t.sys.readControllers(g.vol.NQN)
 	if err != nil {
 		return false, fmt.Errorf("%s: %w", g.Key(), err)
 	}
@@ -706,8 +709,8 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 		return 0, fmt.Errorf("expand %s: namespace not attached: %w", g.Key(), errdefs.ErrNotFound)
 	}
 	var live []string
-	if paths, err := readNamespacePaths(t.opts.SysRoot, h.Name); err == nil {
-		ctrls, _ := readControllers(t.opts.SysRoot, g.vol.NQN)
+	if paths, err := t.sys.readNamespacePaths(h.Name); err == nil {
+		ctrls, _ := t.sys.readControllers(g.vol.NQN)
 		for _, p := range paths {
 			for _, c := range ctrls {
 				if c.Name == p.Controller && c.State == StateLive {
@@ -726,7 +729,7 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 			logctx.From(ctx, t.log).Debug("nvmeof: expand: no controller reported the namespace's size; waiting for a change instead", "target", g.Key(), "error", err)
 		}
 	}
-	sizeOf := func() (int64, error) { return readSize(filepath.Join(t.opts.SysRoot, "block", h.Name)) }
+	sizeOf := func() (int64, error) { return t.sys.readSize(filepath.Join(t.sys.root, "block", h.Name)) }
 	// Subscribe first, then read: a change between the two is not lost.
 	m := &sizeMatcher{name: h.Name, min: minBytes, not: -1}
 	w := t.opts.Listener.Subscribe(m)
@@ -740,7 +743,7 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 	}
 	m.setNot(size)
 	for _, c := range live {
-		if err := rescanController(t.opts.SysRoot, c); err != nil {
+		if err := t.sys.rescanController(c); err != nil {
 			logctx.From(ctx, t.log).Debug("nvmeof: rescan", "controller", c, "error", err)
 		}
 	}
@@ -888,7 +891,7 @@ func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, e
 	if err != nil {
 		return "", nil, err
 	}
-	ctrls, err := readControllers(t.opts.SysRoot, g.vol.NQN)
+	ctrls, err := t.sys.readControllers(g.vol.NQN)
 	if err != nil {
 		return "", nil, err
 	}
@@ -896,7 +899,7 @@ func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, e
 	var nsPaths []NamespacePath
 	if ok {
 		head = h.Name
-		if nsPaths, err = readNamespacePaths(t.opts.SysRoot, h.Name); err != nil {
+		if nsPaths, err = t.sys.readNamespacePaths(h.Name); err != nil {
 			return "", nil, err
 		}
 		for _, p := range nsPaths {
@@ -915,7 +918,7 @@ func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, e
 				if c := &ctrls[i]; c.matches(g.vol.NQN, hostNQN, rp) {
 					np := nsPath[c.Name]
 					st.Controller, st.State, st.Device, st.ANAState = c.Name, c.State, np.Name, np.ANAState
-					if ca, err := readCtrlAuth(t.opts.SysRoot, c.Name); err == nil {
+					if ca, err := t.sys.readCtrlAuth(c.Name); err == nil {
 						st.DHCHAP = ca.host != ""
 					}
 					seen[c.Name] = true

@@ -191,7 +191,7 @@ func TestDetachKeepsControllersOthersNeed(t *testing.T) {
 
 func readAttrT(t *testing.T, dir, name string) string {
 	t.Helper()
-	s, err := readAttr(dir, name)
+	s, err := sysTree{}.readAttr(dir, name)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,23 +207,12 @@ func TestDetachSparesAReusedControllerName(t *testing.T) {
 	dir := root + "/class/nvme/nvme1"
 	writeID(t, dir, "delete_controller", "")
 	vc := map[string]string{"nqn": subA, "nsid": "2", "traddr": "127.0.0.1"}
-	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
-		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	tg, err := tr.Parse(vc, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
 	// Once nvme1 has been listed, it goes and a controller of another
 	// subsystem appears under its name.
 	other := "nqn.2026-01.io.berth:other"
 	swapped := false
-	orig := readFile
-	t.Cleanup(func() { readFile = orig })
-	readFile = func(p string) ([]byte, error) {
-		b, err := orig(p)
+	readFile := func(p string) ([]byte, error) {
+		b, err := os.ReadFile(p)
 		if p == dir+"/address" && !swapped {
 			swapped = true
 			if err := os.Rename(dir, dir+".gone"); err != nil {
@@ -238,6 +227,15 @@ func TestDetachSparesAReusedControllerName(t *testing.T) {
 			}
 		}
 		return b, err
+	}
+	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }, readFile: readFile})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tg, err := tr.Parse(vc, nil)
+	if err != nil {
+		t.Fatal(err)
 	}
 	if err := tg.deleteControllers(context.Background(), func(string) bool { return false }); err != nil {
 		t.Fatal(err)
@@ -272,9 +270,7 @@ func TestAddressesReadOnlyOfTheVolumesSubsystem(t *testing.T) {
 		writeID(t, root+"/class/nvme/"+c, "delete_controller", "")
 	}
 	read := map[string]int{}
-	orig := readFile
-	t.Cleanup(func() { readFile = orig })
-	readFile = func(p string) ([]byte, error) {
+	readFile := func(p string) ([]byte, error) {
 		if filepath.Base(p) == "address" {
 			dir := filepath.Dir(p)
 			if strings.HasPrefix(dir, "/proc/self/fd/") {
@@ -284,10 +280,10 @@ func TestAddressesReadOnlyOfTheVolumesSubsystem(t *testing.T) {
 			}
 			read[filepath.Base(dir)]++
 		}
-		return orig(p)
+		return os.ReadFile(p)
 	}
 	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
-		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }})
+		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }, readFile: readFile})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -77,7 +77,7 @@ func guestTransport(t *testing.T, staged func(context.Context) ([]map[string]str
 // controllersOf lists the live-or-reconnecting controllers of a subsystem.
 func controllersOf(t *testing.T, nqn string) []Controller {
 	t.Helper()
-	cs, err := readControllers("/sys", nqn)
+	cs, err := sysTree{root: "/sys"}.readControllers(nqn)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -424,7 +424,7 @@ func TestGuestMultipath(t *testing.T) {
 	}
 	t.Logf("paths: %+v", paths)
 	// One head device, two hidden path devices under it.
-	if nsPaths, err := readNamespacePaths("/sys", dev.Name); err != nil || len(nsPaths) != 2 {
+	if nsPaths, err := (sysTree{root: "/sys"}).readNamespacePaths(dev.Name); err != nil || len(nsPaths) != 2 {
 		t.Fatalf("paths of %s: %+v, %v", dev.Name, nsPaths, err)
 	}
 
@@ -594,7 +594,7 @@ func TestGuestExpand(t *testing.T) {
 		t.Fatalf("ExpandTo: %d, %v", r.size, r.err)
 	}
 	t.Logf("new size seen %v after ExpandTo started", time.Since(start).Round(time.Millisecond))
-	if d, err := devices.Lookup(dev.Name); err != nil || d.Size != 96<<20 {
+	if d, err := (devices.Roots{}).Lookup(dev.Name); err != nil || d.Size != 96<<20 {
 		t.Errorf("device after expand: %+v, %v", d, err)
 	}
 	// Expand without a size asks the controller for the namespace's

@@ -111,7 +111,7 @@ func detachLoopsUnder(t *testing.T, dir string) {
 		if !strings.HasPrefix(e.Name(), "loop") {
 			continue
 		}
-		if d, err := devices.Lookup(e.Name()); err == nil && strings.HasPrefix(d.ID.BackingFile, dir+"/") {
+		if d, err := (devices.Roots{}).Lookup(e.Name()); err == nil && strings.HasPrefix(d.ID.BackingFile, dir+"/") {
 			t.Errorf("left %s attached to %s", d.ID.BackingFile, d.Path)
 			_ = devices.DetachLoop(d)
 		}
