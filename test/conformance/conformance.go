@@ -18,12 +18,16 @@ package conformance
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/berth-csi/berth/agent"
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // Harness is what the suite needs of a transport and its storage.
@@ -76,6 +80,7 @@ func Run(t *testing.T, h Harness) {
 		fn   func(*testing.T, Harness)
 	}{
 		{"AttachDetachIdempotent", testAttachDetach},
+		{"DetachBusy", testDetachBusy},
 		{"Identity", testIdentity},
 		{"Expand", testExpand},
 		{"PathStates", testPathStates},
@@ -201,6 +206,45 @@ func testAttachDetach(t *testing.T, h Harness) {
 	detach(t, ctx, tg, "second")
 	// Unstage after a restart parses the stored context without secrets.
 	detach(t, ctx, parse(t, h, v.Context, nil), "without secrets")
+}
+
+// testDetachBusy: Detach refuses (ErrBusy, naming the holder) while the
+// device is held, here opened exclusively as a mount holds it, and the
+// device keeps working; once let go, Detach removes it.
+func testDetachBusy(t *testing.T, h Harness) {
+	ctx := testContext(t)
+	v := h.NewVolume(t, size)
+	tg := parse(t, h, v.Context, v.Secrets)
+	dev := attach(t, ctx, tg)
+	fd, err := unix.Open(dev.Path, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatalf("open %s exclusively: %v", dev.Path, err)
+	}
+	held := true
+	release := func() {
+		if held {
+			unix.Close(fd)
+			held = false
+		}
+	}
+	defer release()
+	bctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	err = tg.Detach(bctx)
+	t.Logf("Detach of a held device: %v", err)
+	if !errors.Is(err, errdefs.ErrBusy) {
+		t.Fatalf("Detach of a held device: %v, want ErrBusy", err)
+	}
+	if err := dev.Verify(); err != nil {
+		t.Fatalf("device after the refused Detach: %v", err)
+	}
+	wantIO(t, dev, "after the refused Detach")
+	if abnormal, msg := tg.Health(ctx); abnormal {
+		t.Errorf("Health after the refused Detach: abnormal: %s", msg)
+	}
+	release()
+	detach(t, ctx, tg, "let go")
+	wantGone(t, dev, "after Detach")
 }
 
 // testIdentity: two names of one object have one identity, two objects
