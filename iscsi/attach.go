@@ -512,13 +512,16 @@ func inUse(dm *devices.Device, pds []*pathDevice) error {
 	return nil
 }
 
-// StopQueueing makes the LUN's multipath map fail I/O when none of its
-// paths works, so that an unmount or a flush of the map ends instead of
-// waiting in the kernel for a path that may never come back (a map with
-// queue_if_no_path, or multipathd's no_path_retry queue). A map with a
-// working path, and a LUN without a map, are left as they are: the disk
-// of a single path fails its I/O itself at the session's replacement
-// timeout.
+// StopQueueing makes the LUN's device fail I/O when none of its paths
+// works, so that an unmount or a flush ends instead of waiting in the
+// kernel for a path that may never come back. A multipath map (with
+// queue_if_no_path, or multipathd's no_path_retry queue) is told to fail
+// I/O. A LUN without a map queues on its session's disk until the
+// session's replacement timeout: when no session of the LUN is logged in,
+// each session that carries this LUN alone is logged out, which fails the
+// queued I/O at once, as Detach would after the unmount; a session other
+// LUNs share is left to recover or time out. A device with a working path
+// is left as it is.
 func (tg *Target) StopQueueing(ctx context.Context) (bool, error) {
 	t, v := tg.t, tg.v
 	paths, _ := resolve(ctx, v.Portals)
@@ -528,7 +531,7 @@ func (tg *Target) StopQueueing(ctx context.Context) (bool, error) {
 	}
 	dm := t.mapOf(pds)
 	if dm == nil {
-		return false, nil
+		return t.stopDiskQueueing(ctx, v, pds)
 	}
 	ps, err := devices.MultipathPaths(dm)
 	if err != nil {
@@ -542,6 +545,47 @@ func (tg *Target) StopQueueing(ctx context.Context) (bool, error) {
 	}
 	logctx.From(ctx, t.log).Warn("iSCSI: no path works; the multipath map fails I/O instead of queueing it", "target", v.IQN, "lun", v.LUN, "map", mapName(dm))
 	return true, nil
+}
+
+// stopDiskQueueing is StopQueueing for a LUN without a multipath map.
+func (t *Transport) stopDiskQueueing(ctx context.Context, v *Volume, pds []*pathDevice) (bool, error) {
+	if len(pds) == 0 || slices.ContainsFunc(pds, func(pd *pathDevice) bool { return pd.sess.State == "LOGGED_IN" }) {
+		return false, nil
+	}
+	for _, pd := range pds {
+		if err := t.logoutFailed(ctx, v, pd.path); err != nil {
+			return true, fmt.Errorf("iSCSI %s LUN %d: no session is logged in: %w", v.IQN, v.LUN, err)
+		}
+	}
+	return true, nil
+}
+
+// logoutFailed logs out of the session through p when it is not logged
+// in and carries no LUN but v's, so that the disk's queued I/O fails now
+// rather than at the replacement timeout.
+func (t *Transport) logoutFailed(ctx context.Context, v *Volume, p path) error {
+	unlock, err := t.locks.lock(ctx, p.key(v.IQN, v.Iface))
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	sess, err := t.findSession(v.IQN, p, v.Iface)
+	if err != nil || sess == nil || sess.State == "LOGGED_IN" {
+		return err
+	}
+	luns, err := t.sys.LUNs(sess.ID)
+	if err != nil {
+		return err
+	}
+	if len(luns) > 1 || (len(luns) == 1 && luns[0].LUN != v.LUN) {
+		logctx.From(ctx, t.log).Warn("iSCSI: no session is logged in; other LUNs share the session, so the disk queues I/O until the session's replacement timeout", "target", v.IQN, "lun", v.LUN, "session", sess.ID, "state", sess.State)
+		return nil
+	}
+	if err := t.logout(ctx, v, p, sess); err != nil {
+		return err
+	}
+	logctx.From(ctx, t.log).Warn("iSCSI: no session is logged in; logged out of the LUN's session so that its disk fails I/O instead of queueing it", "target", v.IQN, "lun", v.LUN, "session", sess.ID, "state", sess.State)
+	return nil
 }
 
 // findPaths returns the volume's LUN on every session of its target: the
