@@ -119,11 +119,15 @@ cover: build vm-image
 		|| { tail -40 $(COVER_DIR)/host.log; exit 1; }
 	BERTH_VM_COVERDIR=$(CURDIR)/$(COVER_DIR)/vm $(GO) test -p 1 -count=1 -timeout 40m -run '^TestVM' -skip '^TestVMBench|^TestVMCrash' ./... \
 		>$(COVER_DIR)/vm.log || { grep -E '^(---|ok|FAIL)' $(COVER_DIR)/vm.log | tail -40; exit 1; }
-	@$(GO) tool covdata percent -i=$(COVER_DIR)/host >$(COVER_DIR)/host.txt
-	@$(GO) tool covdata percent -i=$(COVER_DIR)/host,$(COVER_DIR)/vm >$(COVER_DIR)/all.txt
-	@printf '%-48s %8s %13s\n' package host host+guests
-	@awk 'NR == FNR { h[$$1] = $$3; next } { printf "%-48s %8s %13s\n", $$1, h[$$1] ? h[$$1] : "-", $$3 }' \
-		$(COVER_DIR)/host.txt $(COVER_DIR)/all.txt | sed 's|^github.com/berth-csi/berth/*||'
+	@$(GO) tool covdata percent -i=$(COVER_DIR)/host | $(COVER_LINES) >$(COVER_DIR)/host.txt
+	@$(GO) tool covdata percent -i=$(COVER_DIR)/host,$(COVER_DIR)/vm | $(COVER_LINES) >$(COVER_DIR)/all.txt
+	@printf '%-28s %8s %12s\n' package host host+guests
+	@awk 'NR == FNR { h[$$1] = $$2; next } { printf "%-28s %8s %12s\n", $$1, h[$$1] ? h[$$1] : "-", $$2 }' \
+		$(COVER_DIR)/host.txt $(COVER_DIR)/all.txt
+
+# covdata's lines as "package percent"; a package without statements
+# (which covdata prints without a newline) is left out.
+COVER_LINES = tr '\t' '\n' | awk '/^coverage:/ { print p, $$2; next } NF { p = $$1; sub("^github.com/berth-csi/berth/?", "", p); if (p == "") p = "(main)" }'
 
 # Crash at every step (test/reliability): berth built with failpoints is
 # killed at each step boundary of a volume's whole life, restarted, and the
