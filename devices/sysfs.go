@@ -12,6 +12,7 @@ import (
 	"strings"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // Lookup reads the block device with the given kernel name from
@@ -213,11 +214,7 @@ func readNVMeIdentity(dir *attrDir, d *Device) {
 
 // readAttr reads a sysfs attribute without its trailing newline.
 func readAttr(dir, attr string) (string, error) {
-	b, err := os.ReadFile(filepath.Join(dir, attr))
-	if err != nil {
-		return "", err
-	}
-	return string(bytes.TrimRight(b, "\n\x00 ")), nil
+	return sysfs.ReadAttr(filepath.Join(dir, attr))
 }
 
 // parseUeventFile parses a sysfs uevent attribute (KEY=VALUE lines).

@@ -2,7 +2,6 @@ package doctor
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -10,7 +9,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"regexp"
 	"strconv"
 	"strings"
 
@@ -181,65 +179,45 @@ func checkInitiatorName(cfg *Config) Check {
 	return c
 }
 
-var uuidRE = regexp.MustCompile(`^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$`)
-
-const uuidNQNPrefix = "nqn.2014-08.org.nvmexpress:uuid:"
-
-func readTrimmed(path string) (string, bool, error) {
-	b, err := os.ReadFile(path)
-	if errors.Is(err, fs.ErrNotExist) {
-		return "", false, nil
-	}
-	if err != nil {
-		return "", false, err
-	}
-	return string(bytes.TrimSpace(b)), true, nil
-}
-
 func checkHostNQN(cfg *Config) Check {
 	c := Check{Name: "nvme host identity"}
-	nqnPath := filepath.Join(cfg.EtcRoot, "nvme", "hostnqn")
-	idPath := filepath.Join(cfg.EtcRoot, "nvme", "hostid")
-	nqn, haveNQN, err := readTrimmed(nqnPath)
-	if err != nil {
-		c.Status, c.Detail = Fail, fmt.Sprintf("read %s: %v", nqnPath, err)
+	dir := filepath.Join(cfg.EtcRoot, "nvme")
+	nqnPath, idPath := filepath.Join(dir, "hostnqn"), filepath.Join(dir, "hostid")
+	gen := fmt.Sprintf("u=$(cat /proc/sys/kernel/random/uuid); echo $u > %s; echo %s > %s", idPath, nvmeof.UUIDNQN("$u"), nqnPath)
+	// The file nvmeof reads the node's identity from, read as it reads it.
+	id, err := nvmeof.ReadHostIdentity(dir)
+	var bad *nvmeof.IdentityFileError
+	switch {
+	case errors.As(err, &bad) && bad.Path == nqnPath:
+		c.Status, c.Detail = Fail, err.Error()
+		c.Fix = "write a valid NQN, e.g. " + gen + " (and register the new NQN on the targets)"
 		return c
-	}
-	id, haveID, err := readTrimmed(idPath)
-	if err != nil {
-		c.Status, c.Detail = Fail, fmt.Sprintf("read %s: %v", idPath, err)
-		return c
-	}
-	gen := fmt.Sprintf("u=$(cat /proc/sys/kernel/random/uuid); echo $u > %s; echo %s$u > %s", idPath, uuidNQNPrefix, nqnPath)
-	if haveNQN {
-		if err := nvmeof.ValidateNQN("hostnqn", nqn); err != nil {
-			c.Status, c.Detail = Fail, fmt.Sprintf("%s: %v", nqnPath, err)
-			c.Fix = "write a valid NQN, e.g. " + gen + " (and register the new NQN on the targets)"
-			return c
-		}
-	}
-	if haveID && !uuidRE.MatchString(id) {
-		c.Status, c.Detail = Fail, fmt.Sprintf("%s: %q is not a UUID", idPath, id)
-		if u, ok := strings.CutPrefix(nqn, uuidNQNPrefix); ok {
-			c.Fix = fmt.Sprintf("echo %s > %s", strings.ToLower(u), idPath)
-		} else {
-			c.Fix = fmt.Sprintf("cat /proc/sys/kernel/random/uuid > %s", idPath)
+	case errors.As(err, &bad):
+		c.Status, c.Detail = Fail, err.Error()
+		c.Fix = fmt.Sprintf("cat /proc/sys/kernel/random/uuid > %s", idPath)
+		if nqn, rerr := os.ReadFile(nqnPath); rerr == nil {
+			if u, ok := nvmeof.NQNUUID(strings.TrimSpace(string(nqn))); ok {
+				c.Fix = fmt.Sprintf("echo %s > %s", u, idPath)
+			}
 		}
 		return c
+	case err != nil:
+		c.Status, c.Detail = Fail, err.Error()
+		return c
 	}
-	if u, ok := strings.CutPrefix(nqn, uuidNQNPrefix); ok && haveID && !strings.EqualFold(u, id) {
+	if u, ok := nvmeof.NQNUUID(id.NQN); ok && id.ID != "" && u != id.ID {
 		c.Status = Fail
-		c.Detail = fmt.Sprintf("hostnqn %s carries UUID %s but hostid is %s: the kernel refuses to connect one host NQN with two host IDs", nqn, u, id)
-		c.Fix = fmt.Sprintf("echo %s > %s (keeps the NQN registered on the targets)", strings.ToLower(u), idPath)
+		c.Detail = fmt.Sprintf("hostnqn %s carries UUID %s but hostid is %s: the kernel refuses to connect one host NQN with two host IDs", id.NQN, u, id.ID)
+		c.Fix = fmt.Sprintf("echo %s > %s (keeps the NQN registered on the targets)", u, idPath)
 		return c
 	}
 	switch {
-	case haveNQN && haveID:
-		c.Status, c.Detail = OK, fmt.Sprintf("hostnqn %s, hostid %s", nqn, id)
-	case haveNQN:
-		c.Status, c.Detail = Warn, fmt.Sprintf("hostnqn %s, no %s: berth writes one on the first NVMe volume", nqn, idPath)
-	case haveID:
-		c.Status, c.Detail = Warn, fmt.Sprintf("hostid %s, no %s: berth writes %s%s on the first NVMe volume", id, nqnPath, uuidNQNPrefix, strings.ToLower(id))
+	case id.NQN != "" && id.ID != "":
+		c.Status, c.Detail = OK, fmt.Sprintf("hostnqn %s, hostid %s", id.NQN, id.ID)
+	case id.NQN != "":
+		c.Status, c.Detail = Warn, fmt.Sprintf("hostnqn %s, no %s: berth writes one on the first NVMe volume", id.NQN, idPath)
+	case id.ID != "":
+		c.Status, c.Detail = Warn, fmt.Sprintf("hostid %s, no %s: berth writes %s on the first NVMe volume", id.ID, nqnPath, nvmeof.UUIDNQN(id.ID))
 	default:
 		c.Status, c.Detail = Warn, fmt.Sprintf("no %s or %s: berth creates a random identity on the first NVMe volume, which targets must then allow", nqnPath, idPath)
 		c.Fix = "create it now to register it on the targets in advance: " + gen

@@ -60,13 +60,7 @@ type sysfs struct{ root string }
 
 func (s sysfs) path(p ...string) string { return filepath.Join(append([]string{s.root}, p...)...) }
 
-func readAttr(path string) (string, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return "", err
-	}
-	return strings.TrimSpace(string(b)), nil
-}
+func readAttr(path string) (string, error) { return kernfs.ReadAttr(path) }
 
 // Sessions lists every iSCSI session. A session that disappears while it is
 // read is skipped.

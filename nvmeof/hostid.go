@@ -39,26 +39,11 @@ type HostIdentity struct {
 // (its content wins). A file with an invalid identity is an error
 // wrapping errdefs.ErrFailedPrecondition: berth never overwrites it.
 func LoadHostIdentity(dir string) (HostIdentity, error) {
-	var id HostIdentity
-	nqn, err := readIdentityFile(dir, "hostnqn")
+	id, err := ReadHostIdentity(dir)
 	if err != nil {
 		return id, err
 	}
-	hid, err := readIdentityFile(dir, "hostid")
-	if err != nil {
-		return id, err
-	}
-	if nqn != "" {
-		if err := ValidateNQN("hostnqn", nqn); err != nil {
-			return id, fmt.Errorf("%s holds no valid host NQN (%v); fix or remove it: %w", filepath.Join(dir, "hostnqn"), err, errdefs.ErrFailedPrecondition)
-		}
-	}
-	if hid != "" {
-		if err := validateUUID("hostid", hid); err != nil {
-			return id, fmt.Errorf("%s holds no valid host ID (%v); fix or remove it: %w", filepath.Join(dir, "hostid"), err, errdefs.ErrFailedPrecondition)
-		}
-		hid = strings.ToLower(hid)
-	}
+	nqn, hid := id.NQN, id.ID
 	switch {
 	case nqn != "" && hid != "":
 	case nqn != "":
@@ -87,6 +72,57 @@ func LoadHostIdentity(dir string) (HostIdentity, error) {
 	}
 	return HostIdentity{NQN: nqn, ID: hid}, nil
 }
+
+// ReadHostIdentity reads dir/hostnqn and dir/hostid as LoadHostIdentity
+// does, but writes neither: a missing or empty file leaves its field
+// empty. A file with an invalid identity is an *IdentityFileError. The
+// hostid is in lower case.
+func ReadHostIdentity(dir string) (HostIdentity, error) {
+	var id HostIdentity
+	nqn, err := readIdentityFile(dir, "hostnqn")
+	if err != nil {
+		return id, err
+	}
+	hid, err := readIdentityFile(dir, "hostid")
+	if err != nil {
+		return id, err
+	}
+	if nqn != "" {
+		if err := ValidateNQN("hostnqn", nqn); err != nil {
+			return id, &IdentityFileError{Path: filepath.Join(dir, "hostnqn"), What: "host NQN", Err: err}
+		}
+	}
+	if hid != "" {
+		if err := validateUUID("hostid", hid); err != nil {
+			return id, &IdentityFileError{Path: filepath.Join(dir, "hostid"), What: "host ID", Err: err}
+		}
+		hid = strings.ToLower(hid)
+	}
+	return HostIdentity{NQN: nqn, ID: hid}, nil
+}
+
+// IdentityFileError is a host identity file that holds no valid identity.
+// berth never overwrites such a file. It wraps
+// errdefs.ErrFailedPrecondition only: the content's error (an invalid
+// argument where it came from a request) is text here.
+type IdentityFileError struct {
+	Path string // the file
+	What string // "host NQN", "host ID"
+	Err  error  // what is wrong with its content
+}
+
+func (e *IdentityFileError) Error() string {
+	return fmt.Sprintf("%s holds no valid %s (%v); fix or remove it", e.Path, e.What, e.Err)
+}
+
+func (e *IdentityFileError) Unwrap() error { return errdefs.ErrFailedPrecondition }
+
+// NQNUUID returns the UUID an NQN of the form
+// nqn.2014-08.org.nvmexpress:uuid:<uuid> carries, in lower case.
+func NQNUUID(nqn string) (string, bool) { return nqnUUID(nqn) }
+
+// UUIDNQN is the host NQN that carries uuid.
+func UUIDNQN(uuid string) string { return uuidNQNPrefix + uuid }
 
 // readIdentityFile returns the trimmed content of dir/name, "" when the
 // file is missing or empty.

@@ -1,7 +1,6 @@
 package nvmeof
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -184,7 +183,7 @@ func (s sysTree) readAttr(dir, name string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	return string(bytes.TrimRight(b, "\n\x00 ")), nil
+	return sysfs.Value(b), nil
 }
 
 // readControllers lists every controller under class/nvme of the tree, with

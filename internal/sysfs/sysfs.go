@@ -4,10 +4,25 @@
 package sysfs
 
 import (
+	"bytes"
 	"errors"
 	"io/fs"
+	"os"
 	"syscall"
 )
+
+// ReadAttr reads the sysfs attribute at path: its value without the
+// newline, NULs and padding the kernel prints after it.
+func ReadAttr(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	return Value(b), nil
+}
+
+// Value is the value of an attribute's content b (see ReadAttr).
+func Value(b []byte) string { return string(bytes.TrimRight(b, " \t\n\x00")) }
 
 // Gone reports whether err says a sysfs object was removed while it was
 // read or written: its files are gone (ENOENT), or the kernel tore the
