@@ -36,8 +36,8 @@ type stepWriter struct{ s *StepTimes }
 
 func (w stepWriter) Write(b []byte) (int, error) {
 	var line struct {
-		Msg  string            `json:"msg"`
-		Took map[string]string `json:"took"`
+		Msg  string                     `json:"msg"`
+		Took map[string]json.RawMessage `json:"took"`
 	}
 	if err := json.Unmarshal(b, &line); err != nil || !strings.HasPrefix(line.Msg, "staged") {
 		return len(b), nil
@@ -51,7 +51,7 @@ func (w stepWriter) Write(b []byte) (int, error) {
 	// The JSON object keeps the agent's step order; map iteration
 	// does not, so the order is taken from the raw line.
 	for _, k := range orderedKeys(b) {
-		d, err := time.ParseDuration(line.Took[k])
+		d, err := stepDuration(line.Took[k])
 		if err != nil {
 			continue
 		}
@@ -61,6 +61,20 @@ func (w stepWriter) Write(b []byte) (int, error) {
 		s.steps[k] = append(s.steps[k], d)
 	}
 	return len(b), nil
+}
+
+// stepDuration reads a step time as slog's JSON handler writes a
+// time.Duration (nanoseconds), or as a duration string.
+func stepDuration(v json.RawMessage) (time.Duration, error) {
+	var ns int64
+	if err := json.Unmarshal(v, &ns); err == nil {
+		return time.Duration(ns), nil
+	}
+	var s string
+	if err := json.Unmarshal(v, &s); err != nil {
+		return 0, err
+	}
+	return time.ParseDuration(s)
 }
 
 // orderedKeys returns the keys of the "took" object in b in their order.

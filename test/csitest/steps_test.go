@@ -5,14 +5,16 @@ import (
 	"log/slog"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestStepTimes(t *testing.T) {
 	var s StepTimes
 	var seen int
 	log := slog.New(s.Handler(countHandler{&seen}))
-	for _, ms := range []string{"3ms", "1ms", "2ms"} {
-		log.Info("staged", slog.Group("took", slog.String("attach", ms), slog.String("format", "10ms"), slog.String("total", "20ms")))
+	// The agent logs slog.Durations (numbers in JSON); strings are read too.
+	for _, ms := range []time.Duration{3, 1, 2} {
+		log.Info("staged", slog.Group("took", slog.Duration("attach", ms*time.Millisecond), slog.String("format", "10ms"), slog.Duration("total", 20*time.Millisecond)))
 	}
 	log.Info("published", slog.Group("took", slog.String("attach", "99s")))
 	log.Debug("staged", slog.Group("took", slog.String("attach", "99s")))
