@@ -337,7 +337,7 @@ func (r Roots) FindLoop(file string) (*Device, error) {
 		}
 		return nil, fmt.Errorf("loop device backed by %s: %w", path, err)
 	}
-	return r.findLoopFile(path, fileID{dev: st.Dev, ino: st.Ino}, false)
+	return r.findLoopFile(path, fileID{dev: st.Dev, ino: st.Ino, size: st.Size}, false)
 }
 
 // FindDeletedLoop returns the loop device berth attached to the file path
@@ -369,8 +369,12 @@ func (r Roots) FindDeletedLoop(path string) (*Device, error) {
 }
 
 // fileID is the identity of a file: the device and inode numbers stat
-// reports (and LOOP_GET_STATUS64 as lo_device, lo_inode).
-type fileID struct{ dev, ino uint64 }
+// reports (and LOOP_GET_STATUS64 as lo_device, lo_inode). size is the
+// file's size when it was looked at, which is not part of its identity.
+type fileID struct {
+	dev, ino uint64
+	size     int64
+}
 
 func (id fileID) String() string { return fmt.Sprintf("file %d:%d", id.dev, id.ino) }
 
@@ -379,7 +383,7 @@ func fileIDOf(f *os.File) (fileID, error) {
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
 		return fileID{}, fmt.Errorf("fstat: %w", err)
 	}
-	return fileID{dev: st.Dev, ino: st.Ino}, nil
+	return fileID{dev: st.Dev, ino: st.Ino, size: st.Size}, nil
 }
 
 // findLoopFile returns the loop device bound to the file id (path only
@@ -390,27 +394,21 @@ func fileIDOf(f *os.File) (fileID, error) {
 // corrupts what either holds. Without strict such devices are passed
 // over.
 //
-// Each bound loop device is asked for its backing inode first
+// Each bound loop device (see boundLoops) is asked for its backing inode
 // (LOOP_GET_STATUS64); only the devices of the file are read from sysfs
-// in full. On a node with hundreds of loop devices this scan runs for
-// every attach and every volume's health check.
+// in full. This runs for every attach, detach and health check of a file
+// volume.
 func (r Roots) findLoopFile(path string, id fileID, strict bool) (*Device, error) {
-	dir := filepath.Join(r.sys(), "class", "block")
-	ents, err := os.ReadDir(dir)
+	names, err := r.boundLoops(id.size)
 	if err != nil {
-		return nil, fmt.Errorf("list block devices: %w", err)
+		return nil, err
 	}
+	dir := filepath.Join(r.sys(), "class", "block")
 	var found *Device
 	var others []string
-	for _, e := range ents {
-		if !nameMayBeKind(e.Name(), KindLoop) {
-			continue
-		}
-		sysPath := filepath.Join(dir, e.Name())
-		if !loopBound(sysPath) {
-			continue
-		}
-		info, dev, err := r.loopStatusByName(e.Name())
+	for _, name := range names {
+		sysPath := filepath.Join(dir, name)
+		info, dev, err := r.loopStatusByName(name)
 		if err != nil || info.Device != id.dev || info.Inode != id.ino {
 			continue
 		}
@@ -436,6 +434,61 @@ func (r Roots) findLoopFile(path string, id fileID, strict bool) (*Device, error
 		return nil, fmt.Errorf("loop device backed by %s: %w", path, errdefs.ErrNotFound)
 	}
 	return found, nil
+}
+
+// partitionsFile lists the block devices that have a capacity.
+var partitionsFile = "/proc/partitions"
+
+// boundLoops returns the names of the loop devices that may be bound to
+// a file of size bytes. On the node's own trees these are the loop
+// devices /proc/partitions lists: the kernel lists only devices with a
+// capacity, and a loop device has one while it is bound, unless its
+// file was empty when it was bound or it starts at or past the file's
+// end (it then shows no byte of the file). One read, where asking each
+// loop device costs a lookup in sysfs per device: nodes keep hundreds of
+// unbound loop devices. For a file smaller than a sector (whose loop
+// device has no capacity), a list that cannot be read, and trees other
+// than the node's own (tests), every loop device that has a backing file
+// is returned.
+func (r Roots) boundLoops(size int64) ([]string, error) {
+	if r.Sys == "" && r.Dev == "" && size >= 512 {
+		if names, err := readPartitionLoops(partitionsFile); err == nil {
+			return names, nil
+		}
+	}
+	dir := filepath.Join(r.sys(), "class", "block")
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("list block devices: %w", err)
+	}
+	var names []string
+	for _, e := range ents {
+		if nameMayBeKind(e.Name(), KindLoop) && loopBound(filepath.Join(dir, e.Name())) {
+			names = append(names, e.Name())
+		}
+	}
+	return names, nil
+}
+
+// readPartitionLoops returns the whole loop devices (loopN, not their
+// partitions) that the partitions file at path lists.
+func readPartitionLoops(path string) ([]string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var names []string
+	for line := range strings.Lines(string(b)) {
+		// major minor #blocks name
+		f := strings.Fields(line)
+		if len(f) != 4 {
+			continue
+		}
+		if n, ok := strings.CutPrefix(f[3], "loop"); ok && n != "" && strings.Trim(n, "0123456789") == "" {
+			names = append(names, f[3])
+		}
+	}
+	return names, nil
 }
 
 // loopStatusByName reads the status of the loop device /dev/<name> and

@@ -787,3 +787,75 @@ func TestClaimFreeLoopAddsDevice(t *testing.T) {
 	}
 	f.Close()
 }
+
+// The loop devices that may be bound are read from /proc/partitions,
+// which lists only devices with a capacity: whole loop devices are
+// taken, their partitions and other disks are not.
+func TestReadPartitionLoops(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "partitions")
+	content := `major minor  #blocks  name
+
+ 254        0  268435456 vda
+ 254        1  268434432 vda1
+   7        0      65536 loop0
+ 259        0      65536 loop0p1
+   7       12    1048576 loop12
+ 259        1      65536 nvme0n1
+   7      300       4096 loop300
+`
+	if err := os.WriteFile(p, []byte(content), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	got, err := readPartitionLoops(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"loop0", "loop12", "loop300"}; !slices.Equal(got, want) {
+		t.Fatalf("readPartitionLoops = %q, want %q", got, want)
+	}
+	if _, err := readPartitionLoops(filepath.Join(t.TempDir(), "missing")); err == nil {
+		t.Fatal("a missing list read without error")
+	}
+}
+
+// A loop device of a file smaller than a sector has no capacity, so
+// /proc/partitions does not list it: it is still found, and attaching the
+// file again returns it instead of binding a second device.
+func TestAttachLoopTinyFileFoundAgain(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	file := testFile(t, t.TempDir(), "tiny.img", 100)
+	d := attachForTest(t, ctx, l, file)
+	again, err := AttachLoop(ctx, l, file, false)
+	if err != nil || again.Name != d.Name {
+		t.Fatalf("AttachLoop again = %v, %v; want %s", again, err, d.Name)
+	}
+	if got, err := (Roots{}).FindLoop(file); err != nil || got.Name != d.Name {
+		t.Fatalf("FindLoop = %v, %v; want %s", got, err, d.Name)
+	}
+}
+
+// On the node's trees the bound loop devices come from /proc/partitions:
+// a device bound to a file is among them, an unbound one is not.
+func TestBoundLoopsFromPartitions(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	d := attachForTest(t, ctx, l, testFile(t, t.TempDir(), "vol.img", 4<<20))
+	names, err := readPartitionLoops(partitionsFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(names, d.Name) {
+		t.Fatalf("%s is bound but not in %s: %q", d.Name, partitionsFile, names)
+	}
+	got, err := Roots{}.boundLoops(4 << 20)
+	if err != nil || !slices.Equal(got, names) {
+		t.Fatalf("boundLoops = %q, %v; want the list of %s, %q", got, err, partitionsFile, names)
+	}
+	free, err := Roots{}.FindLoop(d.ID.BackingFile)
+	if err != nil || free.Name != d.Name {
+		t.Fatalf("FindLoop = %v, %v", free, err)
+	}
+}

@@ -234,25 +234,77 @@ func alignedBuffer(n int) ([]byte, error) {
 // sample for each sample reader.
 var probeBufSize = 2*headSize + blockAlign + len(farWindows)*2*blockAlign + sampleWorkers*sampleSize
 
-// probeBufs keeps one read buffer between probes: a new mapping costs a
-// page fault per page, and probes come in bursts.
-var probeBufs = make(chan []byte, 1)
+// probeBufs keeps read buffers between probes: a new mapping costs a
+// page fault per page, and probes come in bursts (a node's volumes
+// staged at once). Once no probe took a buffer for 5 s, they are all
+// unmapped.
+var probeBufs = &bufPool{size: probeBufSize, max: 16, idle: 5 * time.Second}
 
-func getProbeBuf() ([]byte, error) {
-	select {
-	case b := <-probeBufs:
+func getProbeBuf() ([]byte, error) { return probeBufs.get() }
+
+func putProbeBuf(b []byte) { probeBufs.put(b) }
+
+// bufPool keeps up to max free buffers of size bytes (see alignedBuffer)
+// and unmaps them once none was taken for idle.
+type bufPool struct {
+	size, max int
+	idle      time.Duration
+
+	mu    sync.Mutex
+	free  [][]byte
+	used  time.Time   // when a buffer was last taken
+	timer *time.Timer // unmaps the free buffers once idle
+}
+
+func (p *bufPool) get() ([]byte, error) {
+	p.mu.Lock()
+	p.used = time.Now()
+	if n := len(p.free); n > 0 {
+		b := p.free[n-1]
+		p.free = p.free[:n-1]
+		p.mu.Unlock()
 		return b, nil
-	default:
-		return alignedBuffer(probeBufSize)
+	}
+	p.mu.Unlock()
+	return alignedBuffer(p.size)
+}
+
+func (p *bufPool) put(b []byte) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(p.free) >= p.max {
+		unix.Munmap(b)
+		return
+	}
+	p.free = append(p.free, b)
+	if p.timer == nil {
+		p.timer = time.AfterFunc(p.idle, p.release)
 	}
 }
 
-func putProbeBuf(b []byte) {
-	select {
-	case probeBufs <- b:
-	default:
+// release unmaps the free buffers when none was taken for p.idle, and
+// looks again later otherwise.
+func (p *bufPool) release() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.timer == nil {
+		return
+	}
+	if idle := time.Since(p.used); idle < p.idle {
+		p.timer.Reset(p.idle - idle)
+		return
+	}
+	for _, b := range p.free {
 		unix.Munmap(b)
 	}
+	p.free, p.timer = nil, nil
+}
+
+// freeCount is the number of buffers p keeps now.
+func (p *bufPool) freeCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.free)
 }
 
 // span is a range of the device readEnds reads, into buf.

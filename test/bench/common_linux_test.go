@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
@@ -205,4 +206,38 @@ func hostLoad() string {
 		return "load unknown"
 	}
 	return fmt.Sprintf("load average %s %s %s", f[0], f[1], f[2])
+}
+
+// cpuTimes is CPU time spent since boot: by the whole host (every CPU,
+// kernel threads included), by this process, and by its waited-for
+// children.
+type cpuTimes struct{ host, self, children time.Duration }
+
+func readCPU() cpuTimes {
+	var c cpuTimes
+	if b, err := os.ReadFile("/proc/stat"); err == nil {
+		line, _, _ := strings.Cut(string(b), "\n")
+		f := strings.Fields(line)
+		for i, v := range f[1:] {
+			// user nice system idle iowait irq softirq steal: idle and
+			// iowait are not busy.
+			if i == 3 || i == 4 || i > 7 {
+				continue
+			}
+			n, _ := strconv.ParseInt(v, 10, 64)
+			c.host += time.Duration(n) * (time.Second / 100) // USER_HZ
+		}
+	}
+	var ru unix.Rusage
+	if unix.Getrusage(unix.RUSAGE_SELF, &ru) == nil {
+		c.self = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	if unix.Getrusage(unix.RUSAGE_CHILDREN, &ru) == nil {
+		c.children = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	return c
+}
+
+func (c cpuTimes) sub(o cpuTimes) cpuTimes {
+	return cpuTimes{host: c.host - o.host, self: c.self - o.self, children: c.children - o.children}
 }

@@ -45,8 +45,9 @@ func TestBenchConcurrentStage(t *testing.T) {
 	defer cancel()
 
 	type result struct {
-		berth, raw samples
-		steps      string
+		berth, raw       samples
+		berthCPU, rawCPU []cpuTimes
+		steps            string
 	}
 	results := make(map[int]*result)
 	seq := 0
@@ -69,9 +70,11 @@ func TestBenchConcurrentStage(t *testing.T) {
 					vols[i] = n.newVolume(t, fmt.Sprintf("c%d-%s-%d", seq, side, i), 64<<20)
 				}
 				if side == "berth" {
-					r.berth = append(r.berth, berthStage(t, ctx, n, vols))
+					d, cpu := berthStage(t, ctx, n, vols)
+					r.berth, r.berthCPU = append(r.berth, d), append(r.berthCPU, cpu)
 				} else {
-					r.raw = append(r.raw, rawStage(t, ctx, vols))
+					d, cpu := rawStage(t, ctx, vols)
+					r.raw, r.rawCPU = append(r.raw, d), append(r.rawCPU, cpu)
 				}
 				for _, v := range vols {
 					os.Remove(v.image)
@@ -102,22 +105,30 @@ func TestBenchConcurrentStage(t *testing.T) {
 		}
 	}
 	for _, count := range counts {
+		r := results[count]
+		b, w := medianCPU(r.berthCPU), medianCPU(r.rawCPU)
+		per := func(d time.Duration) string { return ms(d / time.Duration(count)) }
+		t.Logf("BENCH   N=%-2d  CPU per volume (median of rounds): berth %s (agent %s, its programs %s, kernel threads and the rest %s), raw %s (test %s, programs %s, rest %s)",
+			count, per(b.host), per(b.self), per(b.children), per(b.host-b.self-b.children),
+			per(w.host), per(w.self), per(w.children), per(w.host-w.self-w.children))
+	}
+	for _, count := range counts {
 		t.Logf("BENCH   N=%-2d  berth steps, %s", count, results[count].steps)
 	}
 }
 
 // berthStage stages vols at once, checks that every stage succeeded,
 // unstages them and returns the wall time of the stages.
-func berthStage(t *testing.T, ctx context.Context, n *node, vols []volume) time.Duration {
+func berthStage(t *testing.T, ctx context.Context, n *node, vols []volume) (time.Duration, cpuTimes) {
 	t.Helper()
 	errs := make([]error, len(vols))
 	var wg sync.WaitGroup
-	start := time.Now()
+	cpu0, start := readCPU(), time.Now()
 	for i, v := range vols {
 		wg.Go(func() { errs[i] = n.stage(ctx, v) })
 	}
 	wg.Wait()
-	d := time.Since(start)
+	d, cpu := time.Since(start), readCPU().sub(cpu0)
 	failed := 0
 	for i, err := range errs {
 		if err != nil {
@@ -135,7 +146,7 @@ func berthStage(t *testing.T, ctx context.Context, n *node, vols []volume) time.
 	if failed > 0 {
 		t.Fatalf("%d of %d concurrent stages failed", failed, len(vols))
 	}
-	return d
+	return d, cpu
 }
 
 // rawStage runs, for each volume at once, losetup on a free loop device
@@ -145,7 +156,7 @@ func berthStage(t *testing.T, ctx context.Context, n *node, vols []volume) time.
 // --find, when another losetup took the same free device first, sleeps
 // 200 ms before it asks again: the raw steps are the kernel's, without
 // the allocation's cost.
-func rawStage(t *testing.T, ctx context.Context, vols []volume) time.Duration {
+func rawStage(t *testing.T, ctx context.Context, vols []volume) (time.Duration, cpuTimes) {
 	t.Helper()
 	losetup, _ := lookTool("losetup")
 	mkfs, _ := lookTool("mkfs.ext4")
@@ -154,7 +165,7 @@ func rawStage(t *testing.T, ctx context.Context, vols []volume) time.Duration {
 	attached := make([]bool, len(vols))
 	errs := make([]error, len(vols))
 	var wg sync.WaitGroup
-	start := time.Now()
+	cpu0, start := readCPU(), time.Now()
 	for i, v := range vols {
 		wg.Go(func() {
 			if err := exec.CommandContext(ctx, losetup, loops[i], v.image).Run(); err != nil {
@@ -178,7 +189,7 @@ func rawStage(t *testing.T, ctx context.Context, vols []volume) time.Duration {
 		})
 	}
 	wg.Wait()
-	d := time.Since(start)
+	d, cpu := time.Since(start), readCPU().sub(cpu0)
 	for i, v := range vols {
 		if errs[i] != nil {
 			t.Errorf("raw steps for %s: %v", v.id, errs[i])
@@ -200,7 +211,16 @@ func rawStage(t *testing.T, ctx context.Context, vols []volume) time.Duration {
 	if t.Failed() {
 		t.FailNow()
 	}
-	return d
+	return d, cpu
+}
+
+// medianCPU is the per-field median of cs.
+func medianCPU(cs []cpuTimes) cpuTimes {
+	var host, self, children samples
+	for _, c := range cs {
+		host, self, children = append(host, c.host), append(self, c.self), append(children, c.children)
+	}
+	return cpuTimes{host: host.median(), self: self.median(), children: children.median()}
 }
 
 func envInt(name string, def int) int {
