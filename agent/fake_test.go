@@ -34,6 +34,8 @@ type fakeFS struct {
 	mkfsStarted chan string
 	// mkfsErr, when set, makes a format write fakePartial and fail.
 	mkfsErr error
+	// mountErr, when set, makes Mount fail.
+	mountErr error
 	// unmountGate, when set, holds every Unmount until it is closed, as
 	// an unmount's writeback waits for a device that queues I/O.
 	unmountGate chan struct{}
@@ -120,6 +122,9 @@ func (f *fakeFS) contentOf(devPath string) string {
 func (f *fakeFS) Mount(source string, target *fs.Handle, fsType string, _ uintptr, _ string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if f.mountErr != nil {
+		return f.mountErr
+	}
 	p := target.Path()
 	if _, ok := f.mounts[p]; ok {
 		f.nMount[p]++ // stacked: the bug the locks prevent

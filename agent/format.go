@@ -46,10 +46,15 @@ func (r *deviceRecord) storageChange(d *devices.Device) string {
 
 // ensureFilesystem is the format step of a stage: it makes sure dev holds
 // fsType. A blank device is formatted, with rec.Formatting recorded
-// before mkfs starts and cleared once the filesystem is made. A record
-// that says berth started formatting this very device (a crash during
-// mkfs) has the format finished over mkfs' partial writes; any other
-// device holding data is refused.
+// before mkfs starts; the mark is cleared by the write that records the
+// stage (finishStage), so a stage that formats writes its record three
+// times, not four. A record that says berth started formatting this very
+// device (a crash during mkfs, or after it, before the stage was
+// recorded) has the format made again over whatever mkfs wrote: the
+// filesystem was never given to anyone, since the stage did not finish,
+// and a retry that finds it mounted at the staging path (a crash after
+// the mount) does not come here. Any other device holding data is
+// refused.
 func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, dev *devices.Device, fsType string) (formatted bool, err error) {
 	if rec.Formatting != nil && rec.Formatting.identifies(dev) {
 		logFrom(ctx, n.a.log).WarnContext(ctx, "finishing a format that was interrupted: berth found the device blank and started mkfs before",
@@ -69,12 +74,6 @@ func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, de
 					err, rec.Formatting.Path, rec.Formatting.Major, rec.Formatting.Minor)
 			}
 			return false, err
-		}
-	}
-	if rec.Formatting != nil {
-		rec.Formatting = nil
-		if err := n.a.state.put(rec); err != nil {
-			return formatted, err
 		}
 	}
 	return formatted, nil

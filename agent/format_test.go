@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -12,6 +13,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // restart returns an agent on the same state directory, host and
@@ -107,6 +110,44 @@ func TestStageKeepsFormatMarkWhenMkfsFails(t *testing.T) {
 	}
 	if _, ok := a.state.get("vol-unstaged"); ok {
 		t.Fatal("unstage kept the record of a stage whose mkfs failed")
+	}
+}
+
+// The format mark stays recorded until the stage is, but a stage whose
+// mkfs finished and that failed after it (here: the mount) is undone
+// like any other failed stage: nothing of the volume is left attached or
+// recorded, and the filesystem made stays for the next stage to use.
+func TestStageFailingAfterMkfsIsUndone(t *testing.T) {
+	a, host, tr := newFakeAgent(t)
+	n := &nodeServer{a: a}
+	staging := filepath.Join(t.TempDir(), "staging")
+	must(t, "mkdir", mkdirAll(staging))
+	req := stageReq("vol-mount-fails", staging, "11")
+	host.mountErr = fmt.Errorf("mount: %w", errdefs.ErrInvalidArgument)
+	if _, err := n.NodeStageVolume(context.Background(), req); err == nil {
+		t.Fatal("stage succeeded with the mount failing")
+	}
+	if rec, ok := a.state.get("vol-mount-fails"); ok {
+		t.Fatalf("a stage that failed after its mkfs left its record: %+v", rec)
+	}
+	tr.mu.Lock()
+	attached, detached := tr.attached["11"], tr.detached["11"]
+	tr.mu.Unlock()
+	if attached != 1 || detached != 1 {
+		t.Fatalf("attached %d, detached %d times; want the failed stage's attach undone", attached, detached)
+	}
+	dev := (&fakeTarget{key: "11"}).dev().Path
+	if c := host.contentOf(dev); c != "ext4" {
+		t.Fatalf("device holds %q, want the ext4 made", c)
+	}
+	host.mu.Lock()
+	host.mountErr = nil
+	host.mu.Unlock()
+	if _, err := n.NodeStageVolume(context.Background(), req); err != nil {
+		t.Fatalf("stage again: %v", err)
+	}
+	if _, ok := recordKeys(t, a, "vol-mount-fails")["formatting"]; ok {
+		t.Fatal("the format mark is recorded after the stage finished")
 	}
 }
 

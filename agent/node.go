@@ -113,6 +113,7 @@ type stageRun struct {
 	known     bool // a record existed before this call
 	wasStaged bool // the record said staged before this call
 	mounted   bool // this call mounted the staging path
+	madeFS    bool // this call's mkfs finished (rec.Formatting stays set until the stage is recorded)
 
 	dev     *devices.Device // the attached device
 	vdev    *devices.Device // the device that holds the filesystem: dev, or its dm-crypt mapping
@@ -308,6 +309,7 @@ func (n *nodeServer) recordStageIntent(s *stageRun) error {
 	}
 	if s.ident != "" {
 		s.rec.TargetID = s.ident
+		n.a.state.noteIdentity(s.id, s.ident)
 	}
 	s.wasStaged = s.rec.Staged
 	return nil
@@ -360,7 +362,7 @@ func (n *nodeServer) undoStage(ctx context.Context, s *stageRun) {
 	// A format that started and failed has changed the device: it
 	// stays attached with its record, which says so, for the retry
 	// to finish (or the unstage to undo).
-	if !s.wasStaged && rec.Formatting == nil && (rec.Crypt == nil || rec.Crypt.Formatting == nil) {
+	if !s.wasStaged && (rec.Formatting == nil || s.madeFS) && (rec.Crypt == nil || rec.Crypt.Formatting == nil) {
 		uctx, cancel := n.a.undoContext(ctx)
 		defer cancel()
 		if err := n.closeMapping(uctx, rec); err != nil {
@@ -530,6 +532,7 @@ func (n *nodeServer) prepareFilesystem(ctx context.Context, s *stageRun) error {
 		}
 	}
 	if formatted {
+		s.madeFS = true
 		s.took.mark("format")
 		s.log.InfoContext(ctx, "created filesystem", slog.String("fs_type", vcap.FsType))
 	} else {
@@ -581,6 +584,8 @@ func (n *nodeServer) mountFilesystem(s *stageRun) error {
 // staging path and the target, both recorded before the attach.
 func (n *nodeServer) finishStage(ctx context.Context, s *stageRun) error {
 	s.rec.Staged = true
+	// The format is finished and mounted: the mark goes with this write.
+	s.rec.Formatting = nil
 	if err := n.a.state.put(s.rec); err != nil {
 		return err
 	}
@@ -612,7 +617,10 @@ func storageKey(transport, key string) string { return fmt.Sprintf("%s storage %
 // ("" when it cannot be looked at): the same key, the same recorded
 // identity, or, since the device and inode numbers of an image may
 // change (a reboot, a record of an earlier version without identity),
-// the same identity looked at now.
+// the same identity as this process saw it. A record this process did
+// not stage is looked at once (its storage's identity now), not at
+// every call: with many volumes on a node, each stage would otherwise
+// look at every other volume's storage.
 func (n *nodeServer) storageOwner(id string, tr Transport, key, ident string) (string, bool) {
 	for _, r := range n.a.state.list() {
 		if r.VolumeID == id || r.Transport != tr.Name() {
@@ -624,11 +632,18 @@ func (n *nodeServer) storageOwner(id string, tr Transport, key, ident string) (s
 		if ident == "" {
 			continue
 		}
-		t, err := tr.Parse(r.Context, nil)
-		if err != nil {
-			continue
+		cur, ok := n.a.state.identity(r.VolumeID)
+		if !ok {
+			t, err := tr.Parse(r.Context, nil)
+			if err != nil {
+				continue
+			}
+			if cur, err = t.Identity(); err != nil {
+				continue
+			}
+			n.a.state.noteIdentity(r.VolumeID, cur)
 		}
-		if cur, err := t.Identity(); err == nil && cur == ident {
+		if cur == ident {
 			return r.VolumeID, true
 		}
 	}

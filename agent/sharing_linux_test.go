@@ -259,3 +259,42 @@ func TestUnstageLeavesForeignLoopDevice(t *testing.T) {
 		t.Fatalf("loop devices after unstage: %v, want only the operator's %v", got, foreign)
 	}
 }
+
+// A record whose identity is stale (written before a reboot changed the
+// image's device number) is looked at again: a hard link of its image
+// staged as another volume is refused, also on later attempts, and an
+// unrelated image still stages.
+func TestStageRefusesLinkOfRecordWithStaleIdentity(t *testing.T) {
+	h := newHarness(t)
+	c := mountCap("ext4", snw)
+	v := h.newVol("a", 64*mib, c)
+	must(t, "stage", h.stage(v))
+	h.stop()
+	file := filepath.Join(h.stateDir, "volumes", stateFileName(v.id))
+	b, err := os.ReadFile(file)
+	must(t, "read record", err)
+	var m map[string]any
+	must(t, "parse record", json.Unmarshal(b, &m))
+	if m["targetID"] == nil {
+		t.Fatalf("the record has no identity: %s", b)
+	}
+	m["targetID"] = "file 1:1"
+	b, err = json.MarshalIndent(m, "", "  ")
+	must(t, "encode record", err)
+	must(t, "write record", os.WriteFile(file, b, 0o600))
+	h.start()
+	must(t, "hard link", os.Link(filepath.Join(h.root, "a.img"), filepath.Join(h.root, "b.img")))
+	other := vol{id: "vol-b", staging: h.mkdir("staging/b"), vctx: map[string]string{"file": "b.img"}, cap: c}
+	for range 2 {
+		// Refused by the identity check, before anything is attached.
+		err := h.stage(other)
+		wantCode(t, "a second name of a record's image", err, codes.FailedPrecondition)
+		if !strings.Contains(err.Error(), `the same storage is already staged on this node as volume "vol-a"`) {
+			t.Fatalf("refused, but not as the same storage as vol-a: %v", err)
+		}
+	}
+	unrelated := h.newVol("c", 64*mib, c)
+	must(t, "stage an unrelated image", h.stage(unrelated))
+	must(t, "unstage the unrelated volume", h.unstage(unrelated))
+	must(t, "unstage", h.unstage(v))
+}

@@ -93,10 +93,11 @@ type volumeRecord struct {
 	// publish needs it.
 	DeviceReadOnly bool `json:"deviceReadOnly,omitempty"`
 	// Formatting is the device berth found blank and started mkfs on,
-	// recorded right before mkfs and cleared once the filesystem is
-	// made. A retried stage that finds this same device (see
-	// deviceRecord.identifies) finishes the format over mkfs' partial
-	// writes, which a probe would refuse as foreign data.
+	// recorded right before mkfs and cleared by the write that records
+	// the finished stage. A retried stage that finds this same device
+	// (see deviceRecord.identifies) and no mount of it at the staging
+	// path makes the format again over what mkfs wrote, which a probe
+	// would refuse as foreign data.
 	Formatting *deviceRecord `json:"formatting,omitempty"`
 	// Crypt is set for a volume encrypted on the node (LUKS2): its
 	// dm-crypt mapping sits on Device and holds the filesystem (or is
@@ -195,6 +196,10 @@ type store struct {
 	dir  string
 	mu   sync.RWMutex
 	vols map[string]*volumeRecord
+	// seen is the identity of each volume's storage as this process
+	// looked at it (see noteIdentity); a record's TargetID may come from
+	// an earlier boot, when an image's device number may have differed.
+	seen map[string]string
 }
 
 func stateFileName(volumeID string) string {
@@ -267,6 +272,26 @@ func (s *store) list() []*volumeRecord {
 	return out
 }
 
+// noteIdentity remembers ident as the identity of volume id's storage as
+// this process saw it: when it staged the volume, or when it looked at
+// a record it found.
+func (s *store) noteIdentity(id, ident string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.seen == nil {
+		s.seen = make(map[string]string)
+	}
+	s.seen[id] = ident
+}
+
+// identity returns what noteIdentity remembered for volume id.
+func (s *store) identity(id string) (string, bool) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	ident, ok := s.seen[id]
+	return ident, ok
+}
+
 func (s *store) count() int {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
@@ -319,6 +344,7 @@ func (s *store) remove(id string) error {
 	}
 	s.mu.Lock()
 	delete(s.vols, id)
+	delete(s.seen, id)
 	s.mu.Unlock()
 	failpoint.Hit("state.remove")
 	return nil
