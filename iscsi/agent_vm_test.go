@@ -308,7 +308,7 @@ func TestBenchGuestISCSI(t *testing.T) {
 		ratios[i] = float64(berth[i]) / float64(raw[i])
 	}
 	slices.Sort(ratios)
-	t.Logf("BENCH iscsi-stage berth/raw: ratio of the medians %.2f, median of the %d per-round ratios %.2f (goal <= 1.15)",
+	t.Logf("BENCH iscsi-stage berth/raw: ratio of the medians %.2f, median of the %d per-round ratios %.2f (goal <= 1.05)",
 		float64(median(berth))/float64(median(raw)), rounds, ratios[len(ratios)/2])
 	t.Logf("BENCH iscsi-stage berth steps, %s", steps.Summary())
 }
