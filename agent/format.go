@@ -55,7 +55,10 @@ func (r *deviceRecord) storageChange(d *devices.Device) string {
 // and a retry that finds it mounted at the staging path (a crash after
 // the mount) does not come here. Any other device holding data is
 // refused.
-func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, dev *devices.Device, fsType string) (formatted bool, err error) {
+//
+// took marks the end of the probe when the device is formatted (the
+// format step is then the mark's write, mkfs and its check).
+func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, dev *devices.Device, fsType string, took *stepTimer) (formatted bool, err error) {
 	if rec.Formatting != nil && rec.Formatting.identifies(dev) {
 		logFrom(ctx, n.a.log).WarnContext(ctx, "finishing a format that was interrupted: berth found the device blank and started mkfs before",
 			slog.String("device", dev.Path), slog.String("fs_type", fsType))
@@ -65,6 +68,7 @@ func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, de
 		formatted = true
 	} else {
 		formatted, err = n.a.host.EnsureFilesystem(ctx, dev.Path, fsType, func() error {
+			took.mark("probe")
 			rec.Formatting = deviceRecordOf(dev)
 			return n.a.state.put(rec)
 		})

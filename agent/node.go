@@ -523,7 +523,7 @@ func (n *nodeServer) prepareFilesystem(ctx context.Context, s *stageRun) error {
 		formatted = true
 	} else {
 		var err error
-		if formatted, err = n.ensureFilesystem(ctx, rec, vdev, vcap.FsType); err != nil {
+		if formatted, err = n.ensureFilesystem(ctx, rec, vdev, vcap.FsType, s.took); err != nil {
 			if errors.Is(err, berthfs.ErrLUKSDevice) && s.enc == nil {
 				err = fmt.Errorf("volume %q: %w; it is staged only as an encrypted volume: volume_context %s=\"true\" and its passphrase in node_stage_secrets %q",
 					s.id, err, ContextEncrypted, SecretEncryptionPassphrase)

@@ -332,10 +332,11 @@ func (s *span) data() []byte { return s.buf[:s.n] }
 func roundUp(n, to int) int { return (n + to - 1) / to * to }
 
 // readEnds reads the first and the last MiB of f, of the given size, and
-// the far windows between them. The three parts are read at once; the
-// first block is read on its own first, and onData is called as soon as
-// it holds a non-zero byte. When it does not, the samples between the
-// ends are read as well, alongside the rest.
+// the far windows between them, all at once: a network device answers
+// them in about one round trip. The first block is read on its own, and
+// onData is called as soon as it holds a non-zero byte. When it does
+// not, the samples between the ends are read as well, alongside the
+// rest.
 func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) {
 	e := ends{farNonZero: -1, sampleNonZero: -1}
 	e.tailStart = max(0, (size-headSize)&^(blockAlign-1))
@@ -358,6 +359,9 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 
 	var wg sync.WaitGroup
 	wg.Go(func() { tail.read(f) })
+	if head.want > 0 {
+		wg.Go(func() { head.read(f) })
+	}
 	if len(far) > 0 {
 		// Small reads: one after the other on one thread.
 		wg.Go(func() {
@@ -374,9 +378,6 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 			onData()
 		} else if offs := sampleOffsets(size, e.tailStart); len(offs) > 0 {
 			wg.Go(func() { e.sampleNonZero, sampleErr = readSamples(f, offs, e.tailStart, sampleBuf) })
-		}
-		if head.want > 0 {
-			head.read(f)
 		}
 	}
 	wg.Wait()

@@ -13,8 +13,10 @@ import "slices"
 // sampleSize is how much is read at each sample offset.
 const sampleSize = 16 << 10
 
-// sampleWorkers is how many samples are read at once.
-const sampleWorkers = 4
+// sampleWorkers is how many samples are read at once. A 64 MiB device
+// has about 40 samples; on a network device each read costs a round
+// trip, so the samples are read a few rounds deep, not ten.
+const sampleWorkers = 16
 
 // Where samples are taken (each a multiple of blockAlign):
 //   - the start of every MiB from 1 MiB to sampleDenseEnd, where
