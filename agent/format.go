@@ -67,7 +67,13 @@ func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, de
 		}
 		formatted = true
 	} else {
-		formatted, err = n.a.host.EnsureFilesystem(ctx, dev.Path, fsType, func() error {
+		// A loop device of a file without data is blank without being
+		// read: its filesystem's extent map says so.
+		var knownBlank func() (bool, error)
+		if dev.ID.Kind == devices.KindLoop {
+			knownBlank = func() (bool, error) { return devices.LoopHoldsNoData(dev) }
+		}
+		formatted, err = n.a.host.EnsureFilesystem(ctx, dev.Path, fsType, knownBlank, func() error {
 			took.mark("probe")
 			rec.Formatting = deviceRecordOf(dev)
 			return n.a.state.put(rec)

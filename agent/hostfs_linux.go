@@ -21,8 +21,8 @@ func (realFS) ParseMountOptions(opts []string) (uintptr, string, error) {
 	return fs.ParseMountOptions(opts)
 }
 
-func (realFS) EnsureFilesystem(ctx context.Context, devPath, fsType string, beforeMkfs func() error) (bool, error) {
-	return fs.EnsureFilesystem(ctx, devPath, fsType, fs.MkfsOptions{BeforeMkfs: beforeMkfs})
+func (realFS) EnsureFilesystem(ctx context.Context, devPath, fsType string, knownBlank func() (bool, error), beforeMkfs func() error) (bool, error) {
+	return fs.EnsureFilesystem(ctx, devPath, fsType, fs.MkfsOptions{KnownBlank: knownBlank, BeforeMkfs: beforeMkfs})
 }
 
 func (realFS) Format(ctx context.Context, devPath, fsType string) error {

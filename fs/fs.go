@@ -109,6 +109,11 @@ type MkfsOptions struct {
 	// finish the format with Format instead of finding mkfs' partial
 	// writes refused as unknown data.
 	BeforeMkfs func() error
+	// KnownBlank, when set, is asked by EnsureFilesystem before it
+	// probes: true means the caller has shown the whole device reads as
+	// zeros by other means (see devices.LoopHoldsNoData), and the probe's
+	// reads are skipped. false or an error, and the device is probed.
+	KnownBlank func() (bool, error)
 }
 
 // Stats is the usage of a mounted filesystem.

@@ -1151,3 +1151,32 @@ func TestProbeBufPool(t *testing.T) {
 		t.Fatalf("%d buffers kept once the pool was idle, want 0", n)
 	}
 }
+
+// KnownBlank is asked before the probe: true skips the probe's reads
+// (the caller showed the device blank); false or an error, and the
+// device is probed as always, which refuses data.
+func TestHostKnownBlank(t *testing.T) {
+	needRoot(t)
+	needTools(t, "blkid", "mkfs.ext4")
+	ctx := context.Background()
+	dev, file := newLoop(t, 64*mib)
+	junk := make([]byte, 4096)
+	rand.Read(junk)
+	junk[0] |= 1
+	writeAt(t, file, 0, junk)
+	before := hashFile(t, file)
+	for _, kb := range []func() (bool, error){
+		func() (bool, error) { return false, nil },
+		func() (bool, error) { return true, errors.New("cannot tell") },
+	} {
+		asked := 0
+		_, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{KnownBlank: func() (bool, error) { asked++; return kb() }})
+		if !errors.Is(err, errdefs.ErrFailedPrecondition) || asked != 1 || hashFile(t, file) != before {
+			t.Fatalf("EnsureFilesystem over data, KnownBlank asked %d times: %v; want it refused by the probe", asked, err)
+		}
+	}
+	formatted, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{KnownBlank: func() (bool, error) { return true, nil }})
+	if err != nil || !formatted {
+		t.Fatalf("EnsureFilesystem with KnownBlank true = %v, %v; want formatted without a probe", formatted, err)
+	}
+}

@@ -537,9 +537,11 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 	if _, err := statBlockDevice(devPath); err != nil {
 		return false, err
 	}
-	sig, err := Probe(ctx, devPath)
-	if err != nil {
-		return false, err
+	var sig Signature
+	if blank, err := knownBlank(opt); !blank || err != nil {
+		if sig, err = Probe(ctx, devPath); err != nil {
+			return false, err
+		}
 	}
 	switch {
 	case sig.Type == fsType:
@@ -567,6 +569,14 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 		return false, err
 	}
 	return true, nil
+}
+
+// knownBlank asks opt.KnownBlank, if set.
+func knownBlank(opt MkfsOptions) (bool, error) {
+	if opt.KnownBlank == nil {
+		return false, nil
+	}
+	return opt.KnownBlank()
 }
 
 // Format makes fsType on devPath without looking at what the device
