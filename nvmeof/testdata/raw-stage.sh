@@ -9,7 +9,8 @@
 #
 # mkfs.ext4 runs with the options berth formats with (no discard pass,
 # lazy inode table and journal initialisation), so that both sides do
-# the same work on the device.
+# the same work on the device. FSTYPE=xfs makes xfs instead (mkfs.xfs
+# without a discard pass, as berth runs it).
 set -eu
 nqn=$1 traddr=$2 trsvcid=$3 hostnqn=$4 hostid=$5 root=$6
 shift 6
@@ -30,9 +31,13 @@ stage() {
 		[ -n "$dev" ] || sleep 0.01
 	done
 	[ "$root" = - ] && return
-	/usr/sbin/mkfs.ext4 -q -F -E lazy_itable_init=1,lazy_journal_init=1,nodiscard "$dev"
+	if [ "${FSTYPE:-ext4}" = xfs ]; then
+		/usr/sbin/mkfs.xfs -q -f -K "$dev"
+	else
+		/usr/sbin/mkfs.ext4 -q -F -E lazy_itable_init=1,lazy_journal_init=1,nodiscard "$dev"
+	fi
 	mkdir -p "$root/$ns"
-	mount -t ext4 "$dev" "$root/$ns"
+	mount -t "${FSTYPE:-ext4}" "$dev" "$root/$ns"
 }
 
 pids=

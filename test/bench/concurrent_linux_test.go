@@ -106,9 +106,11 @@ func TestBenchConcurrentStage(t *testing.T) {
 	}
 	for _, count := range counts {
 		r := results[count]
-		b, w := medianCPU(r.berthCPU), medianCPU(r.rawCPU)
-		per := func(d time.Duration) string { return ms(d / time.Duration(count)) }
-		t.Logf("BENCH   N=%-2d  CPU per volume (median of rounds): berth %s (agent %s, its programs %s, kernel threads and the rest %s), raw %s (test %s, programs %s, rest %s)",
+		b, w := sumCPU(r.berthCPU), sumCPU(r.rawCPU)
+		// The host's figure counts in 10 ms ticks: summed over the
+		// rounds, not a median of each round's few ticks.
+		per := func(d time.Duration) string { return ms(d / time.Duration(count*len(r.berthCPU))) }
+		t.Logf("BENCH   N=%-2d  CPU per volume (all rounds): berth %s (agent %s, its programs %s, kernel threads and the rest %s), raw %s (test %s, programs %s, rest %s)",
 			count, per(b.host), per(b.self), per(b.children), per(b.host-b.self-b.children),
 			per(w.host), per(w.self), per(w.children), per(w.host-w.self-w.children))
 	}
@@ -214,13 +216,13 @@ func rawStage(t *testing.T, ctx context.Context, vols []volume) (time.Duration, 
 	return d, cpu
 }
 
-// medianCPU is the per-field median of cs.
-func medianCPU(cs []cpuTimes) cpuTimes {
-	var host, self, children samples
+// sumCPU is the sum of cs.
+func sumCPU(cs []cpuTimes) cpuTimes {
+	var sum cpuTimes
 	for _, c := range cs {
-		host, self, children = append(host, c.host), append(self, c.self), append(children, c.children)
+		sum.host, sum.self, sum.children = sum.host+c.host, sum.self+c.self, sum.children+c.children
 	}
-	return cpuTimes{host: host.median(), self: self.median(), children: children.median()}
+	return sum
 }
 
 func envInt(name string, def int) int {

@@ -78,7 +78,7 @@ func mountTableChild(t *testing.T, dir, parentNS string) {
 	if err != nil || parentNS == "" || self == parentNS {
 		t.Fatalf("refusing to add %d mounts to the mount namespace of the parent (%s, %s; %v)", manyMounts, self, parentNS, err)
 	}
-	rounds := envInt("BERTH_BENCH_ROUNDS", 5)
+	rounds := envInt("BERTH_BENCH_ROUNDS", 9)
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
 	defer cancel()
 	n := startNode(t, dir)
@@ -131,7 +131,7 @@ func mountTableChild(t *testing.T, dir, parentNS string) {
 		}},
 		{"NodeStageVolume, unstaged volume (attach, probe, fsck, mount)", true, func() samples {
 			var s samples
-			for range 10 {
+			for range 20 {
 				start := time.Now()
 				must(t, "stage", n.stage(ctx, cold))
 				s = append(s, time.Since(start))
@@ -200,12 +200,16 @@ func mountTableChild(t *testing.T, dir, parentNS string) {
 		fewMounts, manyMounts, tableSize[fewMounts], tableSize[manyMounts], rounds, hostLoad())
 	// Ratios are the median of the rounds' ratios (each round's two
 	// phases run back to back, so a change of the host's load between
-	// rounds cancels out); tail latencies pool the rounds' samples.
+	// rounds cancels out); the latencies shown pool the rounds' samples.
 	for i, me := range measures {
 		few, many := results[fewMounts][i], results[manyMounts][i]
 		if me.quant {
 			pf, pm := pooled(few), pooled(many)
-			r50, r99 := roundRatio(few, many, 0.5), ratio(pm.quantile(0.99), pf.quantile(0.99))
+			// Tails too are compared round by round: a pooled p99 is
+			// the few slowest calls of the whole run, which one pause of
+			// a shared host decides (two runs of the same code gave
+			// pooled ratios of 0.43 and 2.66).
+			r50, r99 := roundRatio(few, many, 0.5), roundRatio(few, many, 0.99)
 			t.Logf("BENCH   %-62s p50 %9s -> %9s  ratio %.2f (goal <= %.1f) %-4s  p99 %9s -> %9s  ratio %.2f (goal <= %.1f) %s",
 				me.name, ms(pf.median()), ms(pm.median()), r50, mountTableGoal, verdict(r50, mountTableGoal),
 				ms(pf.quantile(0.99)), ms(pm.quantile(0.99)), r99, mountTableGoal, verdict(r99, mountTableGoal))
