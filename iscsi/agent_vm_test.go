@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -311,6 +312,120 @@ func TestBenchGuestISCSI(t *testing.T) {
 	t.Logf("BENCH iscsi-stage berth/raw: ratio of the medians %.2f, median of the %d per-round ratios %.2f (goal <= 1.05)",
 		float64(median(berth))/float64(median(raw)), rounds, ratios[len(ratios)/2])
 	t.Logf("BENCH iscsi-stage berth steps, %s", steps.Summary())
+}
+
+// TestBenchGuestISCSIConcurrent stages 8 LUNs of one target at once
+// through the agent and compares the wall time with the same work by
+// hand at once: one iscsiadm login (its automatic scan finds every LUN),
+// then for each LUN a wait for its disk, mkfs.ext4 and mount. Fresh
+// targets each round; run by TestVMBenchISCSI (BERTH_BENCH=1).
+func TestBenchGuestISCSIConcurrent(t *testing.T) {
+	vm.RequireGuest(t)
+	if os.Getenv("BERTH_BENCH") != "1" {
+		t.Skip("set BERTH_BENCH=1 to run the iSCSI stage benchmark")
+	}
+	const rounds, luns = 3, 8
+	node := startAgent(t, slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelWarn})))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var berth, raw []time.Duration
+	for i := range rounds {
+		lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
+		wwids := make([]string, luns)
+		for l := range luns {
+			wwids[l] = lt.AddLUN(l, 64<<20)
+		}
+		dir := t.TempDir()
+		var wg sync.WaitGroup
+		errs := make([]error, luns)
+		start := time.Now()
+		for l := range luns {
+			wg.Go(func() {
+				staging := filepath.Join(dir, strconv.Itoa(l))
+				os.MkdirAll(staging, 0o750)
+				_, errs[l] = node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: fmt.Sprintf("c%d-%d", i, l),
+					StagingTargetPath: staging, VolumeCapability: csitest.MountCap("ext4"),
+					VolumeContext: map[string]string{"targetPortal": lt.Portal(1), "iqn": lt.IQN, "lun": strconv.Itoa(l), "wwid": wwids[l]}})
+			})
+		}
+		wg.Wait()
+		berth = append(berth, time.Since(start))
+		for l := range luns {
+			if errs[l] != nil {
+				t.Fatalf("stage LUN %d: %v", l, errs[l])
+			}
+			if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: fmt.Sprintf("c%d-%d", i, l),
+				StagingTargetPath: filepath.Join(dir, strconv.Itoa(l))}); err != nil {
+				t.Fatal(err)
+			}
+		}
+
+		lr := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
+		for l := range luns {
+			lr.AddLUN(l, 64<<20)
+		}
+		mnt := t.TempDir()
+		start = time.Now()
+		run(t, "iscsiadm", "-m", "node", "-o", "new", "-T", lr.IQN, "-p", lr.Portal(1))
+		run(t, "iscsiadm", "-m", "node", "-T", lr.IQN, "-p", lr.Portal(1), "--login")
+		for l := range luns {
+			wg.Go(func() {
+				dev, err := waitLUNDisk(ctx, lr.IQN, l)
+				if err == nil {
+					err = exec.Command("/usr/sbin/mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", dev).Run()
+				}
+				if err == nil {
+					p := filepath.Join(mnt, strconv.Itoa(l))
+					os.MkdirAll(p, 0o750)
+					err = unix.Mount(dev, p, "ext4", 0, "")
+				}
+				errs[l] = err
+			})
+		}
+		wg.Wait()
+		raw = append(raw, time.Since(start))
+		for l := range luns {
+			if errs[l] != nil {
+				t.Fatalf("by hand, LUN %d: %v", l, errs[l])
+			}
+			unix.Unmount(filepath.Join(mnt, strconv.Itoa(l)), 0)
+		}
+		run(t, "iscsiadm", "-m", "node", "-T", lr.IQN, "-p", lr.Portal(1), "--logout")
+		run(t, "iscsiadm", "-m", "node", "-o", "delete", "-T", lr.IQN, "-p", lr.Portal(1))
+	}
+	ratios := make([]float64, rounds)
+	for i := range ratios {
+		ratios[i] = float64(berth[i]) / float64(raw[i])
+	}
+	slices.Sort(ratios)
+	t.Logf("BENCH iscsi-stage %d LUNs at once: berth %v, raw %v; median of the %d per-round ratios %.2f (goal <= 1.15)",
+		luns, berth, raw, rounds, ratios[len(ratios)/2])
+}
+
+// waitLUNDisk waits for the disk of LUN lun of the session to target iqn
+// and returns its device path.
+func waitLUNDisk(ctx context.Context, iqn string, lun int) (string, error) {
+	for {
+		ents, _ := os.ReadDir("/sys/class/iscsi_session")
+		for _, e := range ents {
+			b, _ := os.ReadFile(filepath.Join("/sys/class/iscsi_session", e.Name(), "targetname"))
+			if strings.TrimSpace(string(b)) != iqn {
+				continue
+			}
+			disks, _ := filepath.Glob(filepath.Join("/sys/class/iscsi_session", e.Name(), "device", "target*", "*:"+strconv.Itoa(lun), "block", "*"))
+			if len(disks) > 0 {
+				dev := "/dev/" + filepath.Base(disks[0])
+				if _, err := os.Stat(dev); err == nil {
+					return dev, nil
+				}
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return "", fmt.Errorf("no disk for LUN %d of %s: %w", lun, iqn, ctx.Err())
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 }
 
 func run(t *testing.T, name string, args ...string) {

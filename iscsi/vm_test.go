@@ -45,8 +45,9 @@ func TestVMISCSIMultipath(t *testing.T) {
 }
 
 // TestVMBenchISCSI measures NodeStageVolume against iscsiadm login + mkfs +
-// mount by hand in one guest (TestBenchGuestISCSI). It runs for `make
-// bench` only:
+// mount by hand in one guest, one volume at a time (TestBenchGuestISCSI)
+// and 8 at once (TestBenchGuestISCSIConcurrent). It runs for `make bench`
+// only:
 //
 //	BERTH_BENCH=1 go test -count=1 -run '^TestVMBenchISCSI$' -v ./iscsi/ | grep 'BENCH iscsi-stage'
 func TestVMBenchISCSI(t *testing.T) {
@@ -54,7 +55,7 @@ func TestVMBenchISCSI(t *testing.T) {
 		t.Skip("benchmark: runs with BERTH_BENCH=1 (make bench)")
 	}
 	vm.RunGuestTests(t,
-		vm.WithTestRun("^TestBenchGuestISCSI$"),
+		vm.WithTestRun("^TestBenchGuestISCSI"),
 		vm.WithModules(lioModules...),
 		vm.WithIscsid(),
 		vm.WithEnv(map[string]string{"BERTH_BENCH": "1"}),
