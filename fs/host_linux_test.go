@@ -1113,6 +1113,13 @@ func TestHostBeforeMkfsAndFormat(t *testing.T) {
 	}
 }
 
+// freeCount is the number of buffers p keeps now.
+func (p *bufPool) freeCount() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.free)
+}
+
 // Probe buffers taken at once are kept for the next burst, up to the
 // pool's bound, and unmapped once the pool was idle.
 func TestProbeBufPool(t *testing.T) {

@@ -300,13 +300,6 @@ func (p *bufPool) release() {
 	p.free, p.timer = nil, nil
 }
 
-// freeCount is the number of buffers p keeps now.
-func (p *bufPool) freeCount() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return len(p.free)
-}
-
 // span is a range of the device readEnds reads, into buf.
 type span struct {
 	off  int64
