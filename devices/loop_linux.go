@@ -526,21 +526,34 @@ func loopDiff(info *unix.LoopInfo64) string {
 	return strings.Join(out, ", ")
 }
 
-// loopStatus reads the status of the loop device d, checking that the
-// device still has d's number once it is open.
-func loopStatus(d *Device) (*unix.LoopInfo64, error) {
+// openLoopChecked opens the node of the loop device d read-only and
+// checks that it still has d's number; another number is an error
+// wrapping errdefs.ErrNotFound.
+func openLoopChecked(d *Device) (*os.File, error) {
 	f, err := d.roots.openLoopFlags(d.Name, os.O_RDONLY)
 	if err != nil {
 		return nil, err
 	}
-	defer f.Close()
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		f.Close()
 		return nil, fmt.Errorf("fstat %s: %w", d.Path, err)
 	}
-	if unix.Major(st.Rdev) != d.Major || unix.Minor(st.Rdev) != d.Minor {
+	if st.Mode&unix.S_IFMT != unix.S_IFBLK || unix.Major(st.Rdev) != d.Major || unix.Minor(st.Rdev) != d.Minor {
+		f.Close()
 		return nil, fmt.Errorf("%s: is %d:%d, expected %d:%d: %w", d.Path, unix.Major(st.Rdev), unix.Minor(st.Rdev), d.Major, d.Minor, errdefs.ErrNotFound)
 	}
+	return f, nil
+}
+
+// loopStatus reads the status of the loop device d, checking that the
+// device still has d's number once it is open.
+func loopStatus(d *Device) (*unix.LoopInfo64, error) {
+	f, err := openLoopChecked(d)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
 	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
 	if err != nil {
 		return nil, fmt.Errorf("LOOP_GET_STATUS64 %s: %w", d.Path, err)
@@ -709,18 +722,13 @@ func LoopHoldsNoData(d *Device) (bool, error) {
 	if d == nil || d.ID.Kind != KindLoop || d.ID.BackingFile == "" || strings.HasSuffix(d.ID.BackingFile, " (deleted)") {
 		return false, nil
 	}
-	lf, err := d.roots.openLoopFlags(d.Name, os.O_RDONLY)
-	if err != nil {
+	lf, err := openLoopChecked(d)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return false, nil // another device has the name now
+	} else if err != nil {
 		return false, fmt.Errorf("%s: %w", d.Path, err)
 	}
 	defer lf.Close()
-	var st unix.Stat_t
-	if err := unix.Fstat(int(lf.Fd()), &st); err != nil {
-		return false, fmt.Errorf("fstat %s: %w", d.Path, err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFBLK || unix.Major(st.Rdev) != d.Major || unix.Minor(st.Rdev) != d.Minor {
-		return false, nil
-	}
 	if err := unix.IoctlSetInt(int(lf.Fd()), unix.BLKFLSBUF, 0); err != nil {
 		return false, fmt.Errorf("BLKFLSBUF %s: %w", d.Path, err)
 	}
@@ -734,6 +742,7 @@ func LoopHoldsNoData(d *Device) (bool, error) {
 	if loopDiff(info) != "" {
 		return false, nil
 	}
+	var st unix.Stat_t
 	bf, err := os.OpenFile(d.ID.BackingFile, os.O_RDONLY|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
