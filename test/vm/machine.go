@@ -336,6 +336,8 @@ func (m *Machine) launch(attempt int) error {
 			args[i] = strings.Replace(a, " quiet", " loglevel=7", 1)
 		case m.cfg.hangFirstBoot:
 			args[i] = a + " berth_vm_hang"
+		case m.cfg.fakeOopsFirstBoot:
+			args[i] = a + " " + fakeOopsArg
 		}
 	}
 	cmd := exec.Command(args[0], args[1:]...)
@@ -382,7 +384,7 @@ func (m *Machine) launch(attempt int) error {
 	wg.Add(2)
 	go func() { // console
 		defer wg.Done()
-		m.readConsole(stdout)
+		m.readConsole(stdout, attempt)
 	}()
 	go func() { // test output
 		defer wg.Done()
@@ -454,7 +456,8 @@ func (m *Machine) launch(attempt int) error {
 	return nil
 }
 
-func (m *Machine) readConsole(r io.Reader) {
+func (m *Machine) readConsole(r io.Reader, attempt int) {
+	var oops string // the "BUG:" or "Oops:" line of the oops being printed
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
@@ -474,6 +477,17 @@ func (m *Machine) readConsole(r io.Reader) {
 		}
 		if strings.Contains(line, "Kernel panic") {
 			m.panicked = true
+		}
+		if strings.Contains(line, "BUG: ") || strings.Contains(line, "Oops: ") {
+			oops = line
+		}
+		if bug := knownKernelBug(line); oops != "" && bug != "" &&
+			m.cfg.rerunOnKernelBug && attempt == 1 && !m.killed && !m.retry {
+			m.retry = true
+			m.t.Logf("vm %s: the guest kernel hit a known bug of its own (%s): %s / %s; "+
+				"killing the guest and running its tests once more\n%s",
+				m.name, bug, strings.TrimSpace(oops), strings.TrimSpace(line), m.diagnosticsLocked())
+			m.cmd.Process.Kill()
 		}
 		m.mu.Unlock()
 		m.t.Logf("%s console: %s", m.name, line)
@@ -683,9 +697,10 @@ func (m *Machine) ReportTests(t *testing.T) {
 }
 
 // RunGuestTests runs this package's in-guest tests in a new guest and reports
-// each of them as a subtest of t.
+// each of them as a subtest of t. A guest whose kernel oopses in one of
+// knownKernelBugs is run once more, from a fresh boot.
 func RunGuestTests(t *testing.T, opts ...Option) {
 	t.Helper()
-	m := Boot(t, opts...)
+	m := Boot(t, append(opts, func(c *config) { c.rerunOnKernelBug = true })...)
 	m.ReportTests(t)
 }

@@ -31,6 +31,13 @@ type config struct {
 	// hangFirstBoot makes the first boot's init stop before the tests
 	// (a self-test of the boot watchdog).
 	hangFirstBoot bool
+	// fakeOopsFirstBoot makes the first boot's kernel log print a known
+	// kernel bug's oops (a self-test of the retry on it).
+	fakeOopsFirstBoot bool
+	// rerunOnKernelBug boots the guest once more when its kernel oopses in
+	// one of knownKernelBugs (RunGuestTests: a guest that runs its tests
+	// alone, with no host protocol to resume).
+	rerunOnKernelBug bool
 }
 
 type nic struct {
@@ -166,3 +173,7 @@ func (c *config) validate() error {
 // withHangFirstBoot makes the guest's first boot hang in init, as a guest
 // stuck in early boot would: the harness's own test of its boot watchdog.
 func withHangFirstBoot() Option { return func(c *config) { c.hangFirstBoot = true } }
+
+// withFakeOopsFirstBoot makes the guest's first boot log a known kernel
+// bug's oops while its tests run, as a test of the rerun on it.
+func withFakeOopsFirstBoot() Option { return func(c *config) { c.fakeOopsFirstBoot = true } }

@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -488,4 +489,33 @@ func writeSync(dev string, data []byte) error {
 		return err
 	}
 	return f.Sync()
+}
+
+// TestVMKernelBugRerun: a guest whose kernel oopses in a known kernel bug
+// while its tests run is killed and run once more. The first boot's test
+// logs such an oops and then waits; without the rerun the guest hangs
+// until its timeout.
+func TestVMKernelBugRerun(t *testing.T) {
+	t.Parallel()
+	vm.RunGuestTests(t, vm.WithTestRun("^TestSmokeGuestKernelBugRerun$"), vm.WithTimeout(60*time.Second), vm.WithFakeOopsFirstBoot())
+}
+
+func TestSmokeGuestKernelBugRerun(t *testing.T) {
+	vm.RequireGuest(t)
+	cmdline, err := os.ReadFile("/proc/cmdline")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(strings.Fields(string(cmdline)), vm.FakeOopsArg) {
+		return
+	}
+	for _, l := range []string{
+		"<1>BUG: kernel NULL pointer dereference, address: 0000000000000030",
+		"<1>RIP: 0010:iscsi_sw_tcp_release_conn+0x67/0x90 [iscsi_tcp]",
+		"<4>Call Trace:",
+		"<4>---[ end trace 0000000000000000 ]---",
+	} {
+		mustWriteFile(t, "/dev/kmsg", l)
+	}
+	time.Sleep(time.Hour) // until the host kills the guest
 }

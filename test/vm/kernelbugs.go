@@ -1,0 +1,33 @@
+package vm
+
+import "strings"
+
+// fakeOopsArg on the kernel command line makes TestSmokeGuestKernelBugRerun
+// log an oops of the first known bug (the harness's test of its rerun).
+const fakeOopsArg = "berth_vm_fake_oops"
+
+// knownKernelBugs are oopses of the guest kernels themselves that a test
+// can hit by chance, each named by the function in the oops's RIP line.
+// A guest run by RunGuestTests that hits one is booted once more; a second
+// hit fails the test as any oops does.
+var knownKernelBugs = []struct{ fn, about string }{
+	// Debian 6.1 cloud kernel: a login the target refuses (a wrong CHAP
+	// secret) queues the connection's cleanup work, which can release the
+	// socket that iscsid's teardown has already released.
+	{"iscsi_sw_tcp_release_conn", "iscsi_tcp releasing the connection of a refused login"},
+}
+
+// knownKernelBug returns what is known of the bug whose oops RIP line this
+// console line is, or "".
+func knownKernelBug(line string) string {
+	_, rip, ok := strings.Cut(line, "RIP: ")
+	if !ok {
+		return ""
+	}
+	for _, b := range knownKernelBugs {
+		if strings.Contains(rip, b.fn+"+") {
+			return b.about
+		}
+	}
+	return ""
+}
