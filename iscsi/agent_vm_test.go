@@ -325,7 +325,8 @@ func TestBenchGuestISCSIConcurrent(t *testing.T) {
 		t.Skip("set BERTH_BENCH=1 to run the iSCSI stage benchmark")
 	}
 	const rounds, luns = 3, 8
-	node := startAgent(t, slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelWarn})))
+	var steps csitest.StepTimes
+	node := startAgent(t, slog.New(steps.Handler(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelWarn}))))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	var berth, raw []time.Duration
@@ -400,6 +401,7 @@ func TestBenchGuestISCSIConcurrent(t *testing.T) {
 	slices.Sort(ratios)
 	t.Logf("BENCH iscsi-stage %d LUNs at once: berth %v, raw %v; median of the %d per-round ratios %.2f (goal <= 1.15)",
 		luns, berth, raw, rounds, ratios[len(ratios)/2])
+	t.Logf("BENCH iscsi-stage %d LUNs at once, berth steps, %s", luns, steps.Summary())
 }
 
 // waitLUNDisk waits for the disk of LUN lun of the session to target iqn

@@ -187,11 +187,17 @@ func (t *Transport) findSession(target string, p path, iface string) (*Session, 
 // LUN and waits for its disk.
 func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathDevice, retErr error) {
 	start := time.Now()
-	unlock, err := t.locks.lock(ctx, p.key(v.IQN, v.Iface))
+	key := p.key(v.IQN, v.Iface)
+	unlock, err := t.locks.lock(ctx, key)
 	if err != nil {
 		return nil, err
 	}
-	defer unlock()
+	locked := true
+	defer func() {
+		if locked {
+			unlock()
+		}
+	}()
 
 	sess, err := t.findSession(v.IQN, p, v.Iface)
 	if err != nil {
@@ -214,8 +220,18 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 	}
 	var hctl HCTL
 	defer func() {
-		if retErr == nil {
+		if retErr == nil || (!scanned && !loggedIn) {
 			return
+		}
+		if !locked {
+			// The wait for the disk ran without the path's lock; its
+			// undo takes it again, as a detach would.
+			unlock, err := t.locks.lock(context.WithoutCancel(ctx), key)
+			if err != nil {
+				logctx.From(ctx, t.log).Warn("undo failed attach", "target", v, "portal", p.String(), "error", err)
+				return
+			}
+			defer unlock()
 		}
 		if scanned {
 			// Take out the disk this attach scanned in, so that the
@@ -266,6 +282,15 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 		}
 	}
 	scannedAt := time.Now()
+	// The SCSI device of the LUN exists now, so a detach of another LUN
+	// of this session leaves the session logged in: the wait for the
+	// disk (the kernel's sd probe and its uevent) needs no lock, and the
+	// next LUN's scan can start meanwhile.
+	unlock()
+	locked = false
+	if t.testHookDiskWait != nil {
+		t.testHookDiskWait(v.LUN)
+	}
 	dev, err := w.Wait(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("wait for the disk of %s LUN %d (%s; sysfs shows %s): %w", v.IQN, v.LUN, hctl, t.describeLUN(hctl), err)

@@ -56,6 +56,9 @@ type Transport struct {
 	locks keyedMutex
 	// removals are the disk deletions in flight.
 	removals inflight
+	// testHookDiskWait, when set, runs before an attach waits for the
+	// disk of the LUN it scanned in or found.
+	testHookDiskWait func(lun int)
 }
 
 // New returns the transport. It does not touch the node: readiness is

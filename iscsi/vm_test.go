@@ -55,7 +55,7 @@ func TestVMBenchISCSI(t *testing.T) {
 		t.Skip("benchmark: runs with BERTH_BENCH=1 (make bench)")
 	}
 	vm.RunGuestTests(t,
-		vm.WithTestRun("^TestBenchGuestISCSI"),
+		vm.WithTestRun(guestRun("^TestBenchGuestISCSI")),
 		vm.WithModules(lioModules...),
 		vm.WithIscsid(),
 		vm.WithEnv(map[string]string{"BERTH_BENCH": "1"}),
@@ -566,6 +566,62 @@ func TestGuestISCSITwoLUNsOneSession(t *testing.T) {
 	t.Logf("%d writes on LUN 0 while LUN 1 was detached", writes)
 	if err := a.Detach(ctx); err != nil {
 		t.Fatal(err)
+	}
+	assertDetached(t, lt.IQN)
+}
+
+// TestGuestISCSILUNsWaitApart: attaches of two LUNs of one session do not
+// wait for each other's disk. LUN 0's attach is held after its scan,
+// before its disk wait; LUN 1's attach must finish meanwhile (with the
+// path's lock held across the disk wait it waits for LUN 0 for ever).
+func TestGuestISCSILUNsWaitApart(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	w0 := lt.AddLUN(0, 16<<20)
+	w1 := lt.AddLUN(1, 16<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	held, release := make(chan struct{}), make(chan struct{})
+	tr.testHookDiskWait = func(lun int) {
+		if lun == 0 {
+			close(held)
+			<-release
+		}
+	}
+	a := target(t, tr, vctx(lt, 0, "wwid", w0), nil)
+	b := target(t, tr, vctx(lt, 1, "wwid", w1), nil)
+	aerr := make(chan error, 1)
+	go func() {
+		_, err := a.Attach(ctx)
+		aerr <- err
+	}()
+	<-held
+	bdone := make(chan error, 1)
+	go func() {
+		_, err := b.Attach(ctx)
+		bdone <- err
+	}()
+	select {
+	case err := <-bdone:
+		if err != nil {
+			t.Fatalf("attach LUN 1: %v", err)
+		}
+	case <-time.After(45 * time.Second):
+		close(release)
+		t.Fatalf("attach of LUN 1 did not finish in 45 s while LUN 0's attach waited for its disk: %v", <-bdone)
+	}
+	close(release)
+	if err := <-aerr; err != nil {
+		t.Fatalf("attach LUN 0: %v", err)
+	}
+	ss := sessionsOf(t, lt.IQN)
+	if len(ss) != 1 || len(lunsOf(t, ss[0].ID)) != 2 {
+		t.Fatalf("want one session with two LUNs: %+v", ss)
+	}
+	for _, tg := range []*Target{b, a} {
+		if err := tg.Detach(ctx); err != nil {
+			t.Fatal(err)
+		}
 	}
 	assertDetached(t, lt.IQN)
 }
