@@ -216,12 +216,16 @@ func mkfsArgs(fsType, devPath string, opt MkfsOptions) ([]string, error) {
 		// -F: our probe proved the device blank; it does not override
 		// mke2fs' refusal to format a mounted or busy device (that
 		// needs -F twice). -E: no discard pass, lazy table and journal
-		// initialisation.
-		args = []string{"-t", "ext4", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"}
+		// initialisation. -q: no report of the new filesystem's
+		// geometry and no progress output, which nobody reads and
+		// which costs mke2fs a sixth of its run on a small device
+		// (errors still go to stderr).
+		args = []string{"-t", "ext4", "-q", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard"}
 	case XFS:
 		// -f: our probe proved the device blank (mkfs.xfs still refuses
-		// a mounted device). -K: no discard pass.
-		args = []string{"-f", "-K"}
+		// a mounted device). -K: no discard pass. -q: no geometry
+		// report.
+		args = []string{"-q", "-f", "-K"}
 	}
 	if opt.Label != "" {
 		args = append(args, "-L", opt.Label)

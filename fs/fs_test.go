@@ -22,11 +22,11 @@ func TestMkfsArgs(t *testing.T) {
 		opt    MkfsOptions
 		want   []string
 	}{
-		{Ext4, MkfsOptions{}, []string{"-t", "ext4", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", "--", "/dev/x"}},
+		{Ext4, MkfsOptions{}, []string{"-t", "ext4", "-q", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", "--", "/dev/x"}},
 		{Ext4, MkfsOptions{Label: "vol1", ExtraArgs: []string{"-b", "4096", "-m0", "-O", "^has_journal"}},
-			[]string{"-t", "ext4", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", "-L", "vol1", "-b", "4096", "-m0", "-O", "^has_journal", "--", "/dev/x"}},
-		{XFS, MkfsOptions{}, []string{"-f", "-K", "--", "/dev/x"}},
-		{XFS, MkfsOptions{Label: "twelve_chars", ExtraArgs: []string{"-m", "reflink=1", "-q"}}, []string{"-f", "-K", "-L", "twelve_chars", "-m", "reflink=1", "-q", "--", "/dev/x"}},
+			[]string{"-t", "ext4", "-q", "-F", "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", "-L", "vol1", "-b", "4096", "-m0", "-O", "^has_journal", "--", "/dev/x"}},
+		{XFS, MkfsOptions{}, []string{"-q", "-f", "-K", "--", "/dev/x"}},
+		{XFS, MkfsOptions{Label: "twelve_chars", ExtraArgs: []string{"-m", "reflink=1", "-q"}}, []string{"-q", "-f", "-K", "-L", "twelve_chars", "-m", "reflink=1", "-q", "--", "/dev/x"}},
 	} {
 		got, err := mkfsArgs(tc.fsType, "/dev/x", tc.opt)
 		if err != nil {
