@@ -29,6 +29,9 @@ type lioTarget struct {
 	luns map[int]*lioLUN
 	// retired are LUNs replaced by ReplaceLUN, removed with the target.
 	retired []*lioLUN
+	// destroyed: the target and its backing files are gone (once only:
+	// a loop device's number may be another LUN's by the second time).
+	destroyed bool
 }
 
 type lioLUN struct {
@@ -242,7 +245,16 @@ func (tg *lioTarget) Restore(tpgt int) {
 	lioWrite(tg.t, filepath.Join(d, "enable"), "1")
 }
 
+// Destroy removes the target and frees its LUNs' backing files at once,
+// before the test ends (a benchmark's many targets would fill the guest's
+// tmpfs).
+func (tg *lioTarget) Destroy() { tg.destroy() }
+
 func (tg *lioTarget) destroy() {
+	if tg.destroyed {
+		return
+	}
+	tg.destroyed = true
 	base := filepath.Join(lioRoot, "iscsi", tg.IQN)
 	for tpgt, p := range tg.tpgs {
 		d := tg.tpgDir(tpgt)
