@@ -203,7 +203,10 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 	if err != nil {
 		return nil, err
 	}
-	loggedIn, scanned := false, false
+	// shared: other LUNs of the session were there when the lock was let
+	// go; their detach meanwhile keeps the session logged in for this
+	// LUN, so a failed attach logs it out if it is then unused.
+	loggedIn, scanned, shared := false, false, false
 	if sess == nil {
 		if err := t.login(ctx, v, p); err != nil {
 			return nil, err
@@ -240,7 +243,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 				logctx.From(ctx, t.log).Warn("remove disk after failed attach", "target", v, "hctl", hctl.String(), "error", err)
 			}
 		}
-		if loggedIn {
+		if loggedIn || (scanned && shared) {
 			if err := t.logoutIfUnused(context.WithoutCancel(ctx), v, p, sess); err != nil {
 				logctx.From(ctx, t.log).Warn("log out after failed attach", "target", v, "portal", p.String(), "error", err)
 			}
@@ -286,6 +289,9 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 	// of this session leaves the session logged in: the wait for the
 	// disk (the kernel's sd probe and its uevent) needs no lock, and the
 	// next LUN's scan can start meanwhile.
+	if luns, err := t.sys.LUNs(sess.ID); err == nil {
+		shared = slices.ContainsFunc(luns, func(h HCTL) bool { return h.LUN != v.LUN })
+	}
 	unlock()
 	locked = false
 	if t.testHookDiskWait != nil {

@@ -626,6 +626,46 @@ func TestGuestISCSILUNsWaitApart(t *testing.T) {
 	assertDetached(t, lt.IQN)
 }
 
+// TestGuestISCSIFailedAttachAfterDetach: an attach that scanned in LUN 1
+// of a session and then fails (the WWID is not the volume's) logs the
+// session out when LUN 0's detach, which ran while LUN 1 waited for its
+// disk, left it only for LUN 1. Nothing stays behind.
+func TestGuestISCSIFailedAttachAfterDetach(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	w0 := lt.AddLUN(0, 16<<20)
+	lt.AddLUN(1, 16<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	a := target(t, tr, vctx(lt, 0, "wwid", w0), nil)
+	if _, err := a.Attach(ctx); err != nil {
+		t.Fatal(err)
+	}
+	held, release := make(chan struct{}), make(chan struct{})
+	tr.testHookDiskWait = func(lun int) {
+		if lun == 1 {
+			close(held)
+			<-release
+		}
+	}
+	b := target(t, tr, vctx(lt, 1, "wwid", "naa.60014050000000000000000000000000"), nil)
+	berr := make(chan error, 1)
+	go func() {
+		_, err := b.Attach(ctx)
+		berr <- err
+	}()
+	<-held
+	if err := a.Detach(ctx); err != nil {
+		close(release)
+		t.Fatalf("detach LUN 0 while LUN 1 waits for its disk: %v", err)
+	}
+	close(release)
+	if err := <-berr; !errors.Is(err, errdefs.ErrFailedPrecondition) {
+		t.Fatalf("attach LUN 1 with another WWID: %v, want FailedPrecondition", err)
+	}
+	assertDetached(t, lt.IQN)
+}
+
 func TestGuestISCSILUNDeletedFirst(t *testing.T) {
 	tr := guestTransport(t, Options{})
 	lt := newLIOTarget(t, "127.0.0.1:3260")
