@@ -203,10 +203,9 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 	if err != nil {
 		return nil, err
 	}
-	// shared: other LUNs of the session were there when the lock was let
-	// go; their detach meanwhile keeps the session logged in for this
-	// LUN, so a failed attach logs it out if it is then unused.
-	loggedIn, scanned, shared := false, false, false
+	// removed: the WWID check took out a disk this attach did not scan
+	// in (another storage object now behind the LUN number).
+	loggedIn, scanned, removed := false, false, false
 	if sess == nil {
 		if err := t.login(ctx, v, p); err != nil {
 			return nil, err
@@ -223,7 +222,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 	}
 	var hctl HCTL
 	defer func() {
-		if retErr == nil || (!scanned && !loggedIn) {
+		if retErr == nil || (!scanned && !loggedIn && !removed) {
 			return
 		}
 		if !locked {
@@ -243,10 +242,12 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 				logctx.From(ctx, t.log).Warn("remove disk after failed attach", "target", v, "hctl", hctl.String(), "error", err)
 			}
 		}
-		if loggedIn || (scanned && shared) {
-			if err := t.logoutIfUnused(context.WithoutCancel(ctx), v, p, sess); err != nil {
-				logctx.From(ctx, t.log).Warn("log out after failed attach", "target", v, "portal", p.String(), "error", err)
-			}
+		// Under the lock, a session without LUNs is nobody's: an attach
+		// that let the lock go has its LUN in the session. This one's
+		// LUN may have been all that kept a detach of another LUN,
+		// which ran while it waited for its disk, from logging out.
+		if err := t.logoutIfUnused(context.WithoutCancel(ctx), v, p, sess); err != nil {
+			logctx.From(ctx, t.log).Warn("log out after failed attach", "target", v, "portal", p.String(), "error", err)
 		}
 	}()
 
@@ -289,9 +290,6 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 	// of this session leaves the session logged in: the wait for the
 	// disk (the kernel's sd probe and its uevent) needs no lock, and the
 	// next LUN's scan can start meanwhile.
-	if luns, err := t.sys.LUNs(sess.ID); err == nil {
-		shared = slices.ContainsFunc(luns, func(h HCTL) bool { return h.LUN != v.LUN })
-	}
 	unlock()
 	locked = false
 	if t.testHookDiskWait != nil {
@@ -314,6 +312,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 		if rerr := t.removeDisk(context.WithoutCancel(ctx), sess, hctl); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
+		removed = !scanned
 		return nil, err
 	}
 	return &pathDevice{path: p, sess: sess, hctl: hctl, dev: dev}, nil

@@ -42,9 +42,12 @@ type Options struct {
 }
 
 // Transport attaches iSCSI volumes through open-iscsi. It is safe for
-// concurrent use; operations on the same session (target, portal,
-// interface) are serialized so that a LUN scanned in by one volume is
-// never logged out from under it by another.
+// concurrent use; logins, scans, disk removals and logouts of the same
+// session (target, portal, interface) are serialized so that a LUN
+// scanned in by one volume is never logged out from under it by another
+// (the waits for the LUNs' disks overlap). One LUN must not be attached
+// or detached by two callers at once: the agent's per-storage locks see
+// to that.
 type Transport struct {
 	opts Options
 	log  *slog.Logger
