@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -345,15 +347,81 @@ type span struct {
 	err  error
 }
 
-// read fills s.buf from the device. The request is rounded up to whole
-// blocks, as O_DIRECT needs; the device ends where the range does. Fewer
-// bytes than the range holds (a device that shrank) is an error.
-func (s *span) read(f *os.File) {
-	s.n, s.err = readAtFull(f, s.buf[:min(len(s.buf), roundUp(s.want, blockAlign))], s.off)
+// read fills s.buf from the device, in pieces of at most piece bytes
+// read at once (one read when piece is 0). The request is rounded up to
+// whole blocks, as O_DIRECT needs; the device ends where the range does.
+// Fewer bytes than the range holds (a device that shrank) is an error.
+func (s *span) read(f *os.File, piece int) {
+	s.n, s.err = readPieces(f, s.buf[:min(len(s.buf), roundUp(s.want, blockAlign))], s.off, piece)
 	if s.err == nil && s.n < s.want {
 		s.err = fmt.Errorf("read %d bytes at offset %d, expected %d: did the device shrink?", s.n, s.off, s.want)
 	}
 	s.n = min(s.n, s.want)
+}
+
+// readPieces is readAtFull with buf cut into pieces of at most piece
+// bytes, all read at once. Through the cache with read-ahead off, the
+// kernel fetches one read's missing pages a device request at a time
+// (up to the larger of the queue's max_sectors_kb and read_ahead_kb,
+// see readPiece), waiting for each before it sends the next; reads of
+// one request each go out together.
+func readPieces(f *os.File, buf []byte, off int64, piece int) (int, error) {
+	if piece <= 0 || len(buf) <= piece {
+		return readAtFull(f, buf, off)
+	}
+	pieces := (len(buf) + piece - 1) / piece
+	got := make([]int, pieces)
+	errs := make([]error, pieces)
+	var wg sync.WaitGroup
+	for i := range pieces {
+		lo, hi := i*piece, min(len(buf), (i+1)*piece)
+		wg.Go(func() { got[i], errs[i] = readAtFull(f, buf[lo:hi], off+int64(lo)) })
+	}
+	wg.Wait()
+	n := 0
+	for i := range pieces {
+		if errs[i] != nil {
+			return n, errs[i]
+		}
+		n += got[i]
+		if got[i] < min(len(buf), (i+1)*piece)-i*piece {
+			break // the file ends here
+		}
+	}
+	return n, nil
+}
+
+// readPiece returns the most one buffered read of the block device f
+// fetches in one device request when read-ahead is off: the larger of
+// its queue's max_sectors_kb and read_ahead_kb (the kernel's
+// force_page_cache_ra). It is 0 for a file that is not a block device,
+// and 128 KiB, the kernel's default read-ahead, when sysfs does not
+// say.
+func readPiece(f *os.File) int {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		return 0
+	}
+	dev := fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev))
+	kib := 0
+	for _, q := range []string{dev + "/queue", dev + "/../queue"} { // a partition's queue is its disk's
+		for _, name := range []string{"max_sectors_kb", "read_ahead_kb"} {
+			b, err := os.ReadFile(q + "/" + name)
+			if err != nil {
+				continue
+			}
+			if v, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil {
+				kib = max(kib, v)
+			}
+		}
+		if kib > 0 {
+			break
+		}
+	}
+	if kib <= 0 {
+		return 128 << 10
+	}
+	return max(blockAlign, kib<<10&^(blockAlign-1))
 }
 
 func (s *span) data() []byte { return s.buf[:s.n] }
@@ -387,21 +455,22 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 	var sampleErr error
 
 	var wg sync.WaitGroup
-	wg.Go(func() { tail.read(f) })
+	piece := readPiece(f)
+	wg.Go(func() { tail.read(f, piece) })
 	if head.want > 0 {
-		wg.Go(func() { head.read(f) })
+		wg.Go(func() { head.read(f, piece) })
 	}
 	if len(far) > 0 {
 		// Small reads: one after the other on one thread.
 		wg.Go(func() {
 			for _, s := range far {
-				if s.read(f); s.err != nil {
+				if s.read(f, 0); s.err != nil {
 					return
 				}
 			}
 		})
 	}
-	first.read(f)
+	first.read(f, 0)
 	if first.err == nil {
 		if firstNonZero(first.data()) >= 0 {
 			onData()
@@ -465,7 +534,7 @@ func readSamples(f *os.File, offs []int64, tail int64, buf []byte) (int64, error
 				}
 				nonZero[i] = -1
 				s := span{off: offs[i], want: int(min(sampleSize, tail-offs[i])), buf: b}
-				if s.read(f); s.err != nil {
+				if s.read(f, 0); s.err != nil {
 					errs[i] = s.err
 					lower(i)
 					continue
