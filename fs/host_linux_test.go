@@ -1222,7 +1222,7 @@ func TestHostProbeLeavesReadsCached(t *testing.T) {
 	dev, _ := newLoop(t, size)
 	ctx := context.Background()
 	_, sec0 := blockReads(t, dev)
-	sig, held, err := probe(ctx, dev)
+	sig, held, err := probe(ctx, dev, mkfsReadsCache(Ext4))
 	if err != nil || !sig.Blank() {
 		t.Fatalf("probe of a blank device = %+v, %v", sig, err)
 	}

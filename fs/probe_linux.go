@@ -43,13 +43,11 @@ const mkfsTimeout = 10 * time.Minute
 // Before reading, the kernel's buffer cache of a block device is flushed
 // and dropped (BLKFLSBUF), so that both readers see the medium and not
 // pages cached before the device's content changed (a reused loop device,
-// a LUN written from another node). Probe's own reads then go through
-// the cache, each for exactly the bytes it asks (no read-ahead); where
-// the cache cannot be dropped they bypass it (O_DIRECT). When the first
-// block holds data, blkid is started at once and runs while Probe reads
-// the rest.
+// a LUN written from another node). Probe's own reads bypass the cache
+// (O_DIRECT, where the device allows it). When the first block holds
+// data, blkid is started at once and runs while Probe reads the rest.
 func Probe(ctx context.Context, devPath string) (Signature, error) {
-	sig, f, err := probe(ctx, devPath)
+	sig, f, err := probe(ctx, devPath, false)
 	if f != nil {
 		f.Close()
 	}
@@ -57,13 +55,15 @@ func Probe(ctx context.Context, devPath string) (Signature, error) {
 }
 
 // probe is Probe that also returns the device it read, still open, or
-// nil on error. While it stays open the kernel keeps the pages Probe
-// read in the device's cache (it drops them at the last close), so a
-// program that looks at the same places next, as mkfs.ext4 does through
-// libblkid before it writes, reads them from memory: on a network
-// device that is one round trip less per read. The caller closes it.
-func probe(ctx context.Context, devPath string) (Signature, *os.File, error) {
-	f, size, err := openForProbe(devPath)
+// nil on error; the caller closes it. With cached, Probe's reads go
+// through the cache it dropped, each for exactly the bytes it asks (no
+// read-ahead), and the kernel keeps those pages while the device stays
+// open (it drops them at the last close): a program that looks at the
+// same places next, as mkfs.ext4 does through libblkid before it writes,
+// reads them from memory, on a network device one round trip less per
+// read. Where the cache cannot be dropped the reads bypass it anyway.
+func probe(ctx context.Context, devPath string, cached bool) (Signature, *os.File, error) {
+	f, size, err := openForProbe(devPath, cached)
 	if err != nil {
 		return Signature{}, nil, err
 	}
@@ -188,12 +188,16 @@ var gptSignature = []byte("EFI PART")
 // openForProbe opens path for readEnds and returns its size. The buffer
 // cache of a block device is written back and dropped (BLKFLSBUF) first,
 // so that every read after it, Probe's, blkid's and mkfs', finds the
-// medium; the file reads through the cache, with read-ahead off
-// (POSIX_FADV_RANDOM: each read fetches what it asks, not the MiBs
-// around it). Where the cache cannot be dropped, the reads bypass it
-// (O_DIRECT, where the file allows it).
-func openForProbe(path string) (*os.File, int64, error) {
-	f, err := openDevice(path, unix.O_RDONLY)
+// medium. The file bypasses the cache (O_DIRECT, where the file allows
+// it) unless cached is set and the cache was dropped; then it reads
+// through the cache with read-ahead off (POSIX_FADV_RANDOM: each read
+// fetches what it asks, not the MiBs around it).
+func openForProbe(path string, cached bool) (*os.File, int64, error) {
+	open := openDirect
+	if cached {
+		open = func(path string) (*os.File, error) { return openDevice(path, unix.O_RDONLY) }
+	}
+	f, err := open(path)
 	if err != nil {
 		return nil, 0, fmt.Errorf("probe %s: %w", path, err)
 	}
@@ -210,7 +214,7 @@ func openForProbe(path string) (*os.File, int64, error) {
 			return nil, 0, fmt.Errorf("probe %s: ioctl BLKGETSIZE64: %w", path, err)
 		}
 		size = int64(n)
-		if err := unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0); err != nil {
+		if err := unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0); err != nil && cached {
 			// Cached pages may be stale: read past them.
 			f.Close()
 			if f, err = openDirect(path); err != nil {
@@ -219,8 +223,10 @@ func openForProbe(path string) (*os.File, int64, error) {
 			return f, size, nil
 		}
 	}
-	// Advice only: without it the reads fetch more than they need.
-	_ = unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_RANDOM)
+	if cached {
+		// Advice only: without it the reads fetch more than they need.
+		_ = unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_RANDOM)
+	}
 	return f, size, nil
 }
 
@@ -394,12 +400,16 @@ func readPieces(f *os.File, buf []byte, off int64, piece int) (int, error) {
 // readPiece returns the most one buffered read of the block device f
 // fetches in one device request when read-ahead is off: the larger of
 // its queue's max_sectors_kb and read_ahead_kb (the kernel's
-// force_page_cache_ra). It is 0 for a file that is not a block device,
-// and 128 KiB, the kernel's default read-ahead, when sysfs does not
-// say.
+// force_page_cache_ra). It is 0, one read, for a file that is not a
+// block device or that bypasses the cache (the kernel sends all of an
+// O_DIRECT read's requests at once), and 128 KiB, the kernel's default
+// read-ahead, when sysfs does not say.
 func readPiece(f *os.File) int {
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		return 0
+	}
+	if fl, err := unix.FcntlInt(f.Fd(), unix.F_GETFL, 0); err != nil || fl&unix.O_DIRECT != 0 {
 		return 0
 	}
 	dev := fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev))
@@ -638,11 +648,11 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 	var sig Signature
 	if blank, err := knownBlank(opt); !blank || err != nil {
 		var dev *os.File
-		if sig, dev, err = probe(ctx, devPath); err != nil {
+		if sig, dev, err = probe(ctx, devPath, mkfsReadsCache(fsType)); err != nil {
 			return false, err
 		}
-		// Held open until mkfs is done: mkfs.ext4 reads the places
-		// Probe read from the cache this keeps.
+		// Held open until mkfs is done, so that the cache keeps what
+		// Probe read.
 		defer dev.Close()
 	}
 	switch {
@@ -672,6 +682,13 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 	}
 	return true, nil
 }
+
+// mkfsReadsCache reports whether mkfs of fsType looks at the device
+// through the kernel's cache before it writes, so that Probe's reads are
+// worth keeping there: mke2fs' libblkid check does (about 80 small reads
+// of the device's ends); mkfs.xfs drops the cache (BLKFLSBUF) and reads
+// with O_DIRECT.
+func mkfsReadsCache(fsType string) bool { return fsType == Ext4 }
 
 // knownBlank asks opt.KnownBlank, if set.
 func knownBlank(opt MkfsOptions) (bool, error) {

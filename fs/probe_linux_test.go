@@ -29,7 +29,7 @@ func TestReadEndsOddSizes(t *testing.T) {
 				t.Fatal(err)
 			}
 			f.Close()
-			pf, gotSize, err := openForProbe(p)
+			pf, gotSize, err := openForProbe(p, false)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -85,7 +85,7 @@ func TestReadEndsSamples(t *testing.T) {
 			t.Fatal(err)
 		}
 		f.Close()
-		pf, gotSize, err := openForProbe(p)
+		pf, gotSize, err := openForProbe(p, false)
 		if err != nil {
 			t.Fatal(err)
 		}
