@@ -2,6 +2,7 @@ package devices
 
 import (
 	"fmt"
+	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -135,6 +136,54 @@ func normHexID(s string) string {
 		return ""
 	}
 	return s
+}
+
+// MatchSCSIAddress matches the SCSI disk at host:channel:target:lun. A
+// negative target matches the LUN behind any target of the host's
+// channel (an iSCSI session whose target id the kernel does not show).
+func MatchSCSIAddress(host, channel, target, lun int) Matcher {
+	return scsiAddrMatcher{host: host, channel: channel, target: target, lun: lun}
+}
+
+type scsiAddrMatcher struct{ host, channel, target, lun int }
+
+func (m scsiAddrMatcher) kind() string { return KindSCSI }
+
+func (m scsiAddrMatcher) Match(d *Device) bool {
+	return d != nil && d.ID.Kind == KindSCSI && m.at(d.ID.HCTL)
+}
+
+// at reports whether hctl ("3:0:0:1") is the matcher's address.
+func (m scsiAddrMatcher) at(hctl string) bool {
+	f := strings.Split(hctl, ":")
+	if len(f) != 4 {
+		return false
+	}
+	var n [4]int
+	for i, s := range f {
+		v, err := strconv.Atoi(s)
+		if err != nil || v < 0 {
+			return false
+		}
+		n[i] = v
+	}
+	return n[0] == m.host && n[1] == m.channel && (m.target < 0 || n[2] == m.target) && n[3] == m.lun
+}
+
+// mayMatch reads one link of the block device, its SCSI device
+// (.../H:C:T:L), instead of the whole device: a node's other disks,
+// hundreds of paths on a SAN node, are ruled out at that cost.
+func (m scsiAddrMatcher) mayMatch(sysPath string) bool {
+	target, err := os.Readlink(filepath.Join(sysPath, "device"))
+	return err == nil && m.at(filepath.Base(target))
+}
+
+func (m scsiAddrMatcher) String() string {
+	t := "*"
+	if m.target >= 0 {
+		t = strconv.Itoa(m.target)
+	}
+	return fmt.Sprintf("SCSI disk at %d:%d:%s:%d", m.host, m.channel, t, m.lun)
 }
 
 // loopMatcher matches the loop device whose backing file is file (a

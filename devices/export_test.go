@@ -8,7 +8,7 @@ import (
 )
 
 // Matchers and listener options only the tests use: the binary matches
-// SCSI disks with iscsi's own matcher (a LUN of a session's host) and
+// SCSI disks by address (MatchSCSIAddress, a LUN of a session's host) and
 // attaches loop devices through AttachLoop, and it always detects udev
 // and keeps the default receive buffer.
 

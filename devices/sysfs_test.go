@@ -126,6 +126,11 @@ func TestMatchers(t *testing.T) {
 		{MatchSCSI("2:0:0:10", ""), nil},
 		{MatchSCSI("2:0:0:", ""), []string{"sdb"}},
 		{MatchSCSI("", ""), nil},
+		{MatchSCSIAddress(2, 0, 0, 1), []string{"sdb"}},
+		{MatchSCSIAddress(3, 0, -1, 1), []string{"sdc"}},
+		{MatchSCSIAddress(2, 0, 1, 1), nil},
+		{MatchSCSIAddress(2, 0, 0, 10), nil},
+		{MatchSCSIAddress(2, 1, 0, 1), nil},
 		{MatchNVMe(testNQN, 1, "", ""), []string{"nvme0n1"}},
 		{MatchNVMe(testNQN, 1, "5F1C2A3B-4D5E-6F70-8192-A3B4C5D6E7F8", ""), []string{"nvme0n1"}},
 		{MatchNVMe(testNQN, 0, "", "5f1c2a3b4d5e6f708192a3b4c5d6e7f8"), []string{"nvme0n1"}},
@@ -155,8 +160,39 @@ func TestMatchers(t *testing.T) {
 			t.Errorf("%s matched %q, want %q", tc.m, got, tc.want)
 		}
 	}
-	if MatchLoop("x").Match(nil) || MatchSCSI("1:0:0:0", "").Match(nil) {
+	if MatchLoop("x").Match(nil) || MatchSCSI("1:0:0:0", "").Match(nil) || MatchSCSIAddress(1, 0, 0, 0).Match(nil) {
 		t.Error("a matcher matched nil")
+	}
+}
+
+// A scan for a SCSI address reads the whole device of that disk only:
+// the others are ruled out by their SCSI device link.
+func TestScanSCSIAddressReadsOneDevice(t *testing.T) {
+	t.Parallel()
+	roots := fakeSys(t, "sysfs.txt")
+	for _, tc := range []struct {
+		m    Matcher
+		want string
+	}{
+		{MatchSCSIAddress(2, 0, 0, 1), "sdb"},
+		{MatchSCSIAddress(3, 0, -1, 1), "sdc"},
+		{MatchSCSIAddress(4, 0, 0, 1), ""},
+	} {
+		var read []string
+		kind := tc.m.(kindMatcher).kind()
+		if err := roots.scanBlock(kind, tc.m, func(d *Device) bool {
+			read = append(read, d.Name)
+			return tc.m.Match(d)
+		}); err != nil {
+			t.Fatal(err)
+		}
+		want := []string{tc.want}
+		if tc.want == "" {
+			want = nil
+		}
+		if !slices.Equal(read, want) {
+			t.Errorf("scan for %s read %q, want only %q", tc.m, read, want)
+		}
 	}
 }
 

@@ -1214,8 +1214,10 @@ func blockReads(t *testing.T, dev string) (ios, sectors int64) {
 
 // Probe's reads stay in the device's cache while the device it returns
 // is open, so that mkfs' own look at the same places (libblkid in
-// mke2fs) costs no device reads; and Probe fetches no more than it asks
-// for (no read-ahead around its small reads).
+// mke2fs, within the first MiB and the far windows) costs no device
+// reads; the last MiB and the samples are read past the cache; and Probe
+// fetches no more than it asks for (no read-ahead around its small
+// reads).
 func TestHostProbeLeavesReadsCached(t *testing.T) {
 	needRoot(t)
 	const size = 256 * mib
@@ -1238,9 +1240,8 @@ func TestHostProbeLeavesReadsCached(t *testing.T) {
 		t.Errorf("probe read %d bytes from the device; it asks for %d", got, asked)
 	}
 
-	// Where mkfs' libblkid looks: the first and last blocks, the far
-	// windows.
-	offs := []int64{0, 1024, 64 << 10, mib - 4096, tail, size - 4096, 2 * mib, 4 * mib, size - 3087*512}
+	// Where mkfs' libblkid looks: the first MiB, the far windows.
+	offs := []int64{0, 1024, 64 << 10, mib - 4096, 2 * mib, 4 * mib, size - 3087*512}
 	readAll := func() {
 		t.Helper()
 		f, err := os.Open(dev)
@@ -1258,6 +1259,23 @@ func TestHostProbeLeavesReadsCached(t *testing.T) {
 	if ios2, _ := blockReads(t, dev); ios2 != ios1 {
 		t.Errorf("reading what probe read, with probe's device open, took %d device reads; want them cached", ios2-ios1)
 	}
+	// The last MiB and the samples are read past the cache: mkfs does
+	// not read there.
+	for _, off := range []int64{tail, size - 4096, 3 * mib} {
+		before, _ := blockReads(t, dev)
+		f, err := os.Open(dev)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.ReadAt(make([]byte, 512), off); err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+		if after, _ := blockReads(t, dev); after == before {
+			t.Errorf("probe's read at %d stayed in the cache", off)
+		}
+	}
+	ios1, _ = blockReads(t, dev)
 	// Closed, the kernel drops the cache: the same reads reach the device.
 	held.Close()
 	readAll()

@@ -55,13 +55,13 @@ func Probe(ctx context.Context, devPath string) (Signature, error) {
 }
 
 // probe is Probe that also returns the device it read, still open, or
-// nil on error; the caller closes it. With cached, Probe's reads go
-// through the cache it dropped, each for exactly the bytes it asks (no
-// read-ahead), and the kernel keeps those pages while the device stays
-// open (it drops them at the last close): a program that looks at the
-// same places next, as mkfs.ext4 does through libblkid before it writes,
-// reads them from memory, on a network device one round trip less per
-// read. Where the cache cannot be dropped the reads bypass it anyway.
+// nil on error; the caller closes it. With cached, Probe reads the first
+// MiB and the far windows through the cache it dropped, each read for
+// exactly the bytes it asks (no read-ahead), and the kernel keeps those
+// pages while the device stays open (it drops them at the last close):
+// mkfs.ext4, whose libblkid check reads there before it writes, finds
+// them in memory, on a network device one round trip less per read.
+// Where the cache cannot be dropped every read bypasses it.
 func probe(ctx context.Context, devPath string, cached bool) (Signature, *os.File, error) {
 	f, size, err := openForProbe(devPath, cached)
 	if err != nil {
@@ -465,8 +465,20 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 	var sampleErr error
 
 	var wg sync.WaitGroup
-	piece := readPiece(f)
-	wg.Go(func() { tail.read(f, piece) })
+	// When f reads through the cache, only the first MiB and the far
+	// windows are read through it: mkfs.ext4's own look at the device
+	// reads within them, not in the last MiB or at the samples. Those go
+	// past the cache, which costs less (no pages to fill and copy).
+	piece, past, pastPiece := readPiece(f), f, 0
+	if piece > 0 {
+		if d, err := reopenDirect(f); err == nil {
+			defer d.Close()
+			past = d
+		} else {
+			pastPiece = piece
+		}
+	}
+	wg.Go(func() { tail.read(past, pastPiece) })
 	if head.want > 0 {
 		wg.Go(func() { head.read(f, piece) })
 	}
@@ -485,7 +497,7 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 		if firstNonZero(first.data()) >= 0 {
 			onData()
 		} else if offs := sampleOffsets(size, e.tailStart); len(offs) > 0 {
-			wg.Go(func() { e.sampleNonZero, sampleErr = readSamples(f, offs, e.tailStart, sampleBuf) })
+			wg.Go(func() { e.sampleNonZero, sampleErr = readSamples(past, offs, e.tailStart, sampleBuf) })
 		}
 	}
 	wg.Wait()
@@ -582,6 +594,12 @@ func readAtFull(f *os.File, buf []byte, off int64) (int, error) {
 		}
 	}
 	return n, nil
+}
+
+// reopenDirect opens the file f has open once more, for reading with
+// O_DIRECT: the same inode (through /proc/self/fd), not its name again.
+func reopenDirect(f *os.File) (*os.File, error) {
+	return openDevice(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), unix.O_RDONLY|unix.O_DIRECT)
 }
 
 // openDirect opens path for reading with O_DIRECT, or without it where
@@ -685,9 +703,9 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 
 // mkfsReadsCache reports whether mkfs of fsType looks at the device
 // through the kernel's cache before it writes, so that Probe's reads are
-// worth keeping there: mke2fs' libblkid check does (about 80 small reads
-// of the device's ends); mkfs.xfs drops the cache (BLKFLSBUF) and reads
-// with O_DIRECT.
+// worth keeping there: mke2fs' libblkid check does (about 80 small
+// reads, most of them in the first 256 KiB); mkfs.xfs drops the cache
+// (BLKFLSBUF) and reads with O_DIRECT.
 func mkfsReadsCache(fsType string) bool { return fsType == Ext4 }
 
 // knownBlank asks opt.KnownBlank, if set.

@@ -253,7 +253,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 
 	// The waiter exists before the scan, so the disk's uevent cannot be
 	// missed; Wait also checks sysfs first for a disk already there.
-	w := t.opts.Listener.Subscribe(lunMatcher{host: sess.Host, target: sess.TargetID, lun: v.LUN})
+	w := t.opts.Listener.Subscribe(devices.MatchSCSIAddress(sess.Host, 0, sess.TargetID, v.LUN))
 	defer w.Close()
 
 	hctl, ok, err := t.sessionLUN(sess.ID, v.LUN)
@@ -329,25 +329,6 @@ func (t *Transport) describeLUN(h HCTL) string {
 		return fmt.Sprintf("disk %s unreadable: %v", name, err)
 	}
 	return fmt.Sprintf("disk %s kind %q hctl %q wwid %q size %d", d.Name, d.ID.Kind, d.ID.HCTL, d.ID.WWID, d.Size)
-}
-
-// lunMatcher matches the disk of one LUN of a session's SCSI host.
-type lunMatcher struct{ host, target, lun int }
-
-func (m lunMatcher) Match(d *devices.Device) bool {
-	if d == nil || d.ID.Kind != devices.KindSCSI {
-		return false
-	}
-	h, ok := parseHCTL(d.ID.HCTL)
-	return ok && h.Host == m.host && h.LUN == m.lun && h.Channel == 0 && (m.target < 0 || h.Target == m.target)
-}
-
-func (m lunMatcher) String() string {
-	t := "*"
-	if m.target >= 0 {
-		t = strconv.Itoa(m.target)
-	}
-	return fmt.Sprintf("SCSI disk at %d:0:%s:%d", m.host, t, m.lun)
 }
 
 // sessionLUN finds the SCSI device of lun in the session.

@@ -106,6 +106,4 @@ func TestParseHCTL(t *testing.T) {
 			t.Errorf("%q parsed", bad)
 		}
 	}
-	m := lunMatcher{host: 3, target: -1, lun: 1}
-	_ = m.String()
 }
