@@ -367,12 +367,13 @@ func TestBenchGuestISCSIConcurrent(t *testing.T) {
 	if os.Getenv("BERTH_BENCH") != "1" {
 		t.Skip("set BERTH_BENCH=1 to run the iSCSI stage benchmark")
 	}
-	const rounds, luns = 3, 8
+	const rounds, luns = 5, 8
 	var steps csitest.StepTimes
 	node := startAgent(t, slog.New(steps.Handler(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelWarn}))))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	var berth, raw []time.Duration
+	var berthCPU, rawCPU []guestCPU
 	for i := range rounds {
 		lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
 		wwids := make([]string, luns)
@@ -385,6 +386,7 @@ func TestBenchGuestISCSIConcurrent(t *testing.T) {
 		// The side that goes first alternates, so that the other's
 		// clean-up weighs on both alike.
 		berthSide := func() {
+			c0 := readGuestCPU(t)
 			start := time.Now()
 			for l := range luns {
 				wg.Go(func() {
@@ -397,6 +399,7 @@ func TestBenchGuestISCSIConcurrent(t *testing.T) {
 			}
 			wg.Wait()
 			berth = append(berth, time.Since(start))
+			berthCPU = append(berthCPU, readGuestCPU(t).sub(c0))
 			for l := range luns {
 				if errs[l] != nil {
 					t.Fatalf("stage LUN %d: %v", l, errs[l])
@@ -414,6 +417,7 @@ func TestBenchGuestISCSIConcurrent(t *testing.T) {
 				lr.AddLUN(l, 64<<20)
 			}
 			mnt := t.TempDir()
+			c0 := readGuestCPU(t)
 			start := time.Now()
 			run(t, "iscsiadm", "-m", "node", "-o", "new", "-T", lr.IQN, "-p", lr.Portal(1))
 			run(t, "iscsiadm", "-m", "node", "-T", lr.IQN, "-p", lr.Portal(1), "--login")
@@ -433,6 +437,7 @@ func TestBenchGuestISCSIConcurrent(t *testing.T) {
 			}
 			wg.Wait()
 			raw = append(raw, time.Since(start))
+			rawCPU = append(rawCPU, readGuestCPU(t).sub(c0))
 			for l := range luns {
 				if errs[l] != nil {
 					t.Fatalf("by hand, LUN %d: %v", l, errs[l])
@@ -459,6 +464,65 @@ func TestBenchGuestISCSIConcurrent(t *testing.T) {
 	t.Logf("BENCH iscsi-stage %d LUNs at once: berth %v, raw %v; median of the %d per-round ratios %.2f (goal <= 1.15)",
 		luns, berth, raw, rounds, ratios[len(ratios)/2])
 	t.Logf("BENCH iscsi-stage %d LUNs at once, berth steps, %s", luns, steps.Summary())
+	t.Logf("BENCH iscsi-stage %d LUNs at once, guest CPU per round (median): berth %s; raw %s", luns, medianCPU(berthCPU), medianCPU(rawCPU))
+}
+
+// guestCPU is CPU time spent in the guest: by this process (the agent
+// and the test), by the programs it ran and waited for, and by the rest
+// (kernel threads: the iSCSI initiator and target, loop workers).
+type guestCPU struct{ process, programs, rest time.Duration }
+
+// readGuestCPU reads the guest's busy time (/proc/stat) and this
+// process's and its waited-for children's CPU time (getrusage).
+func readGuestCPU(t *testing.T) guestCPU {
+	t.Helper()
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		t.Fatal(err)
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 8 || f[0] != "cpu" {
+		t.Fatalf("/proc/stat: %q", line)
+	}
+	var busy time.Duration
+	for i, s := range f[1:8] { // user nice system idle iowait irq softirq
+		n, err := strconv.ParseInt(s, 10, 64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i != 3 && i != 4 {
+			busy += time.Duration(n) * 10 * time.Millisecond // USER_HZ is 100
+		}
+	}
+	var self, children unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_SELF, &self); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Getrusage(unix.RUSAGE_CHILDREN, &children); err != nil {
+		t.Fatal(err)
+	}
+	cpu := func(r unix.Rusage) time.Duration { return time.Duration(r.Utime.Nano() + r.Stime.Nano()) }
+	return guestCPU{process: cpu(self), programs: cpu(children), rest: busy - cpu(self) - cpu(children)}
+}
+
+func (c guestCPU) sub(o guestCPU) guestCPU {
+	return guestCPU{process: c.process - o.process, programs: c.programs - o.programs, rest: c.rest - o.rest}
+}
+
+func medianCPU(cs []guestCPU) string {
+	med := func(f func(guestCPU) time.Duration) time.Duration {
+		var d []time.Duration
+		for _, c := range cs {
+			d = append(d, f(c))
+		}
+		slices.Sort(d)
+		return d[len(d)/2].Round(10 * time.Millisecond)
+	}
+	return fmt.Sprintf("process %v, its programs %v, rest %v",
+		med(func(c guestCPU) time.Duration { return c.process }),
+		med(func(c guestCPU) time.Duration { return c.programs }),
+		med(func(c guestCPU) time.Duration { return c.rest }))
 }
 
 // waitLUNDisk waits for the disk of LUN lun of the session to target iqn
