@@ -871,6 +871,16 @@ func TestHostProbeLastSectorOfOddSize(t *testing.T) {
 	if err != nil || sig.Type != "lsi_mega_raid_member" {
 		t.Fatalf("Probe = %+v, %v; want lsi_mega_raid_member", sig, err)
 	}
+	// An ext4 format probes through the cache, and reads the last MiB
+	// past it: the same sector is seen.
+	before := hashFile(t, file)
+	formatted, err := EnsureFilesystem(context.Background(), dev, Ext4, MkfsOptions{})
+	if formatted || !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "lsi_mega_raid_member") {
+		t.Fatalf("EnsureFilesystem = %v, %v; want refusal naming lsi_mega_raid_member", formatted, err)
+	}
+	if hashFile(t, file) != before {
+		t.Fatal("device bytes changed")
+	}
 }
 
 // wipefs clears only the signatures of a filesystem; what remains is
