@@ -940,3 +940,29 @@ func mustOK(t *testing.T, err error) {
 		t.Fatal(err)
 	}
 }
+
+// A node whose device the kernel does not let open (a disk not yet
+// added, or being deleted: ENXIO) is not the device yet, even though
+// sysfs and /dev show it; a device that opens is.
+func TestNodeMatchesOnlyOpenable(t *testing.T) {
+	requireRoot(t)
+	// SCSI disk major 8, a minor no disk on this host has: the node
+	// exists, the disk does not.
+	const major, minor = 8, 239
+	if _, err := os.Stat(fmt.Sprintf("/sys/dev/block/%d:%d", major, minor)); err == nil {
+		t.Skipf("this host has a disk %d:%d", major, minor)
+	}
+	node := filepath.Join("/dev", fmt.Sprintf("berth-test-%d", os.Getpid()))
+	if err := unix.Mknod(node, unix.S_IFBLK|0o600, int(unix.Mkdev(major, minor))); err != nil {
+		t.Fatal(err)
+	}
+	defer os.Remove(node)
+	if nodeMatches(&Device{Path: node, Major: major, Minor: minor}) {
+		t.Errorf("a node whose disk does not exist (open: ENXIO) matched")
+	}
+	l := newTestListener(t)
+	d := attachForTest(t, testContext(t), l, testFile(t, t.TempDir(), "img", 1<<20))
+	if !nodeMatches(d) {
+		t.Errorf("the node of the bound loop device %s did not match", d)
+	}
+}

@@ -244,10 +244,22 @@ func senderUID(oob []byte) int64 {
 }
 
 // nodeMatches reports whether d.Path is a block device node with d's
-// number.
+// number that the kernel lets open. A new disk shows in sysfs, and its
+// node in devtmpfs, before the kernel makes it openable (its add uevent
+// comes after that): a sysfs scan can find it in between, when an open
+// fails with ENXIO, as it does again while a disk is being deleted.
+// Such a disk is left for its uevent.
 func nodeMatches(d *Device) bool {
 	maj, min, err := statBlockNode(d.Path)
-	return err == nil && maj == d.Major && min == d.Minor
+	if err != nil || maj != d.Major || min != d.Minor {
+		return false
+	}
+	fd, err := unix.Open(d.Path, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return !errors.Is(err, unix.ENXIO)
+	}
+	unix.Close(fd)
+	return true
 }
 
 func statBlockNode(path string) (uint32, uint32, error) {
