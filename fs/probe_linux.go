@@ -8,7 +8,6 @@ import (
 	"io"
 	"os"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // mkfsTimeout bounds one mkfs run.
@@ -215,12 +215,14 @@ func openForProbe(path string, cached bool) (*os.File, int64, error) {
 		}
 		size = int64(n)
 		if err := unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0); err != nil && cached {
-			// Cached pages may be stale: read past them.
+			// Cached pages may be stale: read past them, on the
+			// device already open.
+			d, err := reopenDirect(f)
 			f.Close()
-			if f, err = openDirect(path); err != nil {
+			if err != nil {
 				return nil, 0, fmt.Errorf("probe %s: %w", path, err)
 			}
-			return f, size, nil
+			return d, size, nil
 		}
 	}
 	if cached {
@@ -416,11 +418,11 @@ func readPiece(f *os.File) int {
 	kib := 0
 	for _, q := range []string{dev + "/queue", dev + "/../queue"} { // a partition's queue is its disk's
 		for _, name := range []string{"max_sectors_kb", "read_ahead_kb"} {
-			b, err := os.ReadFile(q + "/" + name)
+			v, err := sysfs.ReadAttr(q + "/" + name)
 			if err != nil {
 				continue
 			}
-			if v, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil {
+			if v, err := strconv.Atoi(v); err == nil {
 				kib = max(kib, v)
 			}
 		}
