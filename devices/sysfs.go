@@ -46,14 +46,14 @@ func (r Roots) readDevice(sysPath, kind string) (*Device, error) {
 // its attributes were read is not taken for the device.
 func (r Roots) readDeviceEvent(sysPath, kind string, ev *Event) (*Device, error) {
 	name := filepath.Base(sysPath)
-	dir, err := openAttrDir(sysPath)
+	dir, err := sysfs.OpenDir(sysPath)
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil, fmt.Errorf("block device %s: %w", name, errdefs.ErrNotFound)
 		}
 		return nil, fmt.Errorf("block device %s: %w", name, err)
 	}
-	defer dir.close()
+	defer dir.Close()
 	d := &Device{Name: name, sysPath: sysPath, Path: filepath.Join(r.dev(), name), roots: r}
 	var env map[string]string
 	if ev != nil && ev.HasDevNum && ev.Env != nil {
@@ -62,12 +62,12 @@ func (r Roots) readDeviceEvent(sysPath, kind string, ev *Event) (*Device, error)
 	} else {
 		// The uevent attribute holds the number, node name, type and disk
 		// sequence number in one read.
-		if ue, err := dir.read("uevent"); err == nil {
+		if ue, err := dir.Read("uevent"); err == nil {
 			env = parseUeventFile([]byte(ue))
 		}
 		maj, min, err := parseMajorMinor(env["MAJOR"] + ":" + env["MINOR"])
 		if err != nil {
-			devnum, err := dir.read("dev")
+			devnum, err := dir.Read("dev")
 			if err != nil {
 				if errors.Is(err, fs.ErrNotExist) {
 					return nil, fmt.Errorf("block device %s: %w", name, errdefs.ErrNotFound)
@@ -83,7 +83,7 @@ func (r Roots) readDeviceEvent(sysPath, kind string, ev *Event) (*Device, error)
 	if n := strings.TrimPrefix(env["DEVNAME"], "/dev/"); n != "" && !strings.Contains(n, "..") && !strings.HasPrefix(n, "/") {
 		d.Path = filepath.Join(r.dev(), n)
 	}
-	if s, err := dir.read("size"); err == nil {
+	if s, err := dir.Read("size"); err == nil {
 		if n, err := strconv.ParseInt(s, 10, 64); err == nil {
 			d.Size = n * 512
 		}
@@ -93,7 +93,7 @@ func (r Roots) readDeviceEvent(sysPath, kind string, ev *Event) (*Device, error)
 	// the uevent attribute's is as current as they are.
 	if s, ok := env["DISKSEQ"]; ok && ev == nil {
 		d.DiskSeq, _ = strconv.ParseUint(s, 10, 64)
-	} else if s, err := dir.read("diskseq"); err == nil {
+	} else if s, err := dir.Read("diskseq"); err == nil {
 		d.DiskSeq, _ = strconv.ParseUint(s, 10, 64)
 	}
 	switch env["DEVTYPE"] {
@@ -101,11 +101,11 @@ func (r Roots) readDeviceEvent(sysPath, kind string, ev *Event) (*Device, error)
 		return d, checkDevNum(dir, d) // partitions carry no identity of their own
 	case "disk":
 	default:
-		if dir.exists("partition") {
+		if dir.Exists("partition") {
 			return d, checkDevNum(dir, d)
 		}
 	}
-	if s, _ := dir.read("hidden"); s == "1" {
+	if s, _ := dir.Read("hidden"); s == "1" {
 		return d, checkDevNum(dir, d) // NVMe per-path nodes behind a multipath head
 	}
 	d.ID.Kind = detectKind(dir, name, d)
@@ -114,16 +114,16 @@ func (r Roots) readDeviceEvent(sysPath, kind string, ev *Event) (*Device, error)
 	}
 	switch d.ID.Kind {
 	case KindLoop:
-		d.ID.BackingFile, _ = dir.read("loop/backing_file")
+		d.ID.BackingFile, _ = dir.Read("loop/backing_file")
 	case KindSCSI:
 		readSCSIIdentity(dir, d)
 	case KindNVMe:
 		readNVMeIdentity(dir, d)
 	case KindDM:
-		d.ID.WWID, _ = dir.read("dm/uuid")
-		d.ID.DMName, _ = dir.read("dm/name")
+		d.ID.WWID, _ = dir.Read("dm/uuid")
+		d.ID.DMName, _ = dir.Read("dm/name")
 		// A map being created or reloaded is not usable yet.
-		s, _ := dir.read("dm/suspended")
+		s, _ := dir.Read("dm/suspended")
 		d.dmSuspended = s == "1"
 	}
 	return d, checkDevNum(dir, d)
@@ -132,8 +132,8 @@ func (r Roots) readDeviceEvent(sysPath, kind string, ev *Event) (*Device, error)
 // checkDevNum makes sure the device still has the number d was read with:
 // it may have gone away, or its name been reused, while its attributes were
 // read.
-func checkDevNum(dir *attrDir, d *Device) error {
-	s, err := dir.read("dev")
+func checkDevNum(dir *sysfs.Dir, d *Device) error {
+	s, err := dir.Read("dev")
 	if err != nil {
 		return fmt.Errorf("block device %s: removed while reading sysfs: %w", d.Name, errdefs.ErrNotFound)
 	}
@@ -152,9 +152,9 @@ const loopMajor = 7
 
 // detectKind tells the kind of device; for NVMe it keeps the subsystem NQN
 // it read on the way.
-func detectKind(dir *attrDir, name string, d *Device) string {
+func detectKind(dir *sysfs.Dir, name string, d *Device) string {
 	switch {
-	case strings.HasPrefix(name, "dm-") && dir.exists("dm"):
+	case strings.HasPrefix(name, "dm-") && dir.Exists("dm"):
 		return KindDM
 	case strings.HasPrefix(name, "loop") && d.Major == loopMajor:
 		return KindLoop
@@ -163,23 +163,23 @@ func detectKind(dir *attrDir, name string, d *Device) string {
 		// nvme-subsysN/nvmeXnY) "device" is the subsystem; for a namespace
 		// without native multipath it is the controller. Both carry
 		// subsysnqn.
-		if nqn, err := dir.read("device/subsysnqn"); err == nil {
+		if nqn, err := dir.Read("device/subsysnqn"); err == nil {
 			d.ID.NQN = nqn
 			return KindNVMe
 		}
 	}
-	if sub, err := dir.readlink("device/subsystem"); err == nil && filepath.Base(sub) == "scsi" {
+	if sub, err := dir.Readlink("device/subsystem"); err == nil && filepath.Base(sub) == "scsi" {
 		return KindSCSI
 	}
 	return ""
 }
 
-func readSCSIIdentity(dir *attrDir, d *Device) {
-	if target, err := dir.readlink("device"); err == nil {
+func readSCSIIdentity(dir *sysfs.Dir, d *Device) {
+	if target, err := dir.Readlink("device"); err == nil {
 		d.ID.HCTL = filepath.Base(target)
 	}
-	d.ID.WWID, _ = dir.read("device/wwid")
-	if page, err := dir.readFile("device/vpd_pg83"); err == nil {
+	d.ID.WWID, _ = dir.Read("device/wwid")
+	if page, err := dir.ReadFile("device/vpd_pg83"); err == nil {
 		if ds, err := ParseVPD83(page); err == nil {
 			for _, x := range ds {
 				if t := x.Text(); t != "" {
@@ -193,23 +193,23 @@ func readSCSIIdentity(dir *attrDir, d *Device) {
 	}
 }
 
-func readNVMeIdentity(dir *attrDir, d *Device) {
-	if s, err := dir.read("nsid"); err == nil {
+func readNVMeIdentity(dir *sysfs.Dir, d *Device) {
+	if s, err := dir.Read("nsid"); err == nil {
 		if n, err := strconv.ParseUint(s, 10, 32); err == nil {
 			d.ID.NSID = uint32(n)
 		}
 	}
-	uuid, _ := dir.read("uuid")
+	uuid, _ := dir.Read("uuid")
 	d.ID.UUID = strings.ToLower(uuid)
 	if normHexID(uuid) == "" {
 		d.ID.UUID = ""
 	}
-	nguid, _ := dir.read("nguid")
+	nguid, _ := dir.Read("nguid")
 	d.ID.NGUID = strings.ToLower(nguid)
 	if normHexID(nguid) == "" {
 		d.ID.NGUID = ""
 	}
-	d.ID.WWID, _ = dir.read("wwid")
+	d.ID.WWID, _ = dir.Read("wwid")
 }
 
 // readAttr reads a sysfs attribute without its trailing newline.

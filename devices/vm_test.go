@@ -21,6 +21,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/sysfs"
 	"github.com/berth-csi/berth/test/vm"
 )
 
@@ -723,14 +724,14 @@ func TestGuestBenchNVMe(t *testing.T) {
 		for range 10 {
 			readAttr(d.sysPath, "nsid")
 		}
-		lat.add("one attribute: os.ReadFile", time.Since(t0)/10)
-		if dir, err := openAttrDir(d.sysPath); err == nil {
+		lat.add("one attribute: sysfs.ReadAttr by path", time.Since(t0)/10)
+		if dir, err := sysfs.OpenDir(d.sysPath); err == nil {
 			t0 = time.Now()
 			for range 10 {
-				dir.read("nsid")
+				dir.Read("nsid")
 			}
-			lat.add("one attribute: attrDir.read", time.Since(t0)/10)
-			dir.close()
+			lat.add("one attribute: sysfs.Dir.Read", time.Since(t0)/10)
+			dir.Close()
 		}
 		if round < 3 {
 			logTimeline(t, round, start, written, waited, done, tr, evlog.since(start))
@@ -752,15 +753,15 @@ type attrLatencies latencies
 
 func (a attrLatencies) probe(d *Device) {
 	t0 := time.Now()
-	dir, err := openAttrDir(d.sysPath)
+	dir, err := sysfs.OpenDir(d.sysPath)
 	if err != nil {
 		return
 	}
-	defer dir.close()
+	defer dir.Close()
 	latencies(a).add("open dir", time.Since(t0))
 	for _, attr := range []string{"uevent", "dev", "size", "diskseq", "hidden", "device/subsysnqn", "nsid", "uuid", "nguid", "wwid"} {
 		t0 := time.Now()
-		dir.read(attr)
+		dir.Read(attr)
 		latencies(a).add(attr, time.Since(t0))
 	}
 	t0 = time.Now()

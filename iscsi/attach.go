@@ -171,7 +171,7 @@ func (t *Transport) multipathdRunning(ctx context.Context) error {
 
 // findSession returns the session of target through p on iface, or nil.
 func (t *Transport) findSession(target string, p path, iface string) (*Session, error) {
-	sessions, err := t.sys.Sessions()
+	sessions, err := t.sys.Sessions(target)
 	if err != nil {
 		return nil, err
 	}
@@ -603,7 +603,7 @@ func (t *Transport) logoutFailed(ctx context.Context, v *Volume, p path) error {
 // sessions through its resolved portals, and, for portals that did not
 // resolve, any session of the target on the interface.
 func (t *Transport) findPaths(v *Volume, paths []path) ([]*pathDevice, error) {
-	sessions, err := t.sys.Sessions()
+	sessions, err := t.sys.Sessions(v.IQN)
 	if err != nil {
 		return nil, err
 	}

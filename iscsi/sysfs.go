@@ -62,9 +62,11 @@ func (s sysfs) path(p ...string) string { return filepath.Join(append([]string{s
 
 func readAttr(path string) (string, error) { return kernfs.ReadAttr(path) }
 
-// Sessions lists every iSCSI session. A session that disappears while it is
-// read is skipped.
-func (s sysfs) Sessions() ([]Session, error) {
+// Sessions lists the iSCSI sessions of target (lower case), every session
+// when target is empty. Another target's session costs one read (its
+// target name): a SAN node may have hundreds. A session that disappears
+// while it is read is skipped.
+func (s sysfs) Sessions(target string) ([]Session, error) {
 	ents, err := os.ReadDir(s.path("class", "iscsi_session"))
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil // scsi_transport_iscsi not loaded: no sessions
@@ -79,31 +81,61 @@ func (s sysfs) Sessions() ([]Session, error) {
 			continue
 		}
 		id, _ := strconv.Atoi(m[1])
-		sess, err := s.Session(id)
+		sess, err := s.session(id, target)
 		if errors.Is(err, errdefs.ErrNotFound) {
 			continue
 		}
 		if err != nil {
 			return nil, err
 		}
-		out = append(out, *sess)
+		if sess != nil {
+			out = append(out, *sess)
+		}
 	}
 	slices.SortFunc(out, func(a, b Session) int { return a.ID - b.ID })
 	return out, nil
 }
 
 // Session reads one session; ErrNotFound when it does not exist.
-func (s sysfs) Session(id int) (*Session, error) {
+func (s sysfs) Session(id int) (*Session, error) { return s.session(id, "") }
+
+// session reads one session, or returns nil when it is not a session of
+// target (unless target is empty).
+func (s sysfs) session(id int, target string) (*Session, error) {
 	name := "session" + strconv.Itoa(id)
 	dir := s.path("class", "iscsi_session", name)
-	real, err := filepath.EvalSymlinks(dir)
-	if errors.Is(err, fs.ErrNotExist) {
+	d, err := kernfs.OpenDir(dir)
+	if kernfs.Gone(err) {
 		return nil, fmt.Errorf("iSCSI %s: %w", name, errdefs.ErrNotFound)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("iSCSI %s: %w", name, err)
 	}
-	sess := &Session{ID: id, TPGT: -1, TargetID: -1, Host: -1}
+	defer d.Close()
+	tn, err := d.Read("targetname")
+	if kernfs.Gone(err) {
+		return nil, fmt.Errorf("iSCSI %s: %w", name, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("iSCSI %s: %w", name, err)
+	}
+	tn = strings.ToLower(tn)
+	if target != "" && tn != target {
+		return nil, nil
+	}
+	sess := &Session{ID: id, Target: tn, TPGT: -1, TargetID: -1, Host: -1}
+	// The class entry links to the session below its SCSI host:
+	// ../../devices/platform/hostH/sessionN/iscsi_session/sessionN.
+	real, err := os.Readlink(dir)
+	if err != nil && !kernfs.Gone(err) { // not a link: a tree of real directories
+		real, err = filepath.EvalSymlinks(dir)
+	}
+	if kernfs.Gone(err) {
+		return nil, fmt.Errorf("iSCSI %s: %w", name, errdefs.ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("iSCSI %s: %w", name, err)
+	}
 	for _, part := range strings.Split(real, string(filepath.Separator)) {
 		if m := hostDirRE.FindStringSubmatch(part); m != nil {
 			sess.Host, _ = strconv.Atoi(m[1])
@@ -112,38 +144,32 @@ func (s sysfs) Session(id int) (*Session, error) {
 	if sess.Host < 0 {
 		return nil, fmt.Errorf("iSCSI %s: no SCSI host in its sysfs path %s", name, real)
 	}
-	target, err := readAttr(filepath.Join(dir, "targetname"))
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, fmt.Errorf("iSCSI %s: %w", name, errdefs.ErrNotFound)
-	}
-	if err != nil {
-		return nil, fmt.Errorf("iSCSI %s: %w", name, err)
-	}
-	sess.Target = strings.ToLower(target)
-	if v, err := readAttr(filepath.Join(dir, "tpgt")); err == nil {
+	if v, err := d.Read("tpgt"); err == nil {
 		if n, err := strconv.Atoi(v); err == nil {
 			sess.TPGT = n
 		}
 	}
-	if v, err := readAttr(filepath.Join(dir, "target_id")); err == nil {
+	if v, err := d.Read("target_id"); err == nil {
 		if n, err := strconv.Atoi(v); err == nil {
 			sess.TargetID = n
 		}
 	}
-	sess.Iface, _ = readAttr(filepath.Join(dir, "ifacename"))
+	sess.Iface, _ = d.Read("ifacename")
 	if sess.Iface == "" || sess.Iface == "<NULL>" || sess.Iface == "(null)" {
 		sess.Iface = "default"
 	}
-	sess.State, _ = readAttr(filepath.Join(dir, "state"))
+	sess.State, _ = d.Read("state")
 
-	conn := s.path("class", "iscsi_connection", "connection"+strconv.Itoa(id)+":0")
-	sess.PersistentAddress, _ = readAttr(filepath.Join(conn, "persistent_address"))
-	sess.Address, _ = readAttr(filepath.Join(conn, "address"))
-	if v, err := readAttr(filepath.Join(conn, "persistent_port")); err == nil {
-		sess.PersistentPort, _ = strconv.Atoi(v)
-	}
-	if v, err := readAttr(filepath.Join(conn, "port")); err == nil {
-		sess.Port, _ = strconv.Atoi(v)
+	if c, err := kernfs.OpenDir(s.path("class", "iscsi_connection", "connection"+strconv.Itoa(id)+":0")); err == nil {
+		sess.PersistentAddress, _ = c.Read("persistent_address")
+		sess.Address, _ = c.Read("address")
+		if v, err := c.Read("persistent_port"); err == nil {
+			sess.PersistentPort, _ = strconv.Atoi(v)
+		}
+		if v, err := c.Read("port"); err == nil {
+			sess.Port, _ = strconv.Atoi(v)
+		}
+		c.Close()
 	}
 	sess.PersistentAddress = canonicalIP(sess.PersistentAddress)
 	sess.Address = canonicalIP(sess.Address)

@@ -23,7 +23,7 @@ func copySysfs(t *testing.T) sysfs {
 
 func TestSysfsSessions(t *testing.T) {
 	s := sysfs{root: "testdata/sys"}
-	got, err := s.Sessions()
+	got, err := s.Sessions("")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,6 +47,12 @@ func TestSysfsSessions(t *testing.T) {
 	}
 	if _, err := s.Session(9); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("missing session: %v", err)
+	}
+	if of, err := s.Sessions(testIQN); err != nil || !reflect.DeepEqual(of, want) {
+		t.Fatalf("Sessions(%q) = %+v, %v; want both", testIQN, of, err)
+	}
+	if of, err := s.Sessions(testIQN + "x"); err != nil || len(of) != 0 {
+		t.Fatalf("Sessions of another target = %+v, %v; want none", of, err)
 	}
 }
 

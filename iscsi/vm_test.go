@@ -116,7 +116,7 @@ func vctx(tg *lioTarget, lun int, kv ...string) map[string]string {
 // sessionsOf lists the sessions of a target.
 func sessionsOf(t *testing.T, iqn string) []Session {
 	t.Helper()
-	all, err := sysfs{root: "/sys"}.Sessions()
+	all, err := sysfs{root: "/sys"}.Sessions(iqn)
 	if err != nil {
 		t.Fatal(err)
 	}

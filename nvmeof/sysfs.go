@@ -169,7 +169,7 @@ var headNameRE = regexp.MustCompile(`^nvme([0-9]+)n([0-9]+)$`)
 // sysTree reads the sysfs tree mounted at root.
 type sysTree struct {
 	root string
-	// readFile reads an attribute; nil is os.ReadFile (tests give errors
+	// readFile reads an attribute; nil is sysfs.ReadFile (tests give errors
 	// only the kernel gives).
 	readFile func(name string) ([]byte, error)
 }
@@ -177,7 +177,7 @@ type sysTree struct {
 func (s sysTree) readAttr(dir, name string) (string, error) {
 	read := s.readFile
 	if read == nil {
-		read = os.ReadFile
+		read = sysfs.ReadFile
 	}
 	b, err := read(filepath.Join(dir, name))
 	if err != nil {

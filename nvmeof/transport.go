@@ -46,7 +46,7 @@ type Options struct {
 	SysRoot string
 	// DevRoot holds block device nodes; default "/dev".
 	DevRoot string
-	// readFile reads sysfs attributes; nil is os.ReadFile (tests).
+	// readFile reads sysfs attributes; nil is sysfs.ReadFile (tests).
 	readFile func(name string) ([]byte, error)
 	// FabricsDevice is the connect interface; default DefaultFabricsDevice.
 	FabricsDevice string

@@ -7,19 +7,16 @@ import (
 	"bytes"
 	"errors"
 	"io/fs"
-	"os"
 	"syscall"
 )
 
 // ReadAttr reads the sysfs attribute at path: its value without the
 // newline, NULs and padding the kernel prints after it.
-func ReadAttr(path string) (string, error) {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return "", err
-	}
-	return Value(b), nil
-}
+func ReadAttr(path string) (string, error) { return readAttrAt(atCWD, path, path) }
+
+// ReadFile reads the whole (binary) sysfs attribute at path, such as a
+// SCSI VPD page.
+func ReadFile(path string) ([]byte, error) { return readFileAt(atCWD, path, path) }
 
 // Value is the value of an attribute's content b (see ReadAttr).
 func Value(b []byte) string { return string(bytes.TrimRight(b, " \t\n\x00")) }
