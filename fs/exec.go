@@ -42,26 +42,29 @@ func acquireHeavy(ctx context.Context, what string) (release func(), err error) 
 // busybox applets whose mkfs/blkid lack the options used here.
 var toolDirs = []string{"/usr/sbin", "/sbin", "/usr/bin", "/bin"}
 
-// lookTool finds the real (non-busybox) executable for name.
+// lookTool finds the real (non-busybox) executable for name: the first
+// in toolDirs, else the one $PATH gives.
 func lookTool(name string) (string, error) {
-	var candidates []string
-	for _, d := range toolDirs {
-		candidates = append(candidates, filepath.Join(d, name))
-	}
-	if p, err := exec.LookPath(name); err == nil {
-		candidates = append(candidates, p)
-	}
 	var busybox []string
-	for _, c := range candidates {
+	usable := func(c string) bool {
 		fi, err := os.Stat(c)
 		if err != nil || !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
-			continue
+			return false
 		}
 		if isBusybox(c) {
 			busybox = append(busybox, c)
-			continue
+			return false
 		}
-		return c, nil
+		return true
+	}
+	for _, d := range toolDirs {
+		if c := filepath.Join(d, name); usable(c) {
+			return c, nil
+		}
+	}
+	// $PATH is searched only when no tool directory has the tool.
+	if p, err := exec.LookPath(name); err == nil && usable(p) {
+		return p, nil
 	}
 	if len(busybox) > 0 {
 		return "", fmt.Errorf("look up %s: only busybox applets found (%s); install the real tool (e2fsprogs, xfsprogs, util-linux): %w",

@@ -361,7 +361,10 @@ func TestBenchGuestISCSI(t *testing.T) {
 // through the agent and compares the wall time with the same work by
 // hand at once: one iscsiadm login (its automatic scan finds every LUN),
 // then for each LUN a wait for its disk, mkfs.ext4 and mount. Fresh
-// targets each round; run by TestVMBenchISCSI (BERTH_BENCH=1).
+// targets each round; run by TestVMBenchISCSI (BERTH_BENCH=1). Round 0
+// is not counted, as in TestBenchGuestISCSI: it pays for the agent's
+// first RPC (the client's connection) and, on whichever side goes first,
+// for the programs read from disk; its ratio is printed apart.
 func TestBenchGuestISCSIConcurrent(t *testing.T) {
 	vm.RequireGuest(t)
 	if os.Getenv("BERTH_BENCH") != "1" {
@@ -374,7 +377,7 @@ func TestBenchGuestISCSIConcurrent(t *testing.T) {
 	defer cancel()
 	var berth, raw []time.Duration
 	var berthCPU, rawCPU []guestCPU
-	for i := range rounds {
+	for i := range rounds + 1 {
 		lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
 		wwids := make([]string, luns)
 		for l := range luns {
@@ -456,13 +459,16 @@ func TestBenchGuestISCSIConcurrent(t *testing.T) {
 			berthSide()
 		}
 	}
+	// Round 0 warmed up.
+	warm := float64(berth[0]) / float64(raw[0])
+	berth, raw, berthCPU, rawCPU = berth[1:], raw[1:], berthCPU[1:], rawCPU[1:]
 	ratios := make([]float64, rounds)
 	for i := range ratios {
 		ratios[i] = float64(berth[i]) / float64(raw[i])
 	}
 	slices.Sort(ratios)
-	t.Logf("BENCH iscsi-stage %d LUNs at once: berth %v, raw %v; median of the %d per-round ratios %.2f (goal <= 1.15)",
-		luns, berth, raw, rounds, ratios[len(ratios)/2])
+	t.Logf("BENCH iscsi-stage %d LUNs at once: berth %v, raw %v; median of the %d per-round ratios %.2f (goal <= 1.15); uncounted round 0: %.2f",
+		luns, berth, raw, rounds, ratios[len(ratios)/2], warm)
 	t.Logf("BENCH iscsi-stage %d LUNs at once, berth steps, %s", luns, steps.Summary())
 	t.Logf("BENCH iscsi-stage %d LUNs at once, guest CPU per round (median): berth %s; raw %s", luns, medianCPU(berthCPU), medianCPU(rawCPU))
 }
