@@ -40,9 +40,6 @@ func OpenDir(path string) (*Dir, error) {
 	return &Dir{fd: fd, path: path}, nil
 }
 
-// Path is the path d was opened by.
-func (d *Dir) Path() string { return d.path }
-
 // Close closes d.
 func (d *Dir) Close() error { return unix.Close(d.fd) }
 

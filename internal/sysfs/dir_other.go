@@ -20,9 +20,6 @@ func OpenDir(path string) (*Dir, error) {
 	return &Dir{path: path}, nil
 }
 
-// Path is the path d was opened by.
-func (d *Dir) Path() string { return d.path }
-
 // Close closes d.
 func (d *Dir) Close() error { return nil }
 
