@@ -190,6 +190,10 @@ func New(cfg Config) (_ *Agent, retErr error) {
 		return nil, err
 	}
 	a.state = st
+	for _, name := range st.cleared {
+		a.log.Warn("removed an empty state file: the first record of a volume, written before an attach that a reboot undoes, did not reach the disk before the node lost power",
+			slog.String("file", filepath.Join(cfg.StateDir, "volumes", name)))
+	}
 	if a.listener == nil {
 		l, err := devices.NewListener()
 		if err != nil {

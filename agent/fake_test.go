@@ -256,6 +256,8 @@ type fakeTransport struct {
 	replaced map[string]string
 	// replaceAtExpand, when set, is the WWID an Expand (a rescan) finds.
 	replaceAtExpand string
+	// rebootClears is what its targets' RebootClearsAttach says.
+	rebootClears bool
 }
 
 // replacedWWID is the WWID the storage behind key has now, "" while it
@@ -331,6 +333,8 @@ func (t *fakeTarget) Attach(ctx context.Context) (*devices.Device, error) {
 	}
 	return d, nil
 }
+
+func (t *fakeTarget) RebootClearsAttach() bool { return t.ft.rebootClears }
 
 func (t *fakeTarget) Preflight(context.Context) error { return nil }
 func (t *fakeTarget) PathStates(context.Context) (map[string]int, error) {

@@ -285,7 +285,9 @@ func (n *nodeServer) checkStage(ctx context.Context, s *stageRun) error {
 
 // recordStageIntent writes the record of a volume not known yet, before
 // anything is attached: a crash after Attach leaves a record that
-// NodeUnstageVolume (or a retried stage) finishes from.
+// NodeUnstageVolume (or a retried stage) finishes from. For a target
+// whose attach a reboot undoes the record is not waited onto the disk
+// (store.putVisible); the stage's next record is.
 func (n *nodeServer) recordStageIntent(s *stageRun) error {
 	if !s.known {
 		s.rec = &volumeRecord{
@@ -303,7 +305,11 @@ func (n *nodeServer) recordStageIntent(s *stageRun) error {
 		if s.enc != nil {
 			s.rec.Crypt = &cryptRecord{Name: mappingName(s.id)}
 		}
-		if err := n.a.state.put(s.rec); err != nil {
+		put := n.a.state.put
+		if rc, ok := s.target.(RebootClearsAttach); ok && rc.RebootClearsAttach() {
+			put = n.a.state.putVisible
+		}
+		if err := put(s.rec); err != nil {
 			return err
 		}
 	}

@@ -191,7 +191,8 @@ func (r *volumeRecord) clone() *volumeRecord {
 // store keeps one JSON file per volume under dir. Volume IDs are chosen
 // by the CO and are never used as file names: a record lives in
 // sha256(volume_id).json and holds the ID, so "../../etc" stays inside.
-// Writes are crash-safe: temporary file, fsync, rename, fsync of dir.
+// Writes are crash-safe: temporary file, fsync, rename, fsync of dir
+// (putVisible leaves out the two fsyncs, for a volume's first record).
 type store struct {
 	dir  string
 	mu   sync.RWMutex
@@ -200,6 +201,8 @@ type store struct {
 	// looked at it (see noteIdentity); a record's TargetID may come from
 	// an earlier boot, when an image's device number may have differed.
 	seen map[string]string
+	// cleared names the empty record files openStore removed.
+	cleared []string
 }
 
 func stateFileName(volumeID string) string {
@@ -233,6 +236,17 @@ func openStore(dir string) (*store, error) {
 		b, err := os.ReadFile(filepath.Join(dir, name))
 		if err != nil {
 			return nil, fmt.Errorf("read state file %s: %w", name, err)
+		}
+		if len(b) == 0 {
+			// A first record written without waiting for the disk
+			// (putVisible), whose data the node's power loss took: a
+			// durable write never renames an empty file into place.
+			// What it was written for went with the power.
+			if err := os.Remove(filepath.Join(dir, name)); err != nil {
+				return nil, fmt.Errorf("remove empty state file %s: %w", name, err)
+			}
+			s.cleared = append(s.cleared, name)
+			continue
 		}
 		var r volumeRecord
 		if err := json.Unmarshal(b, &r); err != nil {
@@ -314,7 +328,22 @@ func (s *store) pathOwner(p string) (string, bool) {
 }
 
 // put writes a record durably, then makes it visible.
-func (s *store) put(r *volumeRecord) error {
+func (s *store) put(r *volumeRecord) error { return s.write(r, true) }
+
+// putVisible writes the first record of a volume without waiting for the
+// disk: a restarted agent reads it, but power loss may take it (no file,
+// or an empty one, which openStore clears). It is for a record whose loss
+// with the node's power loses nothing (see RebootClearsAttach). A volume
+// that already has a record gets put: a record on disk is only ever
+// replaced by one on disk.
+func (s *store) putVisible(r *volumeRecord) error {
+	s.mu.RLock()
+	_, known := s.vols[r.VolumeID]
+	s.mu.RUnlock()
+	return s.write(r, known)
+}
+
+func (s *store) write(r *volumeRecord, durable bool) error {
 	r.Version = stateVersion
 	if r.Publishes == nil {
 		r.Publishes = make(map[string]publishRecord)
@@ -323,7 +352,7 @@ func (s *store) put(r *volumeRecord) error {
 	if err != nil {
 		return fmt.Errorf("encode state of volume %q: %w", r.VolumeID, err)
 	}
-	if err := writeFileAtomic(s.dir, stateFileName(r.VolumeID), b); err != nil {
+	if err := writeFileAtomic(s.dir, stateFileName(r.VolumeID), b, durable); err != nil {
 		return fmt.Errorf("save state of volume %q: %w", r.VolumeID, err)
 	}
 	s.mu.Lock()
@@ -350,7 +379,10 @@ func (s *store) remove(id string) error {
 	return nil
 }
 
-func writeFileAtomic(dir, name string, b []byte) (retErr error) {
+// writeFileAtomic replaces dir/name with a file holding b: a temporary
+// file renamed over it. With durable, the file is synced before the
+// rename and the directory after it.
+func writeFileAtomic(dir, name string, b []byte, durable bool) (retErr error) {
 	f, err := os.CreateTemp(dir, ".tmp-"+name+"-")
 	if err != nil {
 		return err
@@ -364,8 +396,10 @@ func writeFileAtomic(dir, name string, b []byte) (retErr error) {
 	if _, err := f.Write(b); err != nil {
 		return err
 	}
-	if err := f.Sync(); err != nil {
-		return err
+	if durable {
+		if err := syncFile(f); err != nil {
+			return err
+		}
 	}
 	if err := f.Close(); err != nil {
 		return err
@@ -373,6 +407,9 @@ func writeFileAtomic(dir, name string, b []byte) (retErr error) {
 	failpoint.Hit("state.written")
 	if err := os.Rename(f.Name(), filepath.Join(dir, name)); err != nil {
 		return err
+	}
+	if !durable {
+		return nil
 	}
 	return syncDir(dir)
 }
@@ -383,5 +420,8 @@ func syncDir(dir string) error {
 		return err
 	}
 	defer d.Close()
-	return d.Sync()
+	return syncFile(d)
 }
+
+// syncFile is every fsync of the store (tests count them).
+var syncFile = (*os.File).Sync
