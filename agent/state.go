@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -237,11 +238,13 @@ func openStore(dir string) (*store, error) {
 		if err != nil {
 			return nil, fmt.Errorf("read state file %s: %w", name, err)
 		}
-		if len(b) == 0 {
+		if len(bytes.Trim(b, "\x00")) == 0 {
 			// A first record written without waiting for the disk
-			// (putVisible), whose data the node's power loss took: a
-			// durable write never renames an empty file into place.
-			// What it was written for went with the power.
+			// (putVisible), whose data the node's power loss took:
+			// an empty file, or one of its size whose blocks were
+			// never written (zeros). A durable write never renames
+			// such a file into place. What it was written for went
+			// with the power.
 			if err := os.Remove(filepath.Join(dir, name)); err != nil {
 				return nil, fmt.Errorf("remove empty state file %s: %w", name, err)
 			}

@@ -25,8 +25,8 @@ func countSyncs(t *testing.T) *atomic.Int64 {
 
 // putVisible writes a volume's first record without fsyncs, and every
 // later one with both; a record whose data the disk never got (an empty
-// file) is cleared when the store opens, while any other unreadable
-// record still stops it.
+// file, or zeros) is cleared when the store opens, while any other
+// unreadable record still stops it.
 func TestStatePutVisible(t *testing.T) {
 	syncs := countSyncs(t)
 	dir := filepath.Join(t.TempDir(), "volumes")
@@ -66,6 +66,13 @@ func TestStatePutVisible(t *testing.T) {
 	}
 	if s3.count() != 2 {
 		t.Fatalf("%d records, want 2", s3.count())
+	}
+	must(t, "write zeros", os.WriteFile(empty, make([]byte, 300), 0o600))
+	if _, err := openStore(dir); err != nil {
+		t.Fatalf("open with a record of zeros: %v", err)
+	}
+	if _, err := os.Stat(empty); !os.IsNotExist(err) {
+		t.Fatalf("record of zeros not removed: %v", err)
 	}
 	must(t, "write torn", os.WriteFile(empty, []byte("{"), 0o600))
 	if _, err := openStore(dir); err == nil {
