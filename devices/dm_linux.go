@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/forklock"
 )
 
 // Device-mapper ioctl interface (<linux/dm-ioctl.h>), version 4.
@@ -206,9 +207,8 @@ func InUse(dev *Device) error {
 		return err
 	}
 	path := filepath.Join(dev.roots.dev(), cur.Name)
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_EXCL|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	err = openExclusive(path)
 	if err == nil {
-		unix.Close(fd)
 		return nil
 	}
 	if !errors.Is(err, unix.EBUSY) {
@@ -218,6 +218,19 @@ func InUse(dev *Device) error {
 		return fmt.Errorf("check whether %s is in use: %w", path, err)
 	}
 	return fmt.Errorf("%s is in use: %s: %w", dev.Path, holdersOf(cur), errdefs.ErrBusy)
+}
+
+// openExclusive opens path exclusively and closes it again. The open
+// reaches no child started meanwhile, whose copy would keep the device
+// claimed after the check.
+func openExclusive(path string) error {
+	defer forklock.Hold()()
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_EXCL|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	unix.Close(fd)
+	return nil
 }
 
 // holdersOf names what holds dev: the devices stacked on it, the mount

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/forklock"
 )
 
 // Handle is a path resolved once into an O_PATH descriptor, without
@@ -432,15 +433,10 @@ var errStop = errors.New("stop")
 // unmountTop unmounts the mount on top at dir/name; done when nothing is
 // mounted there.
 func unmountTop(dir *Handle, name string, check func(PathStat) error) (done bool, err error) {
-	m, err := dir.OpenAt(name)
+	st, path, err := statMountAt(dir, name)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return true, nil
 	}
-	if err != nil {
-		return false, fmt.Errorf("unmount: %w", err)
-	}
-	st, err := m.Stat()
-	m.Close()
 	if err != nil {
 		return false, err
 	}
@@ -463,9 +459,26 @@ func unmountTop(dir *Handle, name string, check func(PathStat) error) (done bool
 		return false, nil
 	}
 	if err != nil {
-		return false, &MountError{Op: "unmount", Target: m.path, Err: err}
+		return false, &MountError{Op: "unmount", Target: path, Err: err}
 	}
 	return false, nil
+}
+
+// statMountAt describes what is at name in dir, without following a
+// symlink there. Its descriptor reaches no child started meanwhile: a
+// copy in a child that has not yet exec'd would keep the mount busy.
+func statMountAt(dir *Handle, name string) (PathStat, string, error) {
+	defer forklock.Hold()()
+	m, err := dir.OpenAt(name)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return PathStat{}, "", err
+	}
+	if err != nil {
+		return PathStat{}, "", fmt.Errorf("unmount: %w", err)
+	}
+	defer m.Close()
+	st, err := m.Stat()
+	return st, m.path, err
 }
 
 // mountFlagsOf returns the per-mount flags of the mount fd is in.

@@ -11,6 +11,7 @@ import (
 
 	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/forklock"
 )
 
 // Fsck checks the filesystem on devPath before it is mounted; see the
@@ -51,7 +52,10 @@ func Fsck(ctx context.Context, devPath, fsType string) error {
 // exclusively (a device-mapper table, a running mkfs): the kernel refuses
 // an O_EXCL open of a block device with EBUSY then. No mount table is
 // read, so the answer costs the same on a node with ten thousand mounts.
+// The open reaches no child started meanwhile, whose copy would keep the
+// device claimed for the mkfs or mount that follows.
 func deviceInUse(devPath string) (bool, error) {
+	defer forklock.Hold()()
 	fd, err := unix.Open(devPath, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC, 0)
 	switch {
 	case err == nil:

@@ -25,6 +25,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"github.com/berth-csi/berth/internal/forklock"
 	"github.com/berth-csi/berth/test/vm"
 )
 
@@ -374,58 +375,45 @@ func (e *env) expandVolume() {
 }
 
 // write puts the payload on the volume through the pod's path and makes
-// it durable.
+// it durable. Its descriptors reach no child this process starts
+// meanwhile (other crash runs start berth and tools): a copy would keep
+// the pod's mount busy, and the unpublish that follows would fail.
 func (e *env) write() {
 	e.payload = []byte(fmt.Sprintf("data written at %s\n", time.Now().Format(time.RFC3339Nano)))
-	if e.lc.fsType == "" {
-		f, err := os.OpenFile(e.target, os.O_WRONLY, 0)
-		if err != nil {
-			e.fatalf("%v", err)
-		}
-		defer f.Close()
-		if _, err := f.WriteAt(e.payload, 1*mib); err != nil {
-			e.fatalf("%v", err)
-		}
-		if err := f.Sync(); err != nil {
-			e.fatalf("%v", err)
-		}
-		return
-	}
-	p := filepath.Join(e.target, "data")
-	if err := os.WriteFile(p, e.payload, 0o644); err != nil {
+	if err := e.writePayload(); err != nil {
 		e.fatalf("%v", err)
 	}
-	f, err := os.Open(p)
-	if err != nil {
-		e.fatalf("%v", err)
+	if e.lc.fsType != "" {
+		e.uuid = e.fsUUID()
 	}
-	defer f.Close()
-	if err := f.Sync(); err != nil {
-		e.fatalf("%v", err)
-	}
-	e.uuid = e.fsUUID()
 }
 
-// check reads the payload back through the pod's path.
+func (e *env) writePayload() error {
+	defer forklock.Hold()()
+	p, flags, off := e.target, os.O_WRONLY, int64(1*mib)
+	if e.lc.fsType != "" {
+		p, flags, off = filepath.Join(e.target, "data"), os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0
+	}
+	f, err := os.OpenFile(p, flags, 0o644)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if _, err := f.WriteAt(e.payload, off); err != nil {
+		return err
+	}
+	return f.Sync()
+}
+
+// check reads the payload back through the pod's path (as write, out of
+// the reach of children).
 func (e *env) check(when string) {
-	var got []byte
-	if e.lc.fsType == "" {
-		f, err := os.Open(e.target)
-		if err != nil {
-			e.fatalf("%v", err)
-		}
-		defer f.Close()
-		got = make([]byte, len(e.payload))
-		if _, err := f.ReadAt(got, 1*mib); err != nil {
-			e.lost = len(e.payload)
-			e.fatalf("%v", err)
-		}
-	} else {
-		var err error
-		if got, err = os.ReadFile(filepath.Join(e.target, "data")); err != nil {
-			e.lost = len(e.payload)
-			e.fatalf("%s: %v", when, err)
-		}
+	got, err := e.readPayload()
+	if err != nil {
+		e.lost = len(e.payload)
+		e.fatalf("%s: %v", when, err)
+	}
+	if e.lc.fsType != "" {
 		if u := e.fsUUID(); u != e.uuid {
 			e.lost = len(e.payload)
 			e.fatalf("%s: filesystem UUID %s, was %s: the volume was formatted again", when, u, e.uuid)
@@ -435,6 +423,23 @@ func (e *env) check(when string) {
 		e.lost = lostBytes(got, e.payload)
 		e.fatalf("%s: data %q, want %q", when, got, e.payload)
 	}
+}
+
+func (e *env) readPayload() ([]byte, error) {
+	defer forklock.Hold()()
+	if e.lc.fsType != "" {
+		return os.ReadFile(filepath.Join(e.target, "data"))
+	}
+	f, err := os.Open(e.target)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	got := make([]byte, len(e.payload))
+	if _, err := f.ReadAt(got, 1*mib); err != nil {
+		return nil, err
+	}
+	return got, nil
 }
 
 // lostBytes counts the bytes of want that got does not hold.

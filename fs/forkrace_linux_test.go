@@ -1,0 +1,63 @@
+package fs
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/forklock"
+	"github.com/berth-csi/berth/internal/forklock/forklocktest"
+)
+
+// A descriptor berth opens on a mount it is about to unmount must not
+// reach a child that this process forks meanwhile: a child holds copies
+// of the parent's descriptors from its clone to its exec, and a copy of
+// one on the mount makes the unmount fail with EBUSY.
+func TestHostUnmountAtWhileForking(t *testing.T) {
+	needRoot(t)
+	dir := t.TempDir()
+	forklocktest.Fork(t)
+	d, err := OpenPath(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	x := filepath.Join(dir, "x")
+	if err := os.Mkdir(x, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 2000 {
+		tmpfs(t, x)
+		if err := UnmountAt(d, "x", nil); err != nil {
+			t.Fatalf("unmount %d while forking: %v", i, err)
+		}
+	}
+}
+
+// The in-use check's exclusive open must not reach a child started
+// meanwhile: a copy keeps the device claimed, and the mkfs or mount
+// that follows the check fails with EBUSY.
+func TestHostDeviceInUseWhileForking(t *testing.T) {
+	needRoot(t)
+	dev, _ := newLoop(t, 16<<20)
+	forklocktest.Fork(t)
+	for i := range 2000 {
+		inUse, err := deviceInUse(dev)
+		if err != nil || inUse {
+			t.Fatalf("check %d: in use %v, %v", i, inUse, err)
+		}
+		// What mkfs does next; held as well, or its copy in a child
+		// would fail the next check.
+		release := forklock.Hold()
+		fd, err := unix.Open(dev, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC, 0)
+		if err == nil {
+			unix.Close(fd)
+		}
+		release()
+		if err != nil {
+			t.Fatalf("exclusive open %d after the check, while forking: %v", i, err)
+		}
+	}
+}
