@@ -8,6 +8,7 @@ import (
 
 	"github.com/berth-csi/berth/fs"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/forklock"
 )
 
 // heldPath is a staging or target path of a request resolved once: its
@@ -50,8 +51,12 @@ func (p *heldPath) open() (*fs.Handle, error) {
 }
 
 // mountAt describes the mount at the name; errdefs.ErrNotFound when the
-// name is missing or nothing is mounted there.
+// name is missing or nothing is mounted there. Its descriptor of the
+// mount reaches no child started meanwhile: the copy would keep the
+// mount busy for an unmount that follows (a failed stage's or publish's
+// undo).
 func (a *Agent) mountAt(p *heldPath) (mountEntry, error) {
+	defer forklock.Hold()()
 	h, err := p.open()
 	if err != nil {
 		return mountEntry{}, err
