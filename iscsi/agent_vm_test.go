@@ -214,7 +214,7 @@ func TestBenchGuestISCSI(t *testing.T) {
 	if os.Getenv("BERTH_BENCH") != "1" {
 		t.Skip("set BERTH_BENCH=1 to run the iSCSI stage benchmark")
 	}
-	const rounds = 9
+	const rounds = 15
 	var steps csitest.StepTimes
 	logger := slog.New(steps.Handler(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelWarn})))
 	node := startAgent(t, logger)
@@ -370,7 +370,7 @@ func TestBenchGuestISCSIConcurrent(t *testing.T) {
 	if os.Getenv("BERTH_BENCH") != "1" {
 		t.Skip("set BERTH_BENCH=1 to run the iSCSI stage benchmark")
 	}
-	const rounds, luns = 5, 8
+	const rounds, luns = 9, 8
 	var steps csitest.StepTimes
 	node := startAgent(t, slog.New(steps.Handler(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelWarn}))))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
