@@ -6,6 +6,7 @@ import (
 
 	"github.com/berth-csi/berth/fs"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/forklock"
 )
 
 // The checks below decide whether a path shows the volume, from what the
@@ -31,8 +32,11 @@ func isVolumeRoot(m mountEntry, rec *volumeRecord) bool {
 // checkStagingMount checks that the staging path of a staged mount volume
 // is the root of a mount of the volume's device with the recorded
 // filesystem type. A lost or foreign mount is FAILED_PRECONDITION: the CO
-// calls NodeStageVolume again, which mounts it back.
+// calls NodeStageVolume again, which mounts it back. Its descriptor of
+// the mount reaches no child started meanwhile (see forklock): an unstage
+// may follow.
 func (a *Agent) checkStagingMount(rec *volumeRecord) error {
+	defer forklock.Hold()()
 	h, err := a.openStagingMount(rec)
 	if err != nil {
 		return err
@@ -62,8 +66,11 @@ func checkStagingEntry(rec *volumeRecord, m mountEntry) error {
 // checkPublished checks that a publish target shows the volume: for a
 // mount volume the root of its filesystem, for a raw block volume a bind
 // of its device node. nil, false means nothing is mounted there. The
-// target is opened without following symlinks.
+// target is opened without following symlinks, and its descriptor
+// reaches no child started meanwhile: the unpublish that may follow
+// unmounts it.
 func (a *Agent) checkPublished(rec *volumeRecord, target string) (mounted bool, err error) {
+	defer forklock.Hold()()
 	h, err := fs.OpenPath(target)
 	switch {
 	case errors.Is(err, errdefs.ErrNotFound):

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -355,6 +356,16 @@ func BindMountAt(source, target *Handle, readOnly bool, flags uintptr) (retErr e
 			}
 		}
 	}()
+	return setBindFlags(source, target, src, readOnly, flags)
+}
+
+// setBindFlags checks that the bind just made at target shows source
+// (whose stat is src) and applies the per-mount flags through a
+// descriptor of the new mount. The descriptor reaches no child started
+// meanwhile: a copy would keep the mount busy for an unmount that follows
+// (BindMountAt's undo, or the unpublish after a publish).
+func setBindFlags(source, target *Handle, src PathStat, readOnly bool, flags uintptr) error {
+	defer forklock.Hold()()
 	m, err := target.Reopen()
 	if err != nil {
 		return fmt.Errorf("bind mount %s on %s: open the new mount: %w", source.path, target.path, err)
@@ -430,9 +441,29 @@ func UnmountAt(dir *Handle, name string, check func(PathStat) error) error {
 
 var errStop = errors.New("stop")
 
+// busyPauses are the pauses before unmountTop tries again an unmount that
+// found the mount busy: 31 ms in all.
+var busyPauses = []time.Duration{time.Millisecond, 2 * time.Millisecond, 4 * time.Millisecond, 8 * time.Millisecond, 16 * time.Millisecond}
+
 // unmountTop unmounts the mount on top at dir/name; done when nothing is
-// mounted there.
+// mounted there. A mount found busy is looked at and unmounted again
+// after the children being started reached their exec and a pause: a
+// child holds copies of the descriptors its parent had open when it
+// started (another goroutine's look at this mount) until its exec closes
+// them. A mount still busy after that is in use.
 func unmountTop(dir *Handle, name string, check func(PathStat) error) (done bool, err error) {
+	for _, pause := range busyPauses {
+		done, err = unmountTopOnce(dir, name, check)
+		if !errors.Is(err, unix.EBUSY) {
+			return done, err
+		}
+		forklock.Wait()
+		time.Sleep(pause)
+	}
+	return unmountTopOnce(dir, name, check)
+}
+
+func unmountTopOnce(dir *Handle, name string, check func(PathStat) error) (done bool, err error) {
 	st, path, err := statMountAt(dir, name)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return true, nil

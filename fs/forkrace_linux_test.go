@@ -1,9 +1,11 @@
 package fs
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -33,6 +35,45 @@ func TestHostUnmountAtWhileForking(t *testing.T) {
 		if err := UnmountAt(d, "x", nil); err != nil {
 			t.Fatalf("unmount %d while forking: %v", i, err)
 		}
+	}
+}
+
+// A descriptor of the mount that goes away a moment later, as a child's
+// copy does at its exec, does not fail the unmount; one that stays does.
+func TestHostUnmountAtOutlastsBriefHolders(t *testing.T) {
+	needRoot(t)
+	dir := t.TempDir()
+	d, err := OpenPath(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	x := filepath.Join(dir, "x")
+	if err := os.Mkdir(x, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 20 {
+		tmpfs(t, x)
+		f, err := os.Open(x)
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			time.Sleep(3 * time.Millisecond)
+			f.Close()
+		}()
+		if err := UnmountAt(d, "x", nil); err != nil {
+			t.Fatalf("unmount %d with a descriptor closed 3 ms later: %v", i, err)
+		}
+	}
+	tmpfs(t, x)
+	f, err := os.Open(x)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := UnmountAt(d, "x", nil); !errors.Is(err, unix.EBUSY) {
+		t.Fatalf("unmount with a descriptor kept open: %v, want EBUSY", err)
 	}
 }
 

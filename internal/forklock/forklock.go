@@ -21,3 +21,16 @@ func Hold() (release func()) {
 	syscall.ForkLock.RLock()
 	return syscall.ForkLock.RUnlock
 }
+
+// Wait returns when the children being started when it was called have
+// reached their exec. A child closes its copies of close-on-exec
+// descriptors a moment later, inside that exec, after the parent has
+// gone on: a caller that retries what a copy made fail (an unmount that
+// found the mount busy) pauses briefly after Wait. Never call Wait while
+// holding Hold.
+func Wait() {
+	// The read lock is free only while no child is being started, and
+	// a waiting reader makes the children that follow wait for it.
+	syscall.ForkLock.RLock()
+	syscall.ForkLock.RUnlock()
+}
