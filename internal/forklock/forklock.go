@@ -31,6 +31,6 @@ func Hold() (release func()) {
 func Wait() {
 	// The read lock is free only while no child is being started, and
 	// a waiting reader makes the children that follow wait for it.
-	syscall.ForkLock.RLock()
-	syscall.ForkLock.RUnlock()
+	release := Hold()
+	release()
 }
