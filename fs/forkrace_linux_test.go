@@ -19,17 +19,8 @@ import (
 // one on the mount makes the unmount fail with EBUSY.
 func TestHostUnmountAtWhileForking(t *testing.T) {
 	needRoot(t)
-	dir := t.TempDir()
+	d, x := mountPointIn(t)
 	forklocktest.Fork(t)
-	d, err := OpenPath(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	x := filepath.Join(dir, "x")
-	if err := os.Mkdir(x, 0o755); err != nil {
-		t.Fatal(err)
-	}
 	for i := range 2000 {
 		tmpfs(t, x)
 		if err := UnmountAt(d, "x", nil); err != nil {
@@ -42,16 +33,7 @@ func TestHostUnmountAtWhileForking(t *testing.T) {
 // copy does at its exec, does not fail the unmount; one that stays does.
 func TestHostUnmountAtOutlastsBriefHolders(t *testing.T) {
 	needRoot(t)
-	dir := t.TempDir()
-	d, err := OpenPath(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-	x := filepath.Join(dir, "x")
-	if err := os.Mkdir(x, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	d, x := mountPointIn(t)
 	for i := range 20 {
 		tmpfs(t, x)
 		f, err := os.Open(x)
@@ -75,6 +57,22 @@ func TestHostUnmountAtOutlastsBriefHolders(t *testing.T) {
 	if err := UnmountAt(d, "x", nil); !errors.Is(err, unix.EBUSY) {
 		t.Fatalf("unmount with a descriptor kept open: %v, want EBUSY", err)
 	}
+}
+
+// mountPointIn makes a directory x in a new temporary directory, opened
+// as d, for UnmountAt(d, "x").
+func mountPointIn(t *testing.T) (d *Handle, x string) {
+	dir := t.TempDir()
+	d, err := OpenPath(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	x = filepath.Join(dir, "x")
+	if err := os.Mkdir(x, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return d, x
 }
 
 // The in-use check's exclusive open must not reach a child started
