@@ -351,7 +351,7 @@ func (s *store) write(r *volumeRecord, durable bool) error {
 	if r.Publishes == nil {
 		r.Publishes = make(map[string]publishRecord)
 	}
-	b, err := json.MarshalIndent(r, "", "  ")
+	b, err := json.Marshal(r)
 	if err != nil {
 		return fmt.Errorf("encode state of volume %q: %w", r.VolumeID, err)
 	}
