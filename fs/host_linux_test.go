@@ -1135,7 +1135,7 @@ func (p *bufPool) freeCount() int {
 // pool's bound, and unmapped once the pool was idle.
 func TestProbeBufPool(t *testing.T) {
 	p := &bufPool{size: 64 << 10, max: 3, idle: time.Hour}
-	var bufs [][]byte
+	var bufs []*probeBuf
 	for range 5 {
 		b, err := p.get()
 		if err != nil {
@@ -1153,7 +1153,7 @@ func TestProbeBufPool(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if &b[0] != &bufs[2][0] {
+	if b != bufs[2] || &b.mem[0] != &bufs[2].mem[0] {
 		t.Fatal("a kept buffer was not reused")
 	}
 	p.put(b)
