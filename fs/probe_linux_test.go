@@ -20,18 +20,8 @@ func TestReadEndsOddSizes(t *testing.T) {
 			if at < 0 || at >= size {
 				continue
 			}
-			p := filepath.Join(t.TempDir(), "dev")
-			f, err := os.Create(p)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := f.Truncate(size); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := f.WriteAt([]byte{0x5a}, at); err != nil {
-				t.Fatal(err)
-			}
-			f.Close()
+			p := sparseFile(t, size)
+			writeAt(t, p, at, []byte{0x5a})
 			pf, gotSize, err := openForProbe(p, false)
 			if err != nil {
 				t.Fatal(err)
@@ -83,22 +73,12 @@ func testReadEndsSamples(t *testing.T) {
 		{mib + sampleSize, 4 << 10, false},
 		{100*mib + 512<<10, 64 << 10, false},
 	} {
-		p := filepath.Join(t.TempDir(), "dev")
-		f, err := os.Create(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := f.Truncate(size); err != nil {
-			t.Fatal(err)
-		}
 		b := make([]byte, tc.n)
 		for i := range b {
 			b[i] = byte(i%251) + 1
 		}
-		if _, err := f.WriteAt(b, tc.off); err != nil {
-			t.Fatal(err)
-		}
-		f.Close()
+		p := sparseFile(t, size)
+		writeAt(t, p, tc.off, b)
 		pf, gotSize, err := openForProbe(p, false)
 		if err != nil {
 			t.Fatal(err)
@@ -219,15 +199,6 @@ func TestReadBatch(t *testing.T) {
 func TestReadSamplesBatchedAndThreads(t *testing.T) {
 	const mib = 1 << 20
 	const size = 64 * mib
-	p := filepath.Join(t.TempDir(), "dev")
-	f, err := os.Create(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := f.Truncate(size); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
 	tail := int64(size - headSize)
 	var offs []int64
 	for off := int64(headSize); off < tail; off += 512 << 10 {
@@ -244,13 +215,9 @@ func TestReadSamplesBatchedAndThreads(t *testing.T) {
 	var aio aioContext
 	defer func() { aio.destroy() }()
 	for _, at := range []int64{-1, offs[3] + 100, offs[sampleBatch+5] + sampleSize - 1, offs[len(offs)-1]} {
+		p := sparseFile(t, size)
 		if at >= 0 {
-			f, err := os.OpenFile(p, os.O_WRONLY, 0)
-			if err != nil {
-				t.Fatal(err)
-			}
-			f.WriteAt([]byte{0xa5}, at)
-			f.Close()
+			writeAt(t, p, at, []byte{0xa5})
 		}
 		pf, err := openDirect(p)
 		if err != nil {
@@ -270,14 +237,6 @@ func TestReadSamplesBatchedAndThreads(t *testing.T) {
 		}
 		if got != at || threads != at {
 			t.Errorf("byte at %d: batched found %d, threads %d", at, got, threads)
-		}
-		if at >= 0 {
-			f, err := os.OpenFile(p, os.O_WRONLY, 0)
-			if err != nil {
-				t.Fatal(err)
-			}
-			f.WriteAt([]byte{0}, at)
-			f.Close()
 		}
 	}
 }
