@@ -88,3 +88,19 @@ func TestNewLocksStateDir(t *testing.T) {
 	must(t, "New after the holder closed", err)
 	must(t, "close", third.Close())
 }
+
+func TestSocketPath(t *testing.T) {
+	for ep, want := range map[string]string{
+		"unix:///run/berth/csi.sock": "/run/berth/csi.sock",
+		"unix:/run/berth/csi.sock":   "/run/berth/csi.sock",
+		"/run/berth/csi.sock":        "/run/berth/csi.sock",
+		"tcp://127.0.0.1:10000":      "",
+		"unix://relative.sock":       "",
+		"unix:///run/../csi.sock":    "",
+	} {
+		got, err := SocketPath(ep)
+		if got != want || (want == "") != (err != nil) {
+			t.Errorf("SocketPath(%q) = %q, %v; want %q", ep, got, err, want)
+		}
+	}
+}

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/container-storage-interface/spec/lib/go/csi"
 )
 
@@ -72,5 +73,40 @@ func TestVolumesReportPathStates(t *testing.T) {
 	pt.err = errors.New("sysfs gone")
 	if vs := a.Volumes(ctx); len(vs) != 1 || vs[0].Paths != nil {
 		t.Fatalf("Volumes after an error: %+v", vs)
+	}
+}
+
+func TestHoldPath(t *testing.T) {
+	dir := t.TempDir()
+	must(t, "mkdir", os.Mkdir(filepath.Join(dir, "real"), 0o755))
+	must(t, "symlink", os.Symlink(filepath.Join(dir, "real"), filepath.Join(dir, "link")))
+	must(t, "symlink", os.Symlink("/etc", filepath.Join(dir, "real", "etc")))
+	for _, tc := range []struct {
+		p       string
+		hold    error // holdPath
+		openErr error // open of the name
+	}{
+		{filepath.Join(dir, "real", "target"), nil, errdefs.ErrNotFound},
+		{filepath.Join(dir, "real"), nil, nil},
+		{filepath.Join(dir, "link", "target"), errdefs.ErrInvalidArgument, nil},
+		{filepath.Join(dir, "real", "etc"), nil, errdefs.ErrInvalidArgument},
+		{filepath.Join(dir, "real", "etc", "x"), errdefs.ErrInvalidArgument, nil},
+		{filepath.Join(dir, "missing", "target"), errdefs.ErrNotFound, nil},
+	} {
+		p, err := holdPath("target_path", tc.p)
+		if (tc.hold == nil && err != nil) || (tc.hold != nil && !errors.Is(err, tc.hold)) {
+			t.Errorf("holdPath(%q) = %v, want %v", tc.p, err, tc.hold)
+		}
+		if err != nil {
+			continue
+		}
+		h, err := p.open()
+		if (tc.openErr == nil && err != nil) || (tc.openErr != nil && !errors.Is(err, tc.openErr)) {
+			t.Errorf("open %q = %v, want %v", tc.p, err, tc.openErr)
+		}
+		if h != nil {
+			h.Close()
+		}
+		p.close()
 	}
 }

@@ -2,8 +2,10 @@ package agent
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -112,5 +114,70 @@ func TestStageIntentSync(t *testing.T) {
 		if r, ok := s.get("v1"); !ok || !r.Staged || r.Formatting != nil {
 			t.Errorf("reboot clears attach %t: record on reopen %+v %t", tc.rebootClears, r, ok)
 		}
+	}
+}
+
+// Volume IDs never become paths: "../../etc" stays inside the state dir
+// and comes back under its own ID.
+func TestStateEncoding(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "volumes")
+	s, err := openStore(dir)
+	must(t, "openStore", err)
+	ids := []string{"../../etc", "/", "a/b", ".", "..", "pvc-1", strings.Repeat("z", 128)}
+	for _, id := range ids {
+		must(t, "put", s.put(&volumeRecord{VolumeID: id, Transport: "file", Context: map[string]string{"file": "x"}, StagingPath: "/s/" + fmt.Sprint(len(id))}))
+	}
+	entries, err := os.ReadDir(dir)
+	must(t, "readdir", err)
+	if len(entries) != len(ids) {
+		t.Fatalf("%d files for %d volumes", len(entries), len(ids))
+	}
+	for _, e := range entries {
+		if !e.Type().IsRegular() || len(e.Name()) != 64+len(".json") {
+			t.Fatalf("unexpected state entry %q", e.Name())
+		}
+	}
+	if _, err := os.Stat(filepath.Join(filepath.Dir(dir), "etc")); err == nil {
+		t.Fatal("a volume ID escaped the state directory")
+	}
+	s2, err := openStore(dir)
+	must(t, "reopen", err)
+	for _, id := range ids {
+		r, ok := s2.get(id)
+		if !ok || r.VolumeID != id || r.Context["file"] != "x" {
+			t.Fatalf("volume %q not reloaded: %+v", id, r)
+		}
+	}
+	if owner, ok := s2.pathOwner("/s/9"); !ok || owner != "../../etc" {
+		t.Fatalf("pathOwner: %q %t", owner, ok)
+	}
+	must(t, "remove", s2.remove("../../etc"))
+	must(t, "remove twice", s2.remove("../../etc"))
+	if _, ok := s2.get("../../etc"); ok {
+		t.Fatal("removed record still there")
+	}
+	// A stale temporary file from a crash is cleaned, a misplaced record
+	// refuses to load.
+	must(t, "write tmp", os.WriteFile(filepath.Join(dir, ".tmp-x.json-1"), []byte("{"), 0o600))
+	if _, err := openStore(dir); err != nil {
+		t.Fatalf("open with a stale temp file: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, ".tmp-x.json-1")); err == nil {
+		t.Fatal("stale temp file not removed")
+	}
+	must(t, "write misplaced", os.WriteFile(filepath.Join(dir, stateFileName("other")), []byte(`{"volumeID":"pvc-1"}`), 0o600))
+	if _, err := openStore(dir); err == nil {
+		t.Fatal("a record under another volume's file name was loaded")
+	}
+}
+
+func TestStateClone(t *testing.T) {
+	r := &volumeRecord{VolumeID: "v", Context: map[string]string{"a": "b"}, Publishes: map[string]publishRecord{"/t": {}}, Device: &deviceRecord{Name: "loop0"}}
+	c := r.clone()
+	c.Context["a"] = "x"
+	c.Publishes["/u"] = publishRecord{}
+	c.Device.Name = "loop1"
+	if r.Context["a"] != "b" || len(r.Publishes) != 1 || r.Device.Name != "loop0" {
+		t.Fatal("clone shares memory with the original")
 	}
 }

@@ -2,12 +2,14 @@ package agent
 
 import (
 	"context"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/berth-csi/berth/devices"
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 )
@@ -106,5 +108,26 @@ func TestUnstageStopsQueueingBeforeUnmount(t *testing.T) {
 		if tr.stopped["4"] != 1 || tr.detached["4"] != 1 {
 			t.Errorf("unreachable %v: StopQueueing %d times, Detach %d times, want 1 each", unreachable, tr.stopped["4"], tr.detached["4"])
 		}
+	}
+}
+
+// An image deleted while staged still has its loop device detached at
+// unstage.
+func TestUnstageDeletedImage(t *testing.T) {
+	h := newHarness(t)
+	v := h.newVol("gone", 64*mib, mountCap("ext4", snw))
+	must(t, "stage", h.stage(v))
+	img := filepath.Join(h.root, "gone.img")
+	d, err := devices.Roots{}.FindLoop(img)
+	must(t, "find loop", err)
+	must(t, "delete image", os.Remove(img))
+	st, err := h.node.NodeGetVolumeStats(context.Background(), &csi.NodeGetVolumeStatsRequest{VolumeId: v.id, VolumePath: v.staging})
+	must(t, "stats", err)
+	if !st.GetVolumeCondition().GetAbnormal() {
+		t.Fatalf("deleted image reported healthy: %v", st.GetVolumeCondition())
+	}
+	must(t, "unstage", h.unstage(v))
+	if cur, err := (devices.Roots{}).Lookup(d.Name); err == nil && cur.ID.BackingFile != "" && strings.HasPrefix(cur.ID.BackingFile, img) {
+		t.Fatalf("%s still backed by %q after unstage", d.Path, cur.ID.BackingFile)
 	}
 }
