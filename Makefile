@@ -11,7 +11,7 @@ COMMIT    ?= $(shell git describe --always --dirty --abbrev=40 --exclude='*' 2>/
 LDFLAGS   := -s -w -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 PREFIX    ?= /usr/local
 
-.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test cover reliability vm-image image image-check e2e-deps e2e-build e2e e2e-prebuild e2e-ci bench demo install clean fuzz
+.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test cover reliability vm-image image image-check e2e-deps e2e-build e2e e2e-prebuild e2e-ci bench demo install uninstall clean fuzz
 
 all: build
 
@@ -188,10 +188,19 @@ bench: build vm-image
 demo: deps build
 	./scripts/demo.sh
 
+# The unit runs the binary where PREFIX put it. uninstall removes what
+# install wrote and nothing else: berth's state directory, the node's
+# hostnqn/hostid and iSCSI node records stay (README, "Uninstall").
+UNIT_DIR ?= /etc/systemd/system
 install: build
 	install -D -m 0755 $(BIN) $(DESTDIR)$(PREFIX)/bin/berth
-	install -D -m 0644 systemd/berth.service $(DESTDIR)/etc/systemd/system/berth.service
-	install -D -m 0644 systemd/berth.socket $(DESTDIR)/etc/systemd/system/berth.socket
+	install -d $(DESTDIR)$(UNIT_DIR)
+	sed 's|^ExecStart=/usr/local/bin/berth |ExecStart=$(PREFIX)/bin/berth |' systemd/berth.service >$(DESTDIR)$(UNIT_DIR)/berth.service
+	chmod 0644 $(DESTDIR)$(UNIT_DIR)/berth.service
+	install -m 0644 systemd/berth.socket $(DESTDIR)$(UNIT_DIR)/berth.socket
+
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/bin/berth $(DESTDIR)$(UNIT_DIR)/berth.service $(DESTDIR)$(UNIT_DIR)/berth.socket
 
 # Each fuzz target for FUZZTIME (go test -fuzz runs one target at a time).
 FUZZTIME ?= 30s

@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net"
@@ -45,17 +46,13 @@ func main() {
 		Name:    "berth",
 		Usage:   "CSI node plugin for block storage (NVMe-oF, iSCSI, image files)",
 		Version: version,
+		// berth completion's scripts ask the app what may follow.
+		EnableBashCompletion: true,
 		Commands: []*cli.Command{
 			serveCommand(),
 			doctor.Command(),
-			{
-				Name:  "version",
-				Usage: "print the version, commit, Go version and CSI spec version",
-				Action: func(c *cli.Context) error {
-					fmt.Fprint(c.App.Writer, versionText())
-					return nil
-				},
-			},
+			versionCommand(),
+			completionCommand(),
 		},
 		// Without commands matching, the app's action runs: an argument
 		// is a command that does not exist.
@@ -73,9 +70,16 @@ func main() {
 	}
 }
 
-// versionText describes this build: version, commit, the Go release that
+// buildInfo describes this build: version, commit, the Go release that
 // built it and the version of the CSI spec it serves.
-func versionText() string {
+type buildInfo struct {
+	Version string `json:"version"`
+	Commit  string `json:"commit"`
+	Go      string `json:"go"`
+	CSISpec string `json:"csiSpec"`
+}
+
+func currentBuild() buildInfo {
 	rev, csiSpec := commit, "unknown"
 	if bi, ok := debug.ReadBuildInfo(); ok {
 		for _, d := range bi.Deps {
@@ -106,20 +110,40 @@ func versionText() string {
 	if rev == "" {
 		rev = "unknown"
 	}
-	return fmt.Sprintf("version:  %s\ncommit:   %s\ngo:       %s\ncsi spec: %s\n", version, rev, runtime.Version(), csiSpec)
+	return buildInfo{Version: version, Commit: rev, Go: runtime.Version(), CSISpec: csiSpec}
+}
+
+// versionText is berth version's output.
+func versionText() string {
+	b := currentBuild()
+	return fmt.Sprintf("version:  %s\ncommit:   %s\ngo:       %s\ncsi spec: %s\n", b.Version, b.Commit, b.Go, b.CSISpec)
+}
+
+func versionCommand() *cli.Command {
+	return &cli.Command{
+		Name:  "version",
+		Usage: "print the version, commit, Go version and CSI spec version",
+		Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "print one JSON object (version, commit, go, csiSpec)"}},
+		Action: func(c *cli.Context) error {
+			if c.Bool("json") {
+				return json.NewEncoder(c.App.Writer).Encode(currentBuild())
+			}
+			fmt.Fprint(c.App.Writer, versionText())
+			return nil
+		},
+	}
 }
 
 func serveCommand() *cli.Command {
-	host, _ := os.Hostname()
 	return &cli.Command{
 		Name:  "serve",
 		Usage: "serve the CSI Identity and Node services",
 		Flags: []cli.Flag{
-			&cli.StringFlag{Name: "endpoint", Value: "unix:///run/berth/csi.sock", EnvVars: []string{"BERTH_ENDPOINT", "CSI_ENDPOINT"}, Usage: "CSI endpoint (unix socket)"},
-			&cli.StringFlag{Name: "node-id", Value: host, EnvVars: []string{"BERTH_NODE_ID"}, Usage: "node ID reported to the CO"},
+			&cli.StringFlag{Name: "endpoint", Value: doctor.DefaultEndpoint, EnvVars: []string{"BERTH_ENDPOINT", "CSI_ENDPOINT"}, Usage: "CSI endpoint (unix socket); the default is where the kubelet looks for the driver berth.csi.io"},
+			&cli.StringFlag{Name: "node-id", Value: defaultNodeID(), EnvVars: []string{"BERTH_NODE_ID"}, Usage: "node ID reported to the CO: must be the kubelet's node name (default: the host name in lower case, as the kubelet names its node without --hostname-override)"},
 			&cli.StringFlag{Name: "driver-name", Value: agent.DefaultDriverName, EnvVars: []string{"BERTH_DRIVER_NAME"}, Usage: "CSI driver name"},
 			&cli.StringFlag{Name: "state-dir", Value: "/var/lib/berth", EnvVars: []string{"BERTH_STATE_DIR"}, Usage: "directory of the per-volume state"},
-			&cli.StringFlag{Name: "transports", Value: "nvmeof,iscsi", EnvVars: []string{"BERTH_TRANSPORTS"}, Usage: "network transports to serve: comma-separated nvmeof, iscsi (empty: none)"},
+			&cli.StringFlag{Name: "transports", Value: "nvmeof,iscsi", EnvVars: []string{"BERTH_TRANSPORTS"}, Usage: "transports to serve: comma-separated nvmeof, iscsi, file (empty: none); --file-root enables file whether listed or not"},
 			&cli.StringFlag{Name: "file-root", EnvVars: []string{"BERTH_FILE_ROOT"}, Usage: "directory of image files for the file transport (empty: transport disabled)"},
 			&cli.Int64Flag{Name: "max-volumes", EnvVars: []string{"BERTH_MAX_VOLUMES"}, Usage: "volumes this node may stage (0: no limit)"},
 			&cli.StringSliceFlag{Name: "topology", EnvVars: []string{"BERTH_TOPOLOGY"}, Usage: "topology segment key=value (repeatable)"},
@@ -139,6 +163,13 @@ func serveCommand() *cli.Command {
 		},
 		Action: serve,
 	}
+}
+
+// defaultNodeID is the name the kubelet gives its node when it runs
+// without --hostname-override: the host name in lower case.
+func defaultNodeID() string {
+	host, _ := os.Hostname()
+	return strings.ToLower(host)
 }
 
 func newLogger(format, level string) (*slog.Logger, error) {
@@ -192,32 +223,75 @@ func serve(c *cli.Context) error {
 	if euid := os.Geteuid(); euid != 0 {
 		return fmt.Errorf("berth serve must run as root (it mounts filesystems, formats and attaches block devices); running as uid %d", euid)
 	}
+	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	s, err := newServer(c)
+	if err != nil {
+		return err
+	}
+	return s.run(ctx)
+}
+
+// server is what berth serve runs: the agent, its CSI socket, and the
+// metrics, kubelet registration and watchdog beside it.
+type server struct {
+	log        *slog.Logger
+	agent      *agent.Agent
+	uevents    *devices.Listener
+	csi        net.Listener
+	socket     string
+	activated  bool
+	metrics    *metrics.Metrics
+	metricsLis net.Listener
+	reg        *kubeletreg.Registrar
+	checks     doctor.Config
+}
+
+// newServer builds everything berth serve runs from its flags, in the
+// order that keeps a half-started berth invisible: the state directory is
+// locked before any socket is bound, and the kubelet's registration socket
+// comes last. When a step fails, what the earlier ones opened is closed by
+// one deferred undo.
+func newServer(c *cli.Context) (_ *server, retErr error) {
+	var undo []func()
+	defer func() {
+		if retErr != nil {
+			for i := len(undo) - 1; i >= 0; i-- {
+				undo[i]()
+			}
+		}
+	}()
 	log, err := newLogger(c.String("log-format"), c.String("log-level"))
 	if err != nil {
-		return err
+		return nil, err
 	}
 	slog.SetDefault(log)
+	s := &server{log: log}
 	topo, err := parseTopology(c.StringSlice("topology"))
 	if err != nil {
-		return err
+		return nil, err
 	}
-	socket, err := agent.SocketPath(c.String("endpoint"))
-	if err != nil {
-		return err
+	if s.socket, err = agent.SocketPath(c.String("endpoint")); err != nil {
+		return nil, err
 	}
 	metricsAddr := c.String("metrics-address")
 	if metricsAddr != "" {
 		if err := metrics.CheckAddress(metricsAddr); err != nil {
-			return fmt.Errorf("--metrics-address %q: %w", metricsAddr, err)
+			return nil, fmt.Errorf("--metrics-address %q: %w", metricsAddr, err)
 		}
 	}
-	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
+	nodeID := c.String("node-id")
+	if nodeID == "" {
+		return nil, fmt.Errorf("--node-id is empty: give the kubelet's node name (the host name, in lower case, unless the kubelet runs with --hostname-override)")
+	}
+	if c.Bool("kubelet-registration") {
+		checkKubeletNodeName(log, c.String(cliflags.KubeletDir), nodeID)
+	}
 
 	cfg := agent.Config{
 		DriverName:      c.String("driver-name"),
 		Version:         version,
-		NodeID:          c.String("node-id"),
+		NodeID:          nodeID,
 		StateDir:        c.String("state-dir"),
 		MaxVolumes:      c.Int64("max-volumes"),
 		Topology:        topo,
@@ -233,20 +307,17 @@ func serve(c *cli.Context) error {
 	if c.String("probe-checks") != "" {
 		dc, err := probeConfig(c)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		cfg.ReadyFunc = doctor.ReadyFunc(dc)
 	}
-
-	// Metrics read the agent's volume table, which exists once New ran.
-	var a *agent.Agent
-	var m *metrics.Metrics
 	if metricsAddr != "" {
-		m = metrics.New(cfg.DriverName, func(ctx context.Context) []metrics.Volume {
-			if a == nil {
+		// Metrics read the agent's volume table, which exists once New ran.
+		s.metrics = metrics.New(cfg.DriverName, func(ctx context.Context) []metrics.Volume {
+			if s.agent == nil {
 				return nil
 			}
-			vs := a.Volumes(ctx)
+			vs := s.agent.Volumes(ctx)
 			out := make([]metrics.Volume, 0, len(vs))
 			for _, v := range vs {
 				if v.Staged {
@@ -255,17 +326,72 @@ func serve(c *cli.Context) error {
 			}
 			return out
 		})
-		cfg.Interceptors = append(cfg.Interceptors, m.UnaryServerInterceptor())
+		cfg.Interceptors = append(cfg.Interceptors, s.metrics.UnaryServerInterceptor())
 	}
 
 	// One uevent listener serves the agent and every transport.
-	l, err := devices.NewListener(devices.WithLogger(log))
-	if err != nil {
-		return fmt.Errorf("open uevent listener: %w", err)
+	if s.uevents, err = devices.NewListener(devices.WithLogger(log)); err != nil {
+		return nil, fmt.Errorf("open uevent listener: %w", err)
 	}
-	defer l.Close()
-	cfg.Listener = l
-	iscsiOpts := iscsi.Options{
+	undo = append(undo, func() { s.uevents.Close() })
+	cfg.Listener = s.uevents
+	ts, disabled, err := buildTransports(transportOptions{
+		list:     c.String("transports"),
+		fileRoot: c.String("file-root"),
+		iscsi:    iscsiOptions(c),
+		listener: s.uevents,
+		log:      log,
+		staged: func(ctx context.Context) ([]map[string]string, error) {
+			if s.agent == nil {
+				return nil, nil
+			}
+			return s.agent.StagedContexts(ctx)
+		},
+	})
+	if err != nil {
+		return nil, err
+	}
+	if len(ts) == 0 {
+		return nil, fmt.Errorf("no transport enabled: --transports is empty and --file-root is not set; berth would have no volume to serve")
+	}
+	cfg.Transports, cfg.Disabled = ts, disabled
+	s.checks = startupChecks(c, ts)
+
+	// New locks the state directory before it reads it: a second berth on
+	// it stops here, before it binds anything.
+	if s.agent, err = agent.New(cfg); err != nil {
+		return nil, err
+	}
+	undo = append(undo, func() { s.agent.Close() })
+	if s.metrics != nil {
+		if s.metricsLis, err = metrics.Listen(metricsAddr); err != nil {
+			return nil, fmt.Errorf("--metrics-address %q: %w", metricsAddr, err)
+		}
+		undo = append(undo, func() { s.metricsLis.Close() })
+	}
+	if s.csi, s.activated, err = csiListener(c.String("endpoint"), s.socket); err != nil {
+		return nil, err
+	}
+	undo = append(undo, func() { s.csi.Close() })
+	// The kubelet dials the CSI socket once it has read the registration
+	// socket, so that one is created last.
+	if c.Bool("kubelet-registration") {
+		s.reg, err = kubeletreg.Listen(kubeletreg.Config{
+			KubeletDir: c.String(cliflags.KubeletDir),
+			DriverName: cfg.DriverName,
+			Endpoint:   s.socket,
+			Logger:     log,
+		})
+		if err != nil {
+			return nil, err
+		}
+	}
+	return s, nil
+}
+
+// iscsiOptions are the iSCSI transport's options from berth serve's flags.
+func iscsiOptions(c *cli.Context) iscsi.Options {
+	o := iscsi.Options{
 		Iscsiadm:   c.String(cliflags.Iscsiadm),
 		Multipathd: c.String(cliflags.Multipathd),
 		NodeDir:    c.String("iscsi-node-dir"),
@@ -277,107 +403,63 @@ func serve(c *cli.Context) error {
 		"iscsi-login-retry-max":     iscsi.ParamLoginRetryMax,
 	} {
 		if v := c.Int(flag); v >= 0 {
-			iscsiOpts.Params[param] = v
+			o.Params[param] = v
 		}
 	}
-	ts, disabled, err := buildTransports(transportOptions{
-		list:     c.String("transports"),
-		fileRoot: c.String("file-root"),
-		iscsi:    iscsiOpts,
-		listener: l,
-		log:      log,
-		staged: func(ctx context.Context) ([]map[string]string, error) {
-			if a == nil {
-				return nil, nil
-			}
-			return a.StagedContexts(ctx)
-		},
-	})
-	if err != nil {
-		return err
-	}
-	if len(ts) == 0 {
-		return fmt.Errorf("no transport enabled: --transports is empty and --file-root is not set; berth would have no volume to serve")
-	}
-	cfg.Transports, cfg.Disabled = ts, disabled
+	return o
+}
 
-	// New locks the state directory before it reads it: a second berth on
-	// it stops here, before it binds anything.
-	a, err = agent.New(cfg)
-	if err != nil {
-		return err
+// run serves until ctx ends; the agent's Serve closes the agent and the
+// CSI socket, and the others stop with the context.
+func (s *server) run(ctx context.Context) error {
+	defer s.uevents.Close()
+	attrs := []any{slog.String("csi_endpoint", s.socket), slog.Bool("socket_activated", s.activated)}
+	if s.metricsLis != nil {
+		attrs = append(attrs, slog.String("metrics_address", s.metricsLis.Addr().String()))
 	}
-	var metricsLis net.Listener
-	if m != nil {
-		if metricsLis, err = metrics.Listen(metricsAddr); err != nil {
-			a.Close()
-			return fmt.Errorf("--metrics-address %q: %w", metricsAddr, err)
-		}
-	}
-	lis, activated, err := csiListener(c.String("endpoint"), socket)
-	if err != nil {
-		if metricsLis != nil {
-			metricsLis.Close()
-		}
-		a.Close()
-		return err
-	}
-	// The kubelet dials the CSI socket once it has read the registration
-	// socket, so that one is created last.
-	var reg *kubeletreg.Registrar
-	if c.Bool("kubelet-registration") {
-		reg, err = kubeletreg.Listen(kubeletreg.Config{
-			KubeletDir: c.String(cliflags.KubeletDir),
-			DriverName: cfg.DriverName,
-			Endpoint:   socket,
-			Logger:     log,
-		})
-		if err != nil {
-			lis.Close()
-			if metricsLis != nil {
-				metricsLis.Close()
-			}
-			a.Close()
-			return err
-		}
-	}
-	attrs := []any{slog.String("csi_endpoint", socket), slog.Bool("socket_activated", activated)}
-	if metricsLis != nil {
-		attrs = append(attrs, slog.String("metrics_address", metricsLis.Addr().String()))
-	}
-	log.Info("listening", append(attrs, slog.Int("pid", os.Getpid()))...)
-	go warnNodeChecks(ctx, log, startupChecks(c, ts))
+	s.log.Info("listening", append(attrs, slog.Int("pid", os.Getpid()))...)
+	go warnNodeChecks(ctx, s.log, s.checks)
 
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	bgCtx, cancelBg := context.WithCancel(ctx)
 	defer cancelBg()
-	if m != nil {
+	background := func(what string, f func(context.Context) error) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if err := m.Serve(bgCtx, metricsLis); err != nil {
-				log.Error("metrics server stopped", slog.String("error", err.Error()))
+			if err := f(bgCtx); err != nil {
+				s.log.Error(what, slog.String("error", err.Error()))
 			}
 		}()
 	}
-	if reg != nil {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := reg.Serve(bgCtx); err != nil {
-				log.Error("kubelet registration stopped", slog.String("error", err.Error()))
-			}
-		}()
+	if s.metrics != nil {
+		background("metrics server stopped", func(ctx context.Context) error { return s.metrics.Serve(ctx, s.metricsLis) })
 	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		if err := systemd.Watchdog(bgCtx, log, systemd.ProbeEndpoint(socket)); err != nil {
-			log.Error("systemd watchdog", slog.String("error", err.Error()))
-		}
-	}()
-	return a.Serve(ctx, lis)
+	if s.reg != nil {
+		background("kubelet registration stopped", s.reg.Serve)
+	}
+	background("systemd watchdog", func(ctx context.Context) error {
+		return systemd.Watchdog(ctx, s.log, systemd.ProbeEndpoint(s.socket))
+	})
+	return s.agent.Serve(ctx, s.csi)
+}
+
+// checkKubeletNodeName warns when the node ID is not the name the
+// kubelet registered its node under: the CO then cannot match this
+// node's volumes and topology to its Node object. The kubelet's client
+// certificate names its node (system:node:NAME); a node without one (a
+// kubelet without TLS bootstrap) is not checked.
+func checkKubeletNodeName(log *slog.Logger, kubeletDir, nodeID string) {
+	name, err := kubeletreg.NodeName(kubeletDir)
+	if err != nil {
+		log.Debug("the kubelet's node name is not known: --node-id is not checked against it", slog.String("error", err.Error()))
+		return
+	}
+	if name != nodeID {
+		log.Warn("--node-id is not the kubelet's node name: give berth serve --node-id="+name,
+			slog.String("node_id", nodeID), slog.String("kubelet_node_name", name))
+	}
 }
 
 // startupChecks is the doctor configuration of the transports this berth
@@ -461,6 +543,11 @@ type transportOptions struct {
 	staged   func(context.Context) ([]map[string]string, error)
 }
 
+// set reports whether the flag that enables a transport is given.
+func (o transportOptions) set(flag string) bool {
+	return flag == "file-root" && o.fileRoot != ""
+}
+
 func newFileTransport(kind agent.TransportKind, o transportOptions) (agent.Transport, error) {
 	if o.fileRoot == "" {
 		return nil, nil
@@ -491,15 +578,14 @@ func newISCSITransport(kind agent.TransportKind, o transportOptions) (agent.Tran
 }
 
 // buildTransports builds the transports the flags enable (o.list, a
-// comma-separated list of network transports, and each other transport's
-// own flag) and returns the kinds of the others.
+// comma-separated list of transport names, and each transport's own flag,
+// which enables it whether listed or not) and returns the kinds of the
+// others. A listed transport whose flag is not given is an error.
 func buildTransports(o transportOptions) (enabled []agent.Transport, disabled []agent.TransportKind, err error) {
 	listed := map[string]bool{}
 	var want []string
 	for _, p := range transportPlugins {
-		if p.flag == "" {
-			want = append(want, p.kind.Name)
-		}
+		want = append(want, p.kind.Name)
 	}
 	for _, name := range strings.Split(o.list, ",") {
 		name = strings.TrimSpace(name)
@@ -510,8 +596,8 @@ func buildTransports(o transportOptions) (enabled []agent.Transport, disabled []
 		switch {
 		case i < 0:
 			return nil, nil, fmt.Errorf("--transports: unknown transport %q (want %s)", name, strings.Join(want, ", "))
-		case transportPlugins[i].flag != "":
-			return nil, nil, fmt.Errorf("--transports: the %s transport is enabled by --%s", name, transportPlugins[i].flag)
+		case transportPlugins[i].flag != "" && !o.set(transportPlugins[i].flag):
+			return nil, nil, fmt.Errorf("--transports lists %s, which needs --%s", name, transportPlugins[i].flag)
 		}
 		listed[name] = true
 	}

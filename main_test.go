@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -89,12 +90,16 @@ func TestBuildTransports(t *testing.T) {
 	if !slices.Equal(ts[0].Keys(), []string{"file"}) {
 		t.Errorf("file transport's keys %q, want [file]", ts[0].Keys())
 	}
+	ts, _, err = buildTransports(transportOptions{list: "file,nvmeof", fileRoot: root})
+	if err != nil || !slices.Equal(names(ts), []string{"file", "nvmeof"}) {
+		t.Fatalf("file listed with a file root: %v, %v", names(ts), err)
+	}
 	if _, _, err := buildTransports(transportOptions{fileRoot: "relative"}); err == nil {
 		t.Error("a relative --file-root accepted")
 	}
 	for bad, want := range map[string]string{
-		"file": "the file transport is enabled by --file-root",
-		"fc":   `unknown transport "fc" (want nvmeof, iscsi)`,
+		"file": "--transports lists file, which needs --file-root",
+		"fc":   `unknown transport "fc" (want file, nvmeof, iscsi)`,
 	} {
 		if _, _, err := buildTransports(transportOptions{list: bad}); err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("buildTransports(%q) = %v, want an error containing %q", bad, err, want)
@@ -632,6 +637,46 @@ func TestVersionCommand(t *testing.T) {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("berth version lacks %q:\n%s", want, out)
 		}
+	}
+}
+
+func TestVersionJSON(t *testing.T) {
+	out, err := exec.Command(berthBinary(t), "version", "--json").Output()
+	if err != nil {
+		t.Fatalf("berth version --json: %v", err)
+	}
+	var v struct{ Version, Commit, Go, CSISpec string }
+	if err := json.Unmarshal(out, &v); err != nil {
+		t.Fatalf("berth version --json: %v\n%s", err, out)
+	}
+	if v.Version == "" || v.Commit == "" || v.Go != runtime.Version() || v.CSISpec != csiModuleVersion(t) {
+		t.Errorf("berth version --json = %+v", v)
+	}
+}
+
+// The bash script completes commands and a command's flags by asking
+// the binary, as a shell does on <Tab>.
+func TestCompletionBash(t *testing.T) {
+	bash, err := exec.LookPath("bash")
+	if err != nil {
+		t.Skip("no bash")
+	}
+	bin := berthBinary(t)
+	for words, want := range map[string]string{
+		"se":           "serve",
+		"serve --node": "--node-id",
+		"version --j":  "--json",
+	} {
+		script := `source <("$BERTH" completion bash); COMP_WORDS=("$BERTH" ` + words + `); COMP_CWORD=$((${#COMP_WORDS[@]}-1)); _berth; printf '%s\n' "${COMPREPLY[@]}"`
+		cmd := exec.Command(bash, "-c", script)
+		cmd.Env = append(os.Environ(), "BERTH="+bin)
+		out, err := cmd.CombinedOutput()
+		if err != nil || !slices.Contains(strings.Fields(string(out)), want) {
+			t.Errorf("completing %q: %v, got %q, want %q among them", words, err, out, want)
+		}
+	}
+	if err := exec.Command(bin, "completion", "fish").Run(); err == nil {
+		t.Error("berth completion fish: want an error")
 	}
 }
 

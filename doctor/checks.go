@@ -272,6 +272,25 @@ func checkLoop(cfg *Config) Check {
 	return c
 }
 
+// checkEncryption checks what volumes with LUKS2 encryption need: the
+// cryptsetup program and the kernel's dm-crypt target. Both warn only:
+// volumes without encryption stage without them. device-mapper loads
+// dm_crypt itself when cryptsetup first asks for a crypt target, so a
+// module that is available but not loaded passes.
+func checkEncryption(cfg *Config) []Check {
+	fix := "install cryptsetup (apt-get install cryptsetup-bin / dnf install cryptsetup) for volumes with encryption"
+	tool := checkTool(cfg, "cryptsetup", Warn, fix)
+	mod := checkModule(cfg, "dm_crypt", "device-mapper crypt target (LUKS2 volumes)")
+	switch st, _ := moduleState(cfg, "dm_crypt"); {
+	case st == modLoadable:
+		mod.Status, mod.Detail, mod.Fix = OK, "device-mapper crypt target (LUKS2 volumes): loads on first use (available in kernel "+cfg.KernelRelease+")", ""
+	case mod.Status == Fail:
+		mod.Status = Warn
+		mod.Detail += "; volumes with encryption cannot stage"
+	}
+	return []Check{tool, mod}
+}
+
 func checkMultipathd(ctx context.Context, cfg *Config) Check {
 	c := Check{Name: "multipathd"}
 	err := dialCheck(ctx, cfg, multipathdSocket)

@@ -213,6 +213,7 @@ func Run(ctx context.Context, cfg Config) Report {
 		checkTool(&cfg, "mkfs.xfs", Warn, xfs),
 		checkTool(&cfg, "xfs_growfs", Warn, xfs),
 		checkTool(&cfg, "blkid", Fail, "install util-linux (apt-get install util-linux)"))
+	add(checkEncryption(&cfg)...)
 	if cfg.Endpoint != "" {
 		add(checkEndpointDir(&cfg))
 	}

@@ -31,11 +31,13 @@ func newNode(t *testing.T) *node {
 	n.write("sys/module/nvme_fabrics/initstate", "live\n")
 	n.write("sys/module/nvme_tcp/initstate", "live\n")
 	n.write("sys/module/dm_multipath/initstate", "live\n")
+	n.write("sys/module/dm_crypt/initstate", "live\n")
 	n.write("lib/modules/"+release+"/modules.dep",
 		"kernel/drivers/nvme/host/nvme-tcp.ko.zst: kernel/drivers/nvme/host/nvme-fabrics.ko.zst\n"+
 			"kernel/drivers/nvme/host/nvme-fabrics.ko.zst:\n"+
 			"kernel/drivers/scsi/iscsi_tcp.ko: kernel/drivers/scsi/libiscsi_tcp.ko\n"+
-			"kernel/drivers/md/dm-multipath.ko.xz:\n")
+			"kernel/drivers/md/dm-multipath.ko.xz:\n"+
+			"kernel/drivers/md/dm-crypt.ko.xz:\n")
 	n.write("lib/modules/"+release+"/modules.builtin", "kernel/drivers/block/loop.ko\n")
 	n.write("proc/self/status", "Name:\tberth\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n")
 	n.write("proc/self/mountinfo",
@@ -46,7 +48,7 @@ func newNode(t *testing.T) *node {
 	n.write("etc/iscsi/initiatorname.iscsi", "## comment\nInitiatorName=iqn.1993-08.org.debian:01:5a3b2c1d\n")
 	n.write("etc/nvme/hostnqn", "nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427\n")
 	n.write("etc/nvme/hostid", "1b4e28ba-2fa1-11d2-883f-0016d3cca427\n")
-	for _, tool := range []string{"iscsiadm", "multipathd", "mkfs.ext4", "e2fsck", "resize2fs", "mkfs.xfs", "xfs_growfs", "blkid"} {
+	for _, tool := range []string{"iscsiadm", "multipathd", "mkfs.ext4", "e2fsck", "resize2fs", "mkfs.xfs", "xfs_growfs", "blkid", "cryptsetup"} {
 		n.write("bin/"+tool, "#!/bin/sh\n")
 		if err := os.Chmod(n.path("bin/"+tool), 0o755); err != nil {
 			t.Fatal(err)
@@ -127,7 +129,7 @@ func TestHealthyNode(t *testing.T) {
 	}
 	for _, name := range []string{"module iscsi_tcp", "iscsid", "iscsi initiator name", "tool iscsiadm",
 		"module nvme_fabrics", "module nvme_tcp", "nvme host identity", "module dm_multipath", "multipathd",
-		"tool mkfs.ext4", "tool xfs_growfs", "tool blkid", "endpoint directory", "mount propagation",
+		"tool mkfs.ext4", "tool xfs_growfs", "tool blkid", "tool cryptsetup", "module dm_crypt", "endpoint directory", "mount propagation",
 		"capability CAP_SYS_ADMIN", "capability CAP_SYS_RESOURCE", "capability CAP_DAC_OVERRIDE", "capability CAP_MKNOD", "capability CAP_NET_ADMIN"} {
 		find(t, r, name)
 	}
@@ -193,6 +195,15 @@ func TestBrokenNode(t *testing.T) {
 			func(n *node, _ *Config) { os.Chmod(n.path("bin/blkid"), 0o644) }},
 		{"xfs tools missing", "tool mkfs.xfs", Warn, "xfsprogs", "not found",
 			func(n *node, _ *Config) { n.remove("bin/mkfs.xfs") }},
+		{"cryptsetup missing", "tool cryptsetup", Warn, "cryptsetup-bin", "not found",
+			func(n *node, _ *Config) { n.remove("bin/cryptsetup") }},
+		{"dm_crypt loadable", "module dm_crypt", OK, "", "loads on first use",
+			func(n *node, _ *Config) { n.remove("sys/module/dm_crypt") }},
+		{"dm_crypt missing from kernel", "module dm_crypt", Warn, "linux-modules-extra-" + release, "cannot stage",
+			func(n *node, _ *Config) {
+				n.remove("sys/module/dm_crypt")
+				n.write("lib/modules/"+release+"/modules.dep", "kernel/drivers/scsi/iscsi_tcp.ko:\nkernel/drivers/md/dm-multipath.ko.xz:\n")
+			}},
 		{"multipathd stopped", "multipathd", Fail, "multipathd.service", "not running",
 			func(n *node, _ *Config) { delete(n.sockets, multipathdSocket); n.remove("proc/412") }},
 		{"multipathd in other netns", "multipathd", Fail, "hostNetwork", "pid 412",
