@@ -30,6 +30,9 @@ const (
 	KeyKeepAliveTmo   = "keepAliveTmo"
 	KeyFastIOFailTmo  = "fastIOFailTmo" // seconds, -1 = off
 	KeyNrIOQueues     = "nrIOQueues"
+	// KeyCtrlLossForever ("true") accepts ctrlLossTmo=-1; see
+	// checkReconnectForever.
+	KeyCtrlLossForever = "ctrlLossForever"
 
 	// csi-driver-nvmf names.
 	AliasTrType = "targetTrType"
@@ -247,7 +250,36 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 	if err := v.Tunables.validate(true); err != nil {
 		return nil, err
 	}
+	if err := checkReconnectForever(vc, v.Tunables); err != nil {
+		return nil, err
+	}
 	return v, nil
+}
+
+// checkReconnectForever refuses ctrlLossTmo=-1 unless the volume opts in
+// with ctrlLossForever=true. A controller that reconnects forever never
+// gives its I/O up: a node cut off from the target keeps the volume's
+// dirty pages and queued writes, and sends them the moment a path comes
+// back, even after the volume was staged on another node, and an unstage
+// on a node whose paths are all gone waits with it. The bounded default
+// (600 s) fails that I/O instead. The opt-in is for a volume whose
+// single writer is ensured elsewhere (the array fences the old node).
+func checkReconnectForever(vc map[string]string, t Tunables) error {
+	forever := t.CtrlLossTmo != nil && *t.CtrlLossTmo == -1
+	optIn := vc[KeyCtrlLossForever]
+	switch optIn {
+	case "", "false":
+		if forever {
+			return invalidf("volume_context %q=-1 reconnects a lost controller forever: its queued writes reach the target whenever a path comes back, even after another node took the volume over, and an unstage without paths cannot finish; give ctrlLossTmo in seconds (kernel default 600), or set %q=\"true\" where the array itself keeps a single writer", KeyCtrlLossTmo, KeyCtrlLossForever)
+		}
+	case "true":
+		if !forever {
+			return invalidf("volume_context %q=\"true\" without %q=-1", KeyCtrlLossForever, KeyCtrlLossTmo)
+		}
+	default:
+		return invalidf("volume_context %q=%q: want \"true\" or \"false\"", KeyCtrlLossForever, optIn)
+	}
+	return nil
 }
 
 // contextSeparators is checkSeparators for a volume_context value,

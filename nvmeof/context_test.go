@@ -47,7 +47,7 @@ func TestParseVolumeContext(t *testing.T) {
 		{
 			name: "tunables and host",
 			vc: map[string]string{"nqn": subA, "nsid": "7", "trtype": "RDMA", "traddr": "192.168.1.2", "hostTrAddr": "192.168.1.9",
-				"ctrlLossTmo": "-1", "reconnectDelay": "2", "keepAliveTmo": "5", "fastIOFailTmo": "0", "nrIOQueues": "2"},
+				"ctrlLossTmo": "-1", "ctrlLossForever": "true", "reconnectDelay": "2", "keepAliveTmo": "5", "fastIOFailTmo": "0", "nrIOQueues": "2"},
 			want: Volume{NQN: subA, NSID: 7, Paths: []Path{{TrType: "rdma", TrAddr: "192.168.1.2", TrSvcID: "4420", HostTrAddr: "192.168.1.9"}},
 				Tunables: Tunables{CtrlLossTmo: intp(-1), ReconnectDelay: intp(2), KeepAliveTmo: intp(5), FastIOFailTmo: intp(0), NrIOQueues: intp(2)}},
 			key: "nvmeof:" + subA + "/nsid=7",
@@ -137,6 +137,11 @@ func TestParseVolumeContextRejects(t *testing.T) {
 		{"hostTrAddr name", "hostTrAddr", "eth0", "hostTrAddr"},
 		{"hostIface comma", "hostIface", "eth0,x", "hostIface"},
 		{"ctrlLossTmo word", "ctrlLossTmo", "forever", "ctrlLossTmo"},
+		// Reconnecting forever keeps a cut-off node's writes queued for
+		// the target: only with the explicit opt-in.
+		{"ctrlLossTmo forever without opt-in", "ctrlLossTmo", "-1", "ctrlLossForever"},
+		{"ctrlLossForever without -1", "ctrlLossForever", "true", "ctrlLossTmo"},
+		{"ctrlLossForever word", "ctrlLossForever", "yes", "ctrlLossForever"},
 		{"keepAliveTmo zero", "keepAliveTmo", "0", "keep_alive_tmo"},
 		{"nrIOQueues big", "nrIOQueues", "5000", "nr_io_queues"},
 		{"aliases disagree", "targetTrAddr", "127.0.0.2", "targetTrAddr"},

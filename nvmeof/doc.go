@@ -32,7 +32,12 @@
 //	hostTrAddr      local IP address to connect from (host_traddr).
 //	hostIface       local interface to connect through (host_iface, tcp).
 //	ctrlLossTmo     seconds before a lost controller is given up, -1..604800
-//	                (-1 = reconnect forever); kernel default 600.
+//	                (-1 = reconnect forever, only with ctrlLossForever);
+//	                kernel default 600.
+//	ctrlLossForever "true" accepts ctrlLossTmo=-1: a node cut off from the
+//	                target then keeps its queued writes for the target
+//	                until a path comes back, even after another node took
+//	                the volume over; for arrays that fence on their own.
 //	reconnectDelay  seconds between reconnect attempts, 1..3600.
 //	keepAliveTmo    keep-alive timeout in seconds, 1..3600.
 //	fastIOFailTmo   seconds I/O waits on a reconnecting path before failing

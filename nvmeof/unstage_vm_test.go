@@ -84,7 +84,7 @@ func TestGuestAgentUnstageDeadController(t *testing.T) {
 	os.MkdirAll(staging, 0o750)
 	os.MkdirAll(filepath.Dir(targetPath), 0o750)
 	id := "vol-deadctrl"
-	vctx := map[string]string{"nqn": nqn, "nsid": "1", "targets": strings.Join(ports, ","), "ctrlLossTmo": "-1", "reconnectDelay": "1"}
+	vctx := map[string]string{"nqn": nqn, "nsid": "1", "targets": strings.Join(ports, ","), "ctrlLossTmo": "-1", "ctrlLossForever": "true", "reconnectDelay": "1"}
 	capability := csitest.MountCap("ext4")
 	if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging,
 		VolumeCapability: capability, VolumeContext: vctx}); err != nil {

@@ -403,7 +403,7 @@ func TestGuestMultipath(t *testing.T) {
 		Namespaces: []target.NVMeNamespace{{Size: 64 << 20, UUID: guestUUID1}}})
 	tr := guestTransport(t, nil)
 	tg, err := tr.Parse(map[string]string{"nqn": nqn, "uuid": guestUUID1,
-		"targets": "127.0.0.1:4430,127.0.0.1:4431", "reconnectDelay": "1", "ctrlLossTmo": "-1"}, nil)
+		"targets": "127.0.0.1:4430,127.0.0.1:4431", "reconnectDelay": "1", "ctrlLossTmo": "-1", "ctrlLossForever": "true"}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
