@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/fs"
 )
 
 // identifies reports whether d is the device r recorded: same numbers,
@@ -58,11 +59,11 @@ func (r *deviceRecord) storageChange(d *devices.Device) string {
 //
 // took marks the end of the probe when the device is formatted (the
 // format step is then the mark's write, mkfs and its check).
-func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, dev *devices.Device, fsType string, took *stepTimer) (formatted bool, err error) {
+func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, dev *devices.Device, fsType string, params fs.MkfsParams, took *stepTimer) (formatted bool, err error) {
 	if rec.Formatting != nil && rec.Formatting.identifies(dev) {
 		logFrom(ctx, n.a.log).WarnContext(ctx, "finishing a format that was interrupted: berth found the device blank and started mkfs before",
 			slog.String("device", dev.Path), slog.String("fs_type", fsType))
-		if err := n.a.host.Format(ctx, dev.Path, fsType); err != nil {
+		if err := n.a.host.Format(ctx, dev.Path, fsType, params); err != nil {
 			return false, err
 		}
 		formatted = true
@@ -73,7 +74,7 @@ func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, de
 		if dev.ID.Kind == devices.KindLoop {
 			knownBlank = func() (bool, error) { return devices.LoopHoldsNoData(dev) }
 		}
-		formatted, err = n.a.host.EnsureFilesystem(ctx, dev.Path, fsType, knownBlank, func() error {
+		formatted, err = n.a.host.EnsureFilesystem(ctx, dev.Path, fsType, params, knownBlank, func() error {
 			took.mark("probe")
 			rec.Formatting = deviceRecordOf(dev)
 			return n.a.state.put(rec)

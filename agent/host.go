@@ -35,11 +35,12 @@ type hostFS interface {
 	// without its probe (see fs.MkfsOptions.KnownBlank). beforeMkfs is
 	// called once the device was found blank, right before mkfs starts;
 	// an error from it stops the format.
-	EnsureFilesystem(ctx context.Context, devPath, fsType string, knownBlank func() (bool, error), beforeMkfs func() error) (formatted bool, err error)
+	EnsureFilesystem(ctx context.Context, devPath, fsType string, p fs.MkfsParams, knownBlank func() (bool, error), beforeMkfs func() error) (formatted bool, err error)
 	// Format creates fsType on a device without looking at what it
 	// holds: only for a device whose format berth started and that a
-	// crash or a failed mkfs left unfinished.
-	Format(ctx context.Context, devPath, fsType string) error
+	// crash or a failed mkfs left unfinished. p is the new filesystem's
+	// geometry, from the stage's volume_context, for both.
+	Format(ctx context.Context, devPath, fsType string, p fs.MkfsParams) error
 	Fsck(ctx context.Context, devPath, fsType string) error
 	// Mount, BindMount, Unmount and MountInfo act on paths already
 	// opened (fs.Handle: resolved once, no symlinks), never on names,

@@ -21,12 +21,12 @@ func (realFS) ParseMountOptions(opts []string) (uintptr, string, error) {
 	return fs.ParseMountOptions(opts)
 }
 
-func (realFS) EnsureFilesystem(ctx context.Context, devPath, fsType string, knownBlank func() (bool, error), beforeMkfs func() error) (bool, error) {
-	return fs.EnsureFilesystem(ctx, devPath, fsType, fs.MkfsOptions{KnownBlank: knownBlank, BeforeMkfs: beforeMkfs})
+func (realFS) EnsureFilesystem(ctx context.Context, devPath, fsType string, p fs.MkfsParams, knownBlank func() (bool, error), beforeMkfs func() error) (bool, error) {
+	return fs.EnsureFilesystem(ctx, devPath, fsType, fs.MkfsOptions{Params: p, KnownBlank: knownBlank, BeforeMkfs: beforeMkfs})
 }
 
-func (realFS) Format(ctx context.Context, devPath, fsType string) error {
-	return fs.Format(ctx, devPath, fsType, fs.MkfsOptions{})
+func (realFS) Format(ctx context.Context, devPath, fsType string, p fs.MkfsParams) error {
+	return fs.Format(ctx, devPath, fsType, fs.MkfsOptions{Params: p})
 }
 
 func (realFS) Fsck(ctx context.Context, devPath, fsType string) error {

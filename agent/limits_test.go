@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/berth-csi/berth/fs"
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -214,7 +215,7 @@ func (t *blockingDetachTarget) Detach(ctx context.Context) error {
 // device, whose fsck blocks until its context ends.
 type fsckBlocks struct{ *fakeFS }
 
-func (fsckBlocks) EnsureFilesystem(context.Context, string, string, func() (bool, error), func() error) (bool, error) {
+func (fsckBlocks) EnsureFilesystem(context.Context, string, string, fs.MkfsParams, func() (bool, error), func() error) (bool, error) {
 	return false, nil
 }
 func (fsckBlocks) Fsck(ctx context.Context, _, _ string) error {

@@ -59,7 +59,8 @@ type stageRequest struct {
 	passphrase  []byte
 	tr          Transport
 	target      Target
-	ident       string // the storage's identity, "" when it cannot be looked at now
+	ident       string             // the storage's identity, "" when it cannot be looked at now
+	mkfs        berthfs.MkfsParams // the geometry of a filesystem the stage makes
 }
 
 // stageRun is the state of one NodeStageVolume call between its steps:
@@ -165,6 +166,11 @@ func (n *nodeServer) validateStage(req *csi.NodeStageVolumeRequest) (stageReques
 	}
 	if err := validateSecrets(s.secrets); err != nil {
 		return s, err
+	}
+	if !s.vcap.Block {
+		if s.mkfs, err = berthfs.ParseMkfsParams(s.vcap.FsType, s.vctx); err != nil {
+			return s, err
+		}
 	}
 	if s.enc, err = parseEncryption(s.vctx); err != nil {
 		return s, err
@@ -482,7 +488,7 @@ func (n *nodeServer) prepareFilesystem(ctx context.Context, s *stageRun) error {
 		// A new LUKS device: its mapping reads as noise, which no
 		// probe calls blank; the blank underlying device was the
 		// proof, and the record says the format is berth's.
-		if err := n.a.host.Format(ctx, vdev.Path, vcap.FsType); err != nil {
+		if err := n.a.host.Format(ctx, vdev.Path, vcap.FsType, s.mkfs); err != nil {
 			return err
 		}
 		rec.Crypt.Formatting = nil
@@ -492,7 +498,7 @@ func (n *nodeServer) prepareFilesystem(ctx context.Context, s *stageRun) error {
 		formatted = true
 	} else {
 		var err error
-		if formatted, err = n.ensureFilesystem(ctx, rec, vdev, vcap.FsType, s.took); err != nil {
+		if formatted, err = n.ensureFilesystem(ctx, rec, vdev, vcap.FsType, s.mkfs, s.took); err != nil {
 			if errors.Is(err, berthfs.ErrLUKSDevice) && s.enc == nil {
 				err = fmt.Errorf("volume %q: %w; it is staged only as an encrypted volume: volume_context %s=\"true\" and its passphrase in node_stage_secrets %q",
 					s.id, err, ContextEncrypted, SecretEncryptionPassphrase)
@@ -506,6 +512,10 @@ func (n *nodeServer) prepareFilesystem(ctx context.Context, s *stageRun) error {
 		s.log.InfoContext(ctx, "created filesystem", slog.String("fs_type", vcap.FsType))
 	} else {
 		s.took.mark("probe")
+		if !s.mkfs.IsZero() {
+			s.log.InfoContext(ctx, "the volume already has a filesystem: it is mounted as it is, without the mkfs parameters of its volume_context",
+				slog.String("fs_type", vcap.FsType))
+		}
 		// The filesystem is on vdev: an encrypted volume's mapping, whose
 		// LUKS device under it is held and so never checked.
 		if err := n.a.host.Fsck(ctx, vdev.Path, vcap.FsType); err != nil {

@@ -102,6 +102,8 @@ type MkfsOptions struct {
 	// formatted or bypass checks (-F, -f, -n, -S, -t, -d, -l, -z, ...) and
 	// positional arguments are refused.
 	ExtraArgs []string
+	// Params is the new filesystem's geometry (ParseMkfsParams).
+	Params MkfsParams
 	// BeforeMkfs, when set, is called by EnsureFilesystem once it found
 	// the device blank, right before mkfs starts; an error from it
 	// stops the format. A caller records there that it started
@@ -230,6 +232,7 @@ func mkfsArgs(fsType, devPath string, opt MkfsOptions) ([]string, error) {
 	if opt.Label != "" {
 		args = append(args, "-L", opt.Label)
 	}
+	args = append(args, opt.Params.args(fsType)...)
 	args = append(args, opt.ExtraArgs...)
 	return append(args, "--", devPath), nil
 }
