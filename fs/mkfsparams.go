@@ -25,11 +25,6 @@ const (
 	KeyExt4ReservedPercent = "ext4ReservedBlocksPercent"
 )
 
-// MkfsParamKeys are the volume_context keys ParseMkfsParams reads.
-func MkfsParamKeys() []string {
-	return []string{KeyBlockSize, KeyInodeSize, KeyBytesPerInode, KeyNumberOfInodes, KeyExt4BigAlloc, KeyExt4ClusterSize, KeyExt4ReservedPercent}
-}
-
 // MkfsParams are the geometry of a new filesystem; zero fields are
 // mkfs' own defaults.
 type MkfsParams struct {
