@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 
@@ -36,6 +37,13 @@ type fakeFS struct {
 	mkfsErr error
 	// mountErr, when set, makes Mount fail.
 	mountErr error
+	// dirtyJournal, when set, makes a Mount without noload or
+	// norecovery fail as the kernel refuses a journal replay on a
+	// read-only device. mountData lists each Mount's data.
+	dirtyJournal bool
+	mountData    []string
+	// fscks counts Fsck calls.
+	fscks int
 	// unmountGate, when set, holds every Unmount until it is closed, as
 	// an unmount's writeback waits for a device that queues I/O.
 	unmountGate chan struct{}
@@ -111,7 +119,12 @@ func (f *fakeFS) mkfs(devPath, fsType string) error {
 	return nil
 }
 
-func (f *fakeFS) Fsck(context.Context, string, string) error { return nil }
+func (f *fakeFS) Fsck(context.Context, string, string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.fscks++
+	return nil
+}
 
 func (f *fakeFS) contentOf(devPath string) string {
 	f.mu.Lock()
@@ -119,11 +132,15 @@ func (f *fakeFS) contentOf(devPath string) string {
 	return f.content[devPath]
 }
 
-func (f *fakeFS) Mount(source string, target *fs.Handle, fsType string, _ uintptr, _ string) error {
+func (f *fakeFS) Mount(source string, target *fs.Handle, fsType string, _ uintptr, data string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.mountErr != nil {
 		return f.mountErr
+	}
+	f.mountData = append(f.mountData, data)
+	if f.dirtyJournal && !slices.ContainsFunc(strings.Split(data, ","), func(o string) bool { return o == "noload" || o == "norecovery" }) {
+		return fmt.Errorf("mount %s: read-only file system: %w", source, fs.ErrRecoveryNeedsWrite)
 	}
 	p := target.Path()
 	if _, ok := f.mounts[p]; ok {

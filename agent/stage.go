@@ -516,6 +516,15 @@ func (n *nodeServer) prepareFilesystem(ctx context.Context, s *stageRun) error {
 			s.log.InfoContext(ctx, "the volume already has a filesystem: it is mounted as it is, without the mkfs parameters of its volume_context",
 				slog.String("fs_type", vcap.FsType))
 		}
+		// A read-only device (a snapshot the array exports read-only)
+		// of a reader-only volume is mounted without a check: e2fsck
+		// cannot open it for writing, and the volume is never written.
+		if vcap.readOnly() {
+			if ro, err := n.a.host.DeviceReadOnly(vdev.Path); err == nil && ro {
+				s.log.InfoContext(ctx, "read-only device of a reader-only volume: not checked with fsck", slog.String("fs_type", vcap.FsType))
+				return nil
+			}
+		}
 		// The filesystem is on vdev: an encrypted volume's mapping, whose
 		// LUKS device under it is held and so never checked.
 		if err := n.a.host.Fsck(ctx, vdev.Path, vcap.FsType); err != nil {
@@ -540,7 +549,19 @@ func (n *nodeServer) mountFilesystem(s *stageRun) error {
 	if err != nil {
 		return err
 	}
-	if err := n.a.host.Mount(vdev.Path, s.sh, vcap.FsType, flags, xfsNoUUID(vcap.FsType, data)); err != nil {
+	data = xfsNoUUID(vcap.FsType, data)
+	err = n.a.host.Mount(vdev.Path, s.sh, vcap.FsType, flags, data)
+	if err != nil && vcap.readOnly() && errors.Is(err, berthfs.ErrRecoveryNeedsWrite) {
+		// A journal that needs replaying on a device that cannot be
+		// written (a snapshot taken while its filesystem was in use):
+		// a reader-only volume is mounted as the journal left it,
+		// without the transactions it holds. Never for a writable mount.
+		opt := noRecovery(vcap.FsType)
+		s.log.Warn("the filesystem's journal needs recovery, which a read-only device does not allow: mounting the reader-only volume with "+opt+" (without the journal's last transactions)",
+			slog.String("fs_type", vcap.FsType), slog.String("error", err.Error()))
+		err = n.a.host.Mount(vdev.Path, s.sh, vcap.FsType, flags, joinOptions(data, opt))
+	}
+	if err != nil {
 		return err
 	}
 	s.mounted = true
@@ -579,6 +600,23 @@ func (n *nodeServer) finishStage(ctx context.Context, s *stageRun) error {
 // purpose, never mounting the same storage twice, berth serves by
 // identity instead: one storage object stages as one volume only, and a
 // device is checked against every staged one.
+// noRecovery is the mount option that mounts fsType without replaying
+// its journal.
+func noRecovery(fsType string) string {
+	if fsType == berthfs.XFS {
+		return "norecovery"
+	}
+	return "noload"
+}
+
+// joinOptions appends a mount option to mount data.
+func joinOptions(data, opt string) string {
+	if data == "" {
+		return opt
+	}
+	return data + "," + opt
+}
+
 func xfsNoUUID(fsType, data string) string {
 	if fsType != "xfs" || slices.Contains(strings.Split(data, ","), "nouuid") {
 		return data

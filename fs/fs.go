@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 	"unicode/utf8"
@@ -91,6 +92,12 @@ const (
 	typeAmbivalent      = "ambivalent"
 	usagePartitionTable = "partition_table"
 )
+
+// ErrRecoveryNeedsWrite is matched by the error of a read-only mount
+// that the kernel refused because the filesystem's journal needs
+// replaying and the device cannot be written: ext4's noload and xfs's
+// norecovery mount it without the replay.
+var ErrRecoveryNeedsWrite = errors.New("journal recovery needs a writable device")
 
 // MkfsOptions tune EnsureFilesystem's mkfs run.
 type MkfsOptions struct {

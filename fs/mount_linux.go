@@ -45,6 +45,13 @@ func (e *MountError) Error() string {
 	return b.String()
 }
 
+// Is matches ErrRecoveryNeedsWrite: a read-only mount refused with EROFS,
+// which ext4 and xfs answer when the journal needs replaying and the
+// device cannot be written.
+func (e *MountError) Is(target error) bool {
+	return target == ErrRecoveryNeedsWrite && e.Op == "mount" && e.Flags&MS_RDONLY != 0 && errors.Is(e.Err, unix.EROFS)
+}
+
 // Unwrap returns the errno and the errdefs sentinel it maps to.
 func (e *MountError) Unwrap() []error {
 	if k := errnoKind(e.Err); k != nil {
