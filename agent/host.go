@@ -15,6 +15,10 @@ type mountEntry struct {
 	RdevMajor, RdevMinor int
 	Ino                  uint64 // inode at the path
 	FSType               string
+	// FSError is set when the filesystem fails getattr (shut down after
+	// I/O errors): the mount is still identified, and can be unmounted,
+	// but not used (checkUsable).
+	FSError error
 }
 
 // fsStats is what NodeGetVolumeStats reports for a mounted filesystem.

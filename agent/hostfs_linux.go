@@ -81,7 +81,7 @@ func mountEntryOf(st fs.PathStat) mountEntry {
 	return mountEntry{
 		Major: int(st.Major), Minor: int(st.Minor),
 		RdevMajor: int(st.RdevMajor), RdevMinor: int(st.RdevMinor),
-		Ino: st.Ino, FSType: st.FSType,
+		Ino: st.Ino, FSType: st.FSType, FSError: st.FSError,
 	}
 }
 

@@ -63,12 +63,23 @@ func checkStagingEntry(rec *volumeRecord, m mountEntry) error {
 	return nil
 }
 
+// checkUsable refuses a mount of the volume whose filesystem fails
+// getattr: shut down after I/O errors, it stays mounted but answers
+// nothing. It is still the volume's, and unpublishing and unstaging it
+// (which look only at its identity) is what is left to do.
+func checkUsable(rec *volumeRecord, p string, m mountEntry) error {
+	if m.FSError == nil {
+		return nil
+	}
+	return precondition("volume %q: the filesystem mounted at %q fails (%v): it shut down after I/O errors or the loss of its device (the kernel log says which); NodeUnpublishVolume and NodeUnstageVolume, check the device, then stage it again", rec.VolumeID, p, m.FSError)
+}
+
 // checkPublished checks that a publish target shows the volume: for a
-// mount volume the root of its filesystem, for a raw block volume a bind
-// of its device node. nil, false means nothing is mounted there. The
-// target is opened without following symlinks, and its descriptor
-// reaches no child started meanwhile: the unpublish that may follow
-// unmounts it.
+// mount volume the root of its filesystem (one that works), for a raw
+// block volume a bind of its device node. nil, false means nothing is
+// mounted there. The target is opened without following symlinks, and
+// its descriptor reaches no child started meanwhile: the unpublish that
+// may follow unmounts it.
 func (a *Agent) checkPublished(rec *volumeRecord, target string) (mounted bool, err error) {
 	defer forklock.Hold()()
 	h, err := fs.OpenPath(target)
@@ -86,7 +97,10 @@ func (a *Agent) checkPublished(rec *volumeRecord, target string) (mounted bool, 
 	case err != nil:
 		return false, fmt.Errorf("volume %q: check target_path %q: %w", rec.VolumeID, target, err)
 	}
-	return true, checkPublishedEntry(rec, target, m)
+	if err := checkPublishedEntry(rec, target, m); err != nil {
+		return true, err
+	}
+	return true, checkUsable(rec, target, m)
 }
 
 // checkPublishedEntry is checkPublished for an entry already read.

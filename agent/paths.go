@@ -194,8 +194,9 @@ func (a *Agent) mountOwner(m mountEntry, except string) (string, bool) {
 
 // openStagingMount opens the staging path of a staged mount volume (no
 // symlink on the way) and checks that it is the root of a mount of the
-// volume's device (checkStagingEntry). What is bound or measured later
-// is this descriptor, not the name.
+// volume's device (checkStagingEntry) whose filesystem works
+// (checkUsable). What is bound or measured later is this descriptor,
+// not the name.
 func (a *Agent) openStagingMount(rec *volumeRecord) (*fs.Handle, error) {
 	staging := rec.StagingPath
 	h, err := fs.OpenPath(staging)
@@ -209,7 +210,9 @@ func (a *Agent) openStagingMount(rec *volumeRecord) (*fs.Handle, error) {
 	}
 	m, err := a.host.MountInfo(h)
 	if err == nil {
-		err = checkStagingEntry(rec, m)
+		if err = checkStagingEntry(rec, m); err == nil {
+			err = checkUsable(rec, staging, m)
+		}
 	} else if errors.Is(err, errdefs.ErrNotFound) {
 		err = precondition("volume %q: nothing is mounted at its staging path %q (unmounted behind berth's back?); NodeStageVolume mounts it again", rec.VolumeID, staging)
 	} else {

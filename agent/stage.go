@@ -304,6 +304,9 @@ func (n *nodeServer) stagedAlready(ctx context.Context, s *stageRun) (bool, erro
 		if err := checkStagingEntry(rec, m); err != nil {
 			return false, err
 		}
+		if err := checkUsable(rec, s.staging, m); err != nil {
+			return false, err
+		}
 		// The mount alone does not say the device is alive: a
 		// lost controller or a removed LUN leaves a filesystem
 		// whose every I/O fails.

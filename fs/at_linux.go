@@ -104,18 +104,41 @@ func openNoFollow(dirfd int, path string, resolve uint64) (int, error) {
 		if err != nil {
 			return -1, err
 		}
-		var st unix.Stat_t
-		if err := unix.Fstat(next, &st); err != nil {
+		link, err := isSymlink(next)
+		if err != nil || link {
 			unix.Close(next)
+			if err == nil {
+				err = unix.ELOOP
+			}
 			return -1, err
-		}
-		if st.Mode&unix.S_IFMT == unix.S_IFLNK {
-			unix.Close(next)
-			return -1, unix.ELOOP
 		}
 		fd = next
 	}
 	return fd, nil
+}
+
+// isSymlink reports whether fd (O_PATH|O_NOFOLLOW) is a symbolic link.
+// A filesystem shut down after I/O errors answers fstat with EIO; then
+// readlinkat, which looks only at the kind of the file, tells.
+func isSymlink(fd int) (bool, error) {
+	var st unix.Stat_t
+	err := unix.Fstat(fd, &st)
+	if err == nil {
+		return st.Mode&unix.S_IFMT == unix.S_IFLNK, nil
+	}
+	if !errors.Is(err, unix.EIO) {
+		return false, err
+	}
+	var b [1]byte
+	_, err = unix.Readlinkat(fd, "", b[:])
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, unix.EINVAL), errors.Is(err, unix.ENOENT):
+		// Not a symbolic link.
+		return false, nil
+	}
+	return false, err
 }
 
 // OpenPath opens an absolute path with openat2(RESOLVE_NO_SYMLINKS |

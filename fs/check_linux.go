@@ -92,6 +92,9 @@ func Resize(ctx context.Context, devPath, mountPath, fsType string) error {
 		if !st.MountRoot {
 			return fmt.Errorf("resize %s: nothing is mounted at %s: %w", devPath, mountPath, errdefs.ErrNotFound)
 		}
+		if st.FSError != nil {
+			return fmt.Errorf("resize %s: the filesystem at %s fails (%w): %w", devPath, mountPath, st.FSError, errdefs.ErrFailedPrecondition)
+		}
 		if st.Major != unix.Major(rdev) || st.Minor != unix.Minor(rdev) {
 			return fmt.Errorf("resize %s: %s is a mount of device %d:%d, not of this device (%d:%d): %w",
 				devPath, mountPath, st.Major, st.Minor, unix.Major(rdev), unix.Minor(rdev), errdefs.ErrFailedPrecondition)

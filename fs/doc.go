@@ -72,6 +72,9 @@
 // the target as /proc/self/fd/N, and [UnmountAt] checks each mount through
 // a descriptor before it unmounts it at its name in the held directory.
 // A symlink swapped into the path after the check redirects nothing.
+// A filesystem shut down after I/O errors answers statx with EIO; its
+// mount is then described without getattr (see [StatFd]), so that it can
+// still be checked and unmounted.
 // Mount options come from users (CSI mount_flags) and pass through
 // [ParseMountOptions], an allowlist that refuses unknown options and
 // options that weaken data safety (nobarrier, norecovery, data=writeback,

@@ -81,6 +81,7 @@ type PathStat struct {
 	FSType               string
 	Dir                  bool
 	Regular              bool
+	FSError              error
 }
 
 // FileID is only supported on Linux.

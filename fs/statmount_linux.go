@@ -28,6 +28,10 @@ type PathStat struct {
 	FSType               string // "ext4", "xfs", or the statfs magic in hex
 	Dir                  bool
 	Regular              bool // a regular file
+	// FSError is set when the filesystem answers getattr with EIO (a
+	// shut-down xfs): the fields above were then read without asking it
+	// (see statNoGetattr), and the filesystem is not usable.
+	FSError error
 }
 
 // statfs magic numbers of the filesystems berth names.
@@ -79,12 +83,22 @@ func StatPath(path string) (PathStat, error) {
 
 // StatFd is StatPath for an open file descriptor (O_PATH is enough).
 // MountRoot is reliable only where statx reports STATX_ATTR_MOUNT_ROOT
-// (Linux 5.8 and later).
+// (Linux 5.8 and later). A directory on a filesystem that answers statx
+// with EIO is described without getattr, with FSError set.
 func StatFd(fd int) (PathStat, error) {
 	var stx unix.Statx_t
 	if err := unix.Statx(fd, "", unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW|unix.AT_NO_AUTOMOUNT,
 		unix.STATX_TYPE|unix.STATX_INO|unix.STATX_MNT_ID, &stx); err != nil {
-		return PathStat{}, fmt.Errorf("statx: %w", err)
+		err = fmt.Errorf("statx: %w", err)
+		if !errors.Is(err, unix.EIO) {
+			return PathStat{}, err
+		}
+		st, err2 := statNoGetattr(fd)
+		if err2 != nil {
+			return PathStat{}, fmt.Errorf("%w (the filesystem failed after I/O errors?); describing its mount without getattr: %w", err, err2)
+		}
+		st.FSError = err
+		return st, nil
 	}
 	st := PathStat{
 		Major:     stx.Dev_major,

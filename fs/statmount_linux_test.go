@@ -2,6 +2,7 @@ package fs
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -87,5 +88,114 @@ func TestHostStatPath(t *testing.T) {
 	}
 	if _, err := StatPath(filepath.Join(dir, "missing")); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Fatalf("StatPath(missing) = %v, want ErrNotFound", err)
+	}
+}
+
+// fsIOCShutdown is XFS_IOC_GOINGDOWN, which ext4 answers too
+// (EXT4_IOC_SHUTDOWN): _IOR('X', 125, __u32). goingDownNoLogFlush stops
+// the filesystem without writing its log, as a lost device would.
+const (
+	fsIOCShutdown       = 0x8004587d
+	goingDownNoLogFlush = 2
+)
+
+// shutDown stops the filesystem mounted at p as I/O errors would.
+func shutDown(t *testing.T, p string) {
+	t.Helper()
+	fd, err := unix.Open(p, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.IoctlSetPointerInt(fd, fsIOCShutdown, goingDownNoLogFlush); err != nil {
+		t.Fatalf("shut down %s: %v", p, err)
+	}
+}
+
+// A shut-down xfs answers getattr with EIO: its mount is still described
+// (the same device, inode, mount ID and type as before) and unmounted by
+// what the check sees, with the device from statmount or, on kernels
+// without it (nor openat2, whose fallback opens each component), from
+// the mount table. ext4 keeps answering getattr after a shutdown.
+func TestHostStatShutDown(t *testing.T) {
+	needRoot(t)
+	for _, fsType := range []string{Ext4, XFS} {
+		for _, viaMountinfo := range []bool{false, true} {
+			name := fsType + "/statmount"
+			if viaMountinfo {
+				name = fsType + "/mountinfo"
+			}
+			t.Run(name, func(t *testing.T) {
+				if viaMountinfo {
+					was := noStatmount.Swap(true)
+					defer noStatmount.Store(was)
+					was2 := noOpenat2.Swap(true)
+					defer noOpenat2.Store(was2)
+				}
+				testStatShutDown(t, fsType, viaMountinfo)
+			})
+		}
+	}
+}
+
+func testStatShutDown(t *testing.T, fsType string, viaMountinfo bool) {
+	size := int64(64 * mib)
+	if fsType == XFS {
+		size = 320 * mib
+	}
+	_, _, mnt := mounted(t, fsType, size)
+	before, err := StatPath(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	shutDown(t, mnt)
+
+	hadStatmount := !noStatmount.Load()
+	reads := MountTableReads()
+	after, err := StatPath(mnt)
+	if err != nil {
+		t.Fatalf("StatPath(shut-down %s): %v", fsType, err)
+	}
+	if fsType == XFS {
+		if !errors.Is(after.FSError, unix.EIO) {
+			t.Errorf("StatPath(shut-down xfs).FSError = %v, want EIO", after.FSError)
+		}
+		switch n := MountTableReads() - reads; {
+		case viaMountinfo && n != 1:
+			t.Errorf("StatPath(shut-down xfs) read the mount table %d times, want once", n)
+		case !viaMountinfo && hadStatmount && !noStatmount.Load() && n != 0:
+			t.Errorf("StatPath(shut-down xfs) with statmount read the mount table %d times", n)
+		case !viaMountinfo && noStatmount.Load():
+			t.Logf("the kernel has no statmount or unique mount IDs: the mount table was read")
+		}
+	}
+	if fsType == Ext4 && after.FSError != nil {
+		t.Errorf("StatPath(shut-down ext4).FSError = %v, want nil (ext4 answers getattr)", after.FSError)
+	}
+	after.FSError = nil
+	if after != before {
+		t.Errorf("StatPath(shut-down %s) = %+v, before the shutdown %+v", fsType, after, before)
+	}
+
+	dir, name, err := OpenParent(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dir.Close()
+	var seen PathStat
+	if err := UnmountAt(dir, name, func(st PathStat) error {
+		if st.Major != before.Major || st.Minor != before.Minor || st.Ino != before.Ino {
+			return fmt.Errorf("%+v is not the shut-down mount %+v", st, before)
+		}
+		seen = st
+		return nil
+	}); err != nil {
+		t.Fatalf("UnmountAt(shut-down %s): %v", fsType, err)
+	}
+	if !seen.MountRoot {
+		t.Errorf("the check saw %+v, not a mount root", seen)
+	}
+	if ok, err := IsMountPoint(mnt); err != nil || ok {
+		t.Fatalf("after UnmountAt: IsMountPoint = %v, %v; want unmounted", ok, err)
 	}
 }
