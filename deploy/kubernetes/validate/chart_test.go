@@ -138,3 +138,27 @@ func equalResources(a, b corev1.ResourceRequirements) bool {
 	}
 	return eq(a.Requests, b.Requests) && eq(a.Limits, b.Limits)
 }
+
+// values.schema.json refuses what berth would refuse at start, or what the
+// chart would silently ignore: helm template fails on each.
+func TestChartSchema(t *testing.T) {
+	helm := tool(t, "helm", "BERTH_HELM")
+	for what, values := range map[string]map[string]any{
+		"misspelt value":      {"nodeselector": map[string]any{"disk": "ssd"}},
+		"misspelt image.tag":  {"image": map[string]any{"tags": "v0.2.0"}},
+		"unknown log level":   {"logLevel": "verbose"},
+		"unknown transport":   {"transports": []any{"rdma"}},
+		"transports a string": {"transports": "iscsi"},
+		"an argument no flag": {"extraArgs": []any{"max-volumes=32"}},
+		"env without a name":  {"extraEnv": []any{map[string]any{"value": "x"}}},
+		"relative kubeletDir": {"kubeletDir": "var/lib/kubelet"},
+		"port out of range":   {"livenessProbe": map[string]any{"port": 70000}},
+	} {
+		out, err := run(t, helm, helmArgs(t, "template", values, release, chartDir, "--namespace", namespace)...)
+		if err == nil {
+			t.Errorf("%s %v: helm template rendered it:\n%s", what, values, out)
+		} else if !strings.Contains(err.Error(), "schema") {
+			t.Errorf("%s %v: refused, but not by the schema: %v", what, values, err)
+		}
+	}
+}
