@@ -29,13 +29,13 @@ deps:
 STATICCHECK_VERSION ?= v0.8.2
 DEADCODE_VERSION ?= v0.41.0
 TOOLS ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/berth-tools
+# $(call install-tool,NAME,PACKAGE,VERSION): go install PACKAGE@VERSION, once,
+# as $(TOOLS)/NAME-VERSION.
+install-tool = test -x $(TOOLS)/$(1)-$(3) || { \
+	GOBIN=$(TOOLS)/tmp-$(1) $(GO) install $(2)@$(3) && mv $(TOOLS)/tmp-$(1)/$(1) $(TOOLS)/$(1)-$(3); }
 lint:
-	@test -x $(TOOLS)/staticcheck-$(STATICCHECK_VERSION) || { \
-		GOBIN=$(TOOLS)/tmp $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION) && \
-		mv $(TOOLS)/tmp/staticcheck $(TOOLS)/staticcheck-$(STATICCHECK_VERSION); }
-	@test -x $(TOOLS)/deadcode-$(DEADCODE_VERSION) || { \
-		GOBIN=$(TOOLS)/tmp $(GO) install golang.org/x/tools/cmd/deadcode@$(DEADCODE_VERSION) && \
-		mv $(TOOLS)/tmp/deadcode $(TOOLS)/deadcode-$(DEADCODE_VERSION); }
+	@$(call install-tool,staticcheck,honnef.co/go/tools/cmd/staticcheck,$(STATICCHECK_VERSION))
+	@$(call install-tool,deadcode,golang.org/x/tools/cmd/deadcode,$(DEADCODE_VERSION))
 	$(GO) vet ./...
 	$(TOOLS)/staticcheck-$(STATICCHECK_VERSION) ./...
 	@echo "$(TOOLS)/deadcode-$(DEADCODE_VERSION) ."; \
@@ -60,9 +60,18 @@ test: export BERTH_ENCRYPTED_CRASH_LIFECYCLES ?= ext4-luks
 unit-test: build
 	BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m -skip '^TestVM|^TestCrashAtEveryStep$$' ./...
 
-# Kubernetes manifests decoded strictly into the API types (nested module).
+# The Kubernetes manifests as helm and kustomize render them (helm lint,
+# helm template, kustomize build: pinned, installed once beside staticcheck),
+# decoded strictly into the API types, compared between the chart and the
+# kustomize base, and checked against berth serve's flags (nested module).
+HELM_VERSION ?= v4.3.2
+KUSTOMIZE_VERSION ?= v5.8.2
 manifest-test: build
-	cd deploy/kubernetes/validate && BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -mod=mod -count=1 ./...
+	@$(call install-tool,helm,helm.sh/helm/v4/cmd/helm,$(HELM_VERSION))
+	@$(call install-tool,kustomize,sigs.k8s.io/kustomize/kustomize/v5,$(KUSTOMIZE_VERSION))
+	cd deploy/kubernetes/validate && BERTH_BIN=$(CURDIR)/$(BIN) \
+		BERTH_HELM=$(TOOLS)/helm-$(HELM_VERSION) BERTH_KUSTOMIZE=$(TOOLS)/kustomize-$(KUSTOMIZE_VERSION) \
+		$(GO) test -mod=mod -count=1 ./...
 
 sanity-test: build
 	cd test/sanity && BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m -skip '^TestVM' ./...
@@ -76,9 +85,10 @@ vm-image:
 # berth's container image, built without a container daemon: a Debian root
 # with only the programs berth runs (cached in ~/.cache/berth-image), the
 # static berth and the deploy/kubernetes wrappers, written as one archive
-# that docker load, podman load and ctr images import read. Tagged with
-# VERSION, the tag the manifests deploy; reproducible (SOURCE_DATE_EPOCH: HEAD's commit time).
-IMAGE_NAME ?= berth
+# that docker load, podman load and ctr images import read. Named
+# IMAGE_NAME:VERSION, the image the manifests deploy; reproducible
+# (SOURCE_DATE_EPOCH: HEAD's commit time).
+IMAGE_NAME ?= ghcr.io/berth-csi/berth
 IMAGE_TAG  ?= $(VERSION)
 IMAGE      ?= bin/berth-image.tar
 image: build
@@ -90,9 +100,7 @@ image: build
 # and checks every layer against its digest and diff_id.
 CRANE_VERSION ?= v0.22.1
 image-check: image
-	@test -x $(TOOLS)/crane-$(CRANE_VERSION) || { \
-		GOBIN=$(TOOLS)/tmp $(GO) install github.com/google/go-containerregistry/cmd/crane@$(CRANE_VERSION) && \
-		mv $(TOOLS)/tmp/crane $(TOOLS)/crane-$(CRANE_VERSION); }
+	@$(call install-tool,crane,github.com/google/go-containerregistry/cmd/crane,$(CRANE_VERSION))
 	$(TOOLS)/crane-$(CRANE_VERSION) validate --tarball $(IMAGE)
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/image-check/berth .
 	GO=$(GO) ./scripts/image.sh bin/image-check/berth $(IMAGE_TAG) bin/image-check/berth-image.tar $(IMAGE_NAME)

@@ -28,7 +28,7 @@ log() { printf 'image: %s\n' "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 
 [ $# -ge 3 ] || die "usage: $0 BERTH_BINARY VERSION OUT [NAME]"
-bin=$1 version=$2 out=$3 name=${4:-berth}
+bin=$1 version=$2 out=$3 name=${4:-ghcr.io/berth-csi/berth}
 script_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 repo_root=$(cd "$script_dir/.." && pwd)
 cache=${BERTH_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/berth-image}

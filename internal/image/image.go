@@ -7,6 +7,13 @@
 // Archives are reproducible: the layer's entries are sorted by path, every
 // time is the given epoch, owners are numeric without names, and JSON is
 // written with sorted keys, so the same tree gives the same digests.
+//
+// go-containerregistry's archive writer (tarball.Write) writes docker save's
+// format alone: containerd then imports a Docker manifest it converts
+// itself, under another digest than the OCI manifest the build names, and
+// no OCI layout reader can read the archive. The OCI layout half is why
+// this package writes the archive itself; crane validate checks it in make
+// image-check.
 package image
 
 import (

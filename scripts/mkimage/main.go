@@ -3,7 +3,7 @@
 // then reads it back and checks every digest.
 //
 //	go run ./scripts/mkimage -root DIR -add SRC:/path/in/image:0755 ... \
-//		-name berth -tag VERSION -epoch SOURCE_DATE_EPOCH -o berth.tar
+//		-name ghcr.io/berth-csi/berth -tag VERSION -epoch SOURCE_DATE_EPOCH -o berth.tar
 //
 // -entrypoint and -cmd (comma-separated) default to berth serve; make e2e
 // writes its test images with other values.
@@ -51,7 +51,7 @@ func main() {
 	)
 	flag.StringVar(&o.Root, "root", "", "root tree of the image")
 	flag.Var(&add, "add", "SOURCE:/path/in/image:MODE, a file placed over the tree (repeatable)")
-	flag.StringVar(&o.Name, "name", "berth", "image name")
+	flag.StringVar(&o.Name, "name", "ghcr.io/berth-csi/berth", "image name")
 	flag.StringVar(&o.Tag, "tag", "", "image tag (berth's version)")
 	flag.Int64Var(&epoch, "epoch", 0, "SOURCE_DATE_EPOCH: every file's time and the creation time")
 	flag.StringVar(&out, "o", "", "archive to write")

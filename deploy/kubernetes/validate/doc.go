@@ -1,18 +1,15 @@
-// Package validate checks berth's Kubernetes manifests: every document is
-// decoded strictly into the k8s.io/api types (an unknown or misspelt field
-// is an error), the properties berth depends on are asserted, and the
-// examples' volumeAttributes are parsed by berth's own transports.
-//
-// The objects checked are the rendered ones: [Kustomize] renders the base
-// as kustomize build does for the features it uses (resources, images,
-// replacements, local-config), and [Helm] renders deploy/helm/berth as
-// helm template does for the template functions it allows (default,
-// quote); a test compares the two object sets field by field. Neither tool
-// is needed, and a feature outside those subsets fails to render rather
-// than being skipped.
+// Package validate checks berth's Kubernetes manifests as they are
+// deployed: the kustomize base rendered by kustomize build and the chart
+// rendered by helm template (after helm lint), every document decoded
+// strictly into the k8s.io/api types (an unknown or misspelt field is an
+// error), the properties berth depends on asserted, the chart's and the
+// base's objects compared field by field, the berth container's arguments
+// checked against berth serve --help, and the examples' volumeAttributes
+// parsed by berth's own transports.
 //
 // It is a module of its own so that berth's module does not require the
-// Kubernetes API types. Run it with:
+// Kubernetes API types. make manifest-test installs the pinned helm and
+// kustomize and runs it; by hand, name them (or have them on PATH):
 //
-//	cd deploy/kubernetes/validate && go test -count=1 ./...
+//	cd deploy/kubernetes/validate && BERTH_HELM=... BERTH_KUSTOMIZE=... go test -count=1 ./...
 package validate

@@ -13,7 +13,6 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	"sigs.k8s.io/yaml"
 )
 
 // Ports other CSI drivers' sidecars take by default on the node's network
@@ -147,9 +146,14 @@ func dialsSocket(c corev1.Container) bool {
 
 var releaseTag = regexp.MustCompile(`^v[0-9]+\.[0-9]+\.[0-9]+$`)
 
-// The berth container runs the image make image builds: repository berth,
-// tagged with the release in the file VERSION (which make image and berth
-// version read), in the kustomize base and in the chart alike.
+// imageRepository is the berth image's name in the manifests, the chart
+// and make image: fully qualified, so that no node resolves it against
+// another default registry (berth:v0.1.0 is docker.io/library/berth).
+const imageRepository = "ghcr.io/berth-csi/berth"
+
+// The berth container runs the image make image builds: the project's
+// name, tagged with the release in the file VERSION (which make image and
+// berth version read), in the kustomize base and in the chart alike.
 func TestImage(t *testing.T) {
 	v, err := os.ReadFile(filepath.Join(manifestDir, "..", "..", "VERSION"))
 	if err != nil {
@@ -159,30 +163,52 @@ func TestImage(t *testing.T) {
 	if !releaseTag.MatchString(version) {
 		t.Fatalf("VERSION %q: want vX.Y.Z", version)
 	}
-	for _, r := range []struct {
-		what string
-		objs func() ([]Object, error)
-	}{
-		{"kustomize base", func() ([]Object, error) { return Kustomize(manifestDir) }},
-		{"Helm chart", func() ([]Object, error) { return Helm(chartDir, "berth", "kube-system", nil) }},
+	want := imageRepository + ":" + version
+	for what, out := range map[string][]byte{
+		"kustomize base": kustomize(t, manifestDir),
+		"Helm chart":     helmTemplate(t, nil),
 	} {
-		objs, err := r.objs()
-		if err != nil {
-			t.Fatal(err)
-		}
-		img := container(t, daemonSet(t, decodeRendered(t, r.what, objs)), "berth").Image
-		repo, tag, ok := strings.Cut(img, ":")
-		if !ok || repo != "berth" || tag != version {
-			t.Errorf("%s: berth image %q: want berth:%s, the image make image builds from VERSION", r.what, img, version)
+		if img := container(t, daemonSet(t, decodeBytes(t, what, out)), "berth").Image; img != want {
+			t.Errorf("%s: berth image %q: want %s, the image make image builds from VERSION", what, img, want)
 		}
 	}
 	mk, err := os.ReadFile(filepath.Join(manifestDir, "..", "..", "Makefile"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, line := range []string{"\nIMAGE_NAME ?= berth\n", "\nIMAGE_TAG  ?= $(VERSION)\n", "\nVERSION   ?= $(shell cat VERSION)\n"} {
+	for _, line := range []string{"\nIMAGE_NAME ?= " + imageRepository + "\n", "\nIMAGE_TAG  ?= $(VERSION)\n", "\nVERSION   ?= $(shell cat VERSION)\n"} {
 		if !bytes.Contains(mk, []byte(line)) {
 			t.Errorf("the Makefile lacks %q", strings.TrimSpace(line))
+		}
+	}
+}
+
+// Another build or a registry copy is deployed by changing the image in
+// one place: an overlay's images entry (kustomize) or image.repository and
+// image.tag (Helm).
+func TestImageOverride(t *testing.T) {
+	const want = "registry.example.com/storage/berth:v9.8.7-rc1"
+	base, err := filepath.Abs(manifestDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	overlay := t.TempDir()
+	rel, err := filepath.Rel(overlay, base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k := "resources:\n  - " + rel + "\nimages:\n  - name: " + imageRepository +
+		"\n    newName: registry.example.com/storage/berth\n    newTag: v9.8.7-rc1\n"
+	if err := os.WriteFile(filepath.Join(overlay, "kustomization.yaml"), []byte(k), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for what, out := range map[string][]byte{
+		"kustomize overlay": kustomize(t, overlay),
+		"Helm chart": helmTemplate(t, map[string]any{"image": map[string]any{
+			"repository": "registry.example.com/storage/berth", "tag": "v9.8.7-rc1"}}),
+	} {
+		if img := container(t, daemonSet(t, decodeBytes(t, what, out)), "berth").Image; img != want {
+			t.Errorf("%s: berth image %q, want %s", what, img, want)
 		}
 	}
 }
@@ -216,27 +242,26 @@ func TestSystemdRegisters(t *testing.T) {
 // strictly into their API types.
 func deployedObjects(t *testing.T) []object {
 	t.Helper()
-	objs, err := Kustomize(manifestDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return decodeRendered(t, "kustomize", objs)
+	return decodeBytes(t, "kustomize build", kustomize(t, manifestDir))
 }
 
-const chartDir = "../../helm/berth"
+// helm lint --strict passes with the chart's values and with every value
+// TestChartValues sets.
+func TestHelmLint(t *testing.T) {
+	helm := tool(t, "helm", "BERTH_HELM")
+	for what, values := range map[string]map[string]any{"default values": nil, "values set": valuesSet} {
+		if out, err := run(t, helm, helmArgs(t, "lint", values, "--strict", "--namespace", namespace, chartDir)...); err != nil {
+			t.Errorf("%s: %v\n%s", what, err, out)
+		}
+	}
+}
 
 // The Helm chart deploys the same objects as the kustomize base, field
 // for field, with its default values (in kube-system, like the base).
 func TestHelmChartMatchesKustomize(t *testing.T) {
-	k, err := Kustomize(manifestDir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h, err := Helm(chartDir, "berth", "kube-system", nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	decodeRendered(t, "helm", h)
+	kout, hout := kustomize(t, manifestDir), helmTemplate(t, nil)
+	decodeBytes(t, "helm template", hout)
+	k, h := splitObjects(t, kout), splitObjects(t, hout)
 	if d := Diff(k, h); len(d) > 0 {
 		t.Errorf("the chart and the kustomize base differ (kustomize vs helm):\n%s", strings.Join(d, "\n"))
 	}
@@ -268,21 +293,12 @@ func TestKubeletDirOnePlace(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	k, err := Kustomize(dir)
-	if err != nil {
-		t.Fatal(err)
+	rendered := map[string][]byte{
+		"kustomize": kustomize(t, dir),
+		"helm":      helmTemplate(t, map[string]any{"kubeletDir": moved}),
 	}
-	h, err := Helm(chartDir, "berth", "kube-system", map[string]any{"kubeletDir": moved})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for what, objs := range map[string][]Object{"kustomize": k, "helm": h} {
-		typed := decodeRendered(t, what, objs)
-		ds := daemonSet(t, typed)
-		out, err := yaml.Marshal(objs)
-		if err != nil {
-			t.Fatal(err)
-		}
+	for what, out := range rendered {
+		ds := daemonSet(t, decodeBytes(t, what, out))
 		if bytes.Contains(out, []byte(kubeletDir)) {
 			t.Errorf("%s: with the kubelet directory moved to %s, %s is still named:\n%s", what, moved, kubeletDir, out)
 			continue
@@ -301,7 +317,7 @@ func TestKubeletDirOnePlace(t *testing.T) {
 			t.Errorf("%s: host paths %v", what, hostPaths)
 		}
 	}
-	if d := Diff(k, h); len(d) > 0 {
+	if d := Diff(splitObjects(t, rendered["kustomize"]), splitObjects(t, rendered["helm"])); len(d) > 0 {
 		t.Errorf("with the kubelet directory moved, the chart and the kustomize base differ:\n%s", strings.Join(d, "\n"))
 	}
 }

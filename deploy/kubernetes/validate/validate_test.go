@@ -57,20 +57,6 @@ func decode(t *testing.T, file string) []object {
 	return decodeBytes(t, filepath.Base(file), data)
 }
 
-// decodeRendered strictly decodes rendered objects (Kustomize, Helm).
-func decodeRendered(t *testing.T, what string, objs []Object) []object {
-	t.Helper()
-	var out []object
-	for _, o := range objs {
-		data, err := yaml.Marshal(o)
-		if err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, decodeBytes(t, what+" "+ObjectKey(o), data)...)
-	}
-	return out
-}
-
 func decodeBytes(t *testing.T, name string, data []byte) []object {
 	t.Helper()
 	var out []object
@@ -181,9 +167,19 @@ func only[T any](t *testing.T, objs []object) []*T {
 
 // kustomizeResources returns the files kustomization.yaml deploys.
 func kustomizeResources(t *testing.T) []string {
-	files, err := KustomizeResources(manifestDir)
+	data, err := os.ReadFile(filepath.Join(manifestDir, "kustomization.yaml"))
 	if err != nil {
 		t.Fatal(err)
+	}
+	var k struct {
+		Resources []string `json:"resources"`
+	}
+	if err := yaml.Unmarshal(data, &k); err != nil {
+		t.Fatalf("kustomization.yaml: %v", err)
+	}
+	var files []string
+	for _, r := range k.Resources {
+		files = append(files, filepath.Join(manifestDir, r))
 	}
 	return files
 }
