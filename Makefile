@@ -198,7 +198,7 @@ demo: deps build
 
 # The unit runs the binary where PREFIX put it. uninstall removes what
 # install wrote and nothing else: berth's state directory, the node's
-# hostnqn/hostid and iSCSI node records stay (README, "Uninstall").
+# hostnqn/hostid and iSCSI node records stay (README, "Upgrade, rollback and uninstall").
 UNIT_DIR ?= /etc/systemd/system
 install: build
 	install -D -m 0755 $(BIN) $(DESTDIR)$(PREFIX)/bin/berth

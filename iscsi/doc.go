@@ -52,29 +52,9 @@
 //
 // # volume_context
 //
-// Compatible with csi-driver-iscsi:
-//
-//	targetPortal       "10.0.0.1:3260" (a host name works too)
-//	portals            `["10.0.0.2:3260","10.0.0.3:3260"]` or "a:3260,b:3260"
-//	iqn                target name (iqn., eui. or naa.)
-//	lun                0-16383
-//	iscsiInterface     open-iscsi iface record, default "default"
-//	sessionCHAPAuth    "true": session CHAP from the secrets
-//	discoveryCHAPAuth  "true": SendTargets discovery with CHAP (implies discovery)
-//
-// berth's own keys:
-//
-//	discovery          "true": SendTargets through the first portal before login
-//	wwid               expected WWID (naa.…, 36…, eui.…); a mismatching LUN is refused
-//	multipath          "auto" (default), "true", "false" (single path)
-//	node.session.timeo.replacement_timeout   0-86400 s
-//	node.conn[0].timeo.login_timeout         1-3600 s
-//	node.session.initial_login_retry_max     0-1000
-//
-// Secrets (node-stage secret), as csi-driver-iscsi names them:
-// node.session.auth.username, node.session.auth.password,
-// node.session.auth.username_in, node.session.auth.password_in (mutual), and
-// the same under discovery.sendtargets.auth.
+// The keys (csi-driver-iscsi's and berth's own), their ranges and the CHAP
+// secrets are documented once, in docs/volume-context.md; ParseVolume
+// implements them.
 //
 // # Running in a container
 //

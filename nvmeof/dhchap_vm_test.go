@@ -361,7 +361,7 @@ func guestDHCHAPAuth(t *testing.T, tr *Transport, hostNQN string, k1, k2, c1, c2
 		// dhchap_ctrl_secret). berth cannot tell, so the path is live
 		// and Health is normal. This fails when a kernel starts to
 		// refuse such a target; berth's documentation of the
-		// controller key (README, doc.go) must then follow.
+		// controller key (docs/volume-context.md, doc.go) must then follow.
 		tgt.SetDHCHAP(hostNQN, target.NVMeDHCHAP{Key: k1, CtrlKey: c1})
 		vcr := vc("1")
 		vcr["reconnectDelay"] = "1"

@@ -10,45 +10,9 @@
 //
 // # volume_context
 //
-// berth's keys (csi-driver-nvmf's attribute names in parentheses are
-// accepted too, so that volumes made for it keep working):
-//
-//	transport       "nvmeof"; without it, nqn or targetTrAddr select it (TransportKeys).
-//	nqn             subsystem NQN (required): nqn.yyyy-mm.reverse.domain:name
-//	                or nqn.2014-08.org.nvmexpress:uuid:<uuid>, at most 223 bytes.
-//	nsid            namespace ID, 1..4294967294.
-//	uuid            (deviceUUID) namespace UUID.
-//	nguid           namespace NGUID, 32 hex digits, dashes allowed.
-//	                At least one of nsid, uuid, nguid is required; all that
-//	                are given must match the namespace found.
-//	trtype          (targetTrType) "tcp" (default) or "rdma".
-//	traddr          (targetTrAddr) target address, or a comma-separated list
-//	                of addresses that share trsvcid: one path each.
-//	trsvcid         (targetTrPort) port, default 4420.
-//	targets         comma-separated paths "host:port", "[ipv6]:port" or
-//	                "host" (port = trsvcid), e.g.
-//	                "10.0.0.5:4420,10.0.1.5:4420". Merged with traddr;
-//	                at most 32 distinct paths in all.
-//	hostTrAddr      local IP address to connect from (host_traddr).
-//	hostIface       local interface to connect through (host_iface, tcp).
-//	ctrlLossTmo     seconds before a lost controller is given up, -1..604800
-//	                (-1 = reconnect forever, only with ctrlLossForever);
-//	                kernel default 600.
-//	ctrlLossForever "true" accepts ctrlLossTmo=-1: a node cut off from the
-//	                target then keeps its queued writes for the target
-//	                until a path comes back, even after another node took
-//	                the volume over; for arrays that fence on their own.
-//	reconnectDelay  seconds between reconnect attempts, 1..3600.
-//	keepAliveTmo    keep-alive timeout in seconds, 1..3600.
-//	fastIOFailTmo   seconds I/O waits on a reconnecting path before failing
-//	                over, -1..604800 (-1 = off).
-//	nrIOQueues      number of I/O queues, 1..1024.
-//
-// Host names in traddr and targets are resolved once per attach through
-// net.DefaultResolver, bounded by the call's context, and the first
-// address is written to the kernel, which takes addresses only. The
-// agent's state keeps the name, so a changed DNS record takes effect at
-// the next attach.
+// The keys (berth's, and csi-driver-nvmf's names, accepted too) and their
+// ranges are documented once, in docs/volume-context.md; ParseVolumeContext
+// implements them.
 //
 // # Host identity
 //

@@ -92,22 +92,22 @@ func readmeSections(text string) (run []readmeSection, skipped []string, err err
 }
 
 // readmePrelude runs before a section's commands, inside a mount namespace
-// of their own: /srv, /mnt, /run and /var/lib are empty tmpfs there, so
-// the commands use the README's paths as written without touching the
-// host's. On exit it stops what the commands left running, unmounts what
-// they left mounted and detaches loop devices over their image files, so
-// that a failed step leaves nothing behind.
+// of their own: /srv, /mnt, /run, /var/lib and /tmp are empty tmpfs there,
+// so the commands use the paths as written (mktemp -d included) without
+// touching the host's. On exit it stops what the commands left running,
+// unmounts what they left mounted and detaches loop devices over their
+// image files, so that a failed step leaves nothing behind.
 const readmePrelude = `set -euo pipefail
-for d in /srv /mnt /run /var/lib; do mount -t tmpfs readme-test "$d"; done
+for d in /srv /mnt /run /var/lib /tmp; do mount -t tmpfs readme-test "$d"; done
 cleanup() {
 	rc=$?
 	set +e
 	jobs -p | xargs -r kill 2>/dev/null
 	wait
-	for d in /mnt /srv; do
+	for d in /mnt /srv /tmp; do
 		findmnt -rn -R -o TARGET --mountpoint "$d" | tail -n +2 | sort -r | xargs -r -n1 umount
 	done
-	find /srv -type f | while read -r f; do
+	find /srv /tmp -type f | while read -r f; do
 		losetup -j "$f" -n -O NAME | xargs -r -n1 losetup -d
 	done
 	exit $rc
@@ -117,10 +117,26 @@ trap 'exit 143' TERM
 set -x
 `
 
-// TestREADME runs the README's sh blocks, section by section, each
-// section in one bash, as root on this host. The csc walkthrough takes a
-// file volume through stage, publish, stats, expand, unpublish and
-// unstage with bin/berth and a csc built from this module's go.mod.
+// readmeFiles are the documents whose sh blocks TestREADME runs: the
+// README and every page under docs/.
+func readmeFiles(repo string) ([]string, error) {
+	docs, err := filepath.Glob(filepath.Join(repo, "docs", "*.md"))
+	if err != nil {
+		return nil, err
+	}
+	return append([]string{filepath.Join(repo, "README.md")}, docs...), nil
+}
+
+// readmeWalkthrough is the heading of the README's csc walkthrough, which
+// TestREADME runs twice in a row: a second run on the same host must work
+// as the first did.
+const readmeWalkthrough = "A first volume by hand (file transport, csc)"
+
+// TestREADME runs the sh blocks of the README and of docs/*.md, section by
+// section, each section in one bash, as root on this host. The csc
+// walkthrough takes a file volume through stage, publish, stats, expand,
+// unpublish and unstage with bin/berth and a csc built from this module's
+// go.mod, then cleans up; it runs twice.
 func TestREADME(t *testing.T) {
 	if os.Getenv("BERTH_BIN") == "" || os.Geteuid() != 0 {
 		why := "needs root and BERTH_BIN (the berth binary; run `make sanity-test`)"
@@ -142,25 +158,38 @@ func TestREADME(t *testing.T) {
 			t.Fatalf("%s: %v (make deps installs it)", tool, err)
 		}
 	}
-	text, err := os.ReadFile(filepath.Join(repo, "README.md"))
+	files, err := readmeFiles(repo)
 	if err != nil {
 		t.Fatal(err)
 	}
-	sections, skipped, err := readmeSections(string(text))
-	if err != nil {
-		t.Fatalf("README.md: %v", err)
-	}
-	for _, s := range skipped {
-		t.Logf("not run: %s", s)
-	}
 	ran := map[string]bool{}
-	for _, sec := range sections {
-		ran[sec.heading] = true
-		t.Run(sec.heading, func(t *testing.T) { runReadmeSection(t, repo, sec) })
+	for _, path := range files {
+		name, _ := filepath.Rel(repo, path)
+		text, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sections, skipped, err := readmeSections(string(text))
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		for _, s := range skipped {
+			t.Logf("not run: %s: %s", name, s)
+		}
+		for _, sec := range sections {
+			ran[name+": "+sec.heading] = true
+			runs := 1
+			if name == "README.md" && sec.heading == readmeWalkthrough {
+				runs = 2
+			}
+			for i := 1; i <= runs; i++ {
+				t.Run(fmt.Sprintf("%s/%s/run%d", name, sec.heading, i), func(t *testing.T) { runReadmeSection(t, repo, sec) })
+			}
+		}
 	}
 	// The walkthrough must not go unnoticed into a skip.
-	if !ran["Driving berth by hand with csc"] {
-		t.Fatalf("no runnable block in the csc walkthrough; sections run: %v", ran)
+	if !ran["README.md: "+readmeWalkthrough] {
+		t.Fatalf("no runnable block in the csc walkthrough (README.md, %q); sections run: %v", readmeWalkthrough, ran)
 	}
 }
 
