@@ -11,8 +11,8 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/blockdev"
 	"github.com/berth-csi/berth/internal/errdefs"
-	"github.com/berth-csi/berth/internal/forklock"
 )
 
 // Device-mapper ioctl interface (<linux/dm-ioctl.h>), version 4.
@@ -220,17 +220,14 @@ func InUse(dev *Device) error {
 	return fmt.Errorf("%s is in use: %s: %w", dev.Path, holdersOf(cur), errdefs.ErrBusy)
 }
 
-// openExclusive opens path exclusively and closes it again. The open
-// reaches no child started meanwhile, whose copy would keep the device
-// claimed after the check.
+// openExclusive opens path exclusively and closes it again
+// (blockdev.Held): EBUSY when something holds it.
 func openExclusive(path string) error {
-	defer forklock.Hold()()
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_EXCL|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return err
+	held, err := blockdev.Held(path)
+	if held {
+		return unix.EBUSY
 	}
-	unix.Close(fd)
-	return nil
+	return err
 }
 
 // holdersOf names what holds dev: the devices stacked on it, the mount

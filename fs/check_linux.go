@@ -4,14 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"strings"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/blockdev"
 	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
-	"github.com/berth-csi/berth/internal/forklock"
 )
 
 // Fsck checks the filesystem on devPath before it is mounted; see the
@@ -52,19 +51,9 @@ func Fsck(ctx context.Context, devPath, fsType string) error {
 // exclusively (a device-mapper table, a running mkfs): the kernel refuses
 // an O_EXCL open of a block device with EBUSY then. No mount table is
 // read, so the answer costs the same on a node with ten thousand mounts.
-// The open reaches no child started meanwhile, whose copy would keep the
-// device claimed for the mkfs or mount that follows.
+// A device whose open waits stalls only this call (blockdev.Held).
 func deviceInUse(devPath string) (bool, error) {
-	defer forklock.Hold()()
-	fd, err := unix.Open(devPath, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC, 0)
-	switch {
-	case err == nil:
-		unix.Close(fd)
-		return false, nil
-	case errors.Is(err, unix.EBUSY):
-		return true, nil
-	}
-	return false, &os.PathError{Op: "open O_EXCL", Path: devPath, Err: err}
+	return blockdev.Held(devPath)
 }
 
 // Resize grows the filesystem on devPath to fill the device. ext4 is

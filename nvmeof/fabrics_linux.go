@@ -10,8 +10,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/blockdev"
 	"github.com/berth-csi/berth/internal/errdefs"
-	"github.com/berth-csi/berth/internal/forklock"
 	"github.com/berth-csi/berth/internal/sysfs"
 )
 
@@ -193,14 +193,8 @@ func flushDevice(path string) error {
 
 // openedExclusively reports whether a block device is mounted, held by
 // a device mapper table or otherwise opened exclusively: an O_EXCL open
-// of a block device fails with EBUSY then. The open reaches no child
-// started meanwhile, whose copy would keep the device claimed.
+// of a block device fails with EBUSY then (blockdev.Held).
 func openedExclusively(path string) bool {
-	defer forklock.Hold()()
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
-	if err != nil {
-		return errors.Is(err, unix.EBUSY)
-	}
-	unix.Close(fd)
-	return false
+	held, _ := blockdev.Held(path)
+	return held
 }

@@ -1,0 +1,110 @@
+package blockdev
+
+import (
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+func TestHeld(t *testing.T) {
+	if os.Geteuid() != 0 {
+		if os.Getenv("BERTH_CI") != "" {
+			t.Fatal("needs root (loop devices, mounts)")
+		}
+		t.Skip("needs root (loop devices, mounts)")
+	}
+	img := filepath.Join(t.TempDir(), "img")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 16<<20); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("losetup", "--find", "--show", "--", img).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "--detach", dev).Run() })
+
+	if held, err := Held(dev); held || err != nil {
+		t.Fatalf("Held(free loop device) = %v, %v", held, err)
+	}
+	// An exclusive opener: what a mount or a dm table is to the kernel.
+	fd, err := unix.Open(dev, unix.O_RDONLY|unix.O_EXCL|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if held, err := Held(dev); !held || err != nil {
+		t.Errorf("Held(claimed loop device) = %v, %v; want true", held, err)
+	}
+	unix.Close(fd)
+	if held, err := Held(dev); held || err != nil {
+		t.Errorf("Held(released loop device) = %v, %v", held, err)
+	}
+	if _, err := Held(img); !errors.Is(err, unix.ENOTBLK) {
+		t.Errorf("Held(regular file) = %v, want ENOTBLK", err)
+	}
+	if _, err := Held(filepath.Join(t.TempDir(), "missing")); !errors.Is(err, unix.ENOENT) {
+		t.Errorf("Held(missing) = %v, want ENOENT", err)
+	}
+}
+
+// A device whose open waits (a SCSI disk in error recovery waits for the
+// recovery before any open) stalls only the check: programs berth starts
+// for other volumes still start, and other checks still answer.
+func TestHeldWaitingOpenStallsNothingElse(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (loop devices)")
+	}
+	img := filepath.Join(t.TempDir(), "img")
+	if err := os.WriteFile(img, make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("losetup", "--find", "--show", "--", img).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "--detach", dev).Run() })
+
+	stuck, release := "/dev/stuck-disk", make(chan struct{})
+	real := openShared
+	openShared = func(path string) (int, error) {
+		if path == stuck {
+			<-release
+			return -1, unix.EIO
+		}
+		return real(path)
+	}
+	t.Cleanup(func() { openShared = real })
+	done := make(chan error, 1)
+	go func() {
+		_, err := Held(stuck)
+		done <- err
+	}()
+	time.Sleep(100 * time.Millisecond) // the check is in its open
+	ran := make(chan error, 1)
+	go func() { ran <- exec.Command("true").Run() }()
+	select {
+	case err := <-ran:
+		if err != nil {
+			t.Errorf("a program started beside the waiting check: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Error("no program could start while a check waited in its open")
+	}
+	if held, err := Held(dev); held || err != nil {
+		t.Errorf("another device's check beside the waiting one: %v, %v", held, err)
+	}
+	close(release)
+	if err := <-done; !errors.Is(err, unix.EIO) {
+		t.Errorf("the waiting check: %v, want EIO", err)
+	}
+}
