@@ -527,11 +527,11 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 	wg.Wait()
 	for _, s := range append([]*span{first, head, tail}, far...) {
 		if s.err != nil {
-			return e, fmt.Errorf("probe %s: %w", path, s.err)
+			return e, readError(path, s.err)
 		}
 	}
 	if sampleErr != nil {
-		return e, fmt.Errorf("probe %s: sample: %w", path, sampleErr)
+		return e, readError(path, fmt.Errorf("sample: %w", sampleErr))
 	}
 	e.headNonZero = firstNonZero(first.data())
 	if e.headNonZero < 0 {
@@ -553,6 +553,14 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 		}
 	}
 	return e, nil
+}
+
+// readError is the error of a probe whose read of the device failed (an
+// I/O error, a device that shrank): what the device holds is unknown,
+// which is never blank.
+func readError(path string, err error) error {
+	return fmt.Errorf("probe %s: %w; berth cannot tell what the device holds and does not format it "+
+		"(check the device and the kernel log): %w", path, err, errdefs.ErrFailedPrecondition)
 }
 
 // readSamples reads the samples at offs (ascending, below tail) into
@@ -664,11 +672,15 @@ func readSamplesThreads(f *os.File, offs []int64, tail int64, buf []byte) (int64
 	return -1, nil
 }
 
+// readAt is the one read of the device the probe makes: pread(2).
+// Tests replace it with a device that fails or does not answer.
+var readAt = (*os.File).ReadAt
+
 // readAtFull reads into buf at off until buf is full or the file ends.
 func readAtFull(f *os.File, buf []byte, off int64) (int, error) {
 	n := 0
 	for n < len(buf) {
-		m, err := f.ReadAt(buf[n:], off+int64(n))
+		m, err := readAt(f, buf[n:], off+int64(n))
 		n += m
 		if errors.Is(err, io.EOF) || (err == nil && m == 0) {
 			break
