@@ -12,7 +12,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -871,8 +870,7 @@ func TestHostProbeLastSectorOfOddSize(t *testing.T) {
 	if err != nil || sig.Type != "lsi_mega_raid_member" {
 		t.Fatalf("Probe = %+v, %v; want lsi_mega_raid_member", sig, err)
 	}
-	// An ext4 format probes through the cache, and reads the last MiB
-	// past it: the same sector is seen.
+	// EnsureFilesystem's probe sees the same sector.
 	before := hashFile(t, file)
 	formatted, err := EnsureFilesystem(context.Background(), dev, Ext4, MkfsOptions{})
 	if formatted || !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "lsi_mega_raid_member") {
@@ -1196,100 +1194,5 @@ func TestHostKnownBlank(t *testing.T) {
 	formatted, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{KnownBlank: func() (bool, error) { return true, nil }})
 	if err != nil || !formatted {
 		t.Fatalf("EnsureFilesystem with KnownBlank true = %v, %v; want formatted without a probe", formatted, err)
-	}
-}
-
-// blockReads returns the read requests and sectors a block device has
-// completed (/sys/block/NAME/stat).
-func blockReads(t *testing.T, dev string) (ios, sectors int64) {
-	t.Helper()
-	b, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(dev), "stat"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := strings.Fields(string(b))
-	if len(f) < 3 {
-		t.Fatalf("%s stat: %q", dev, b)
-	}
-	ios, err = strconv.ParseInt(f[0], 10, 64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sectors, err = strconv.ParseInt(f[2], 10, 64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ios, sectors
-}
-
-// Probe's reads stay in the device's cache while the device it returns
-// is open, so that mkfs' own look at the same places (libblkid in
-// mke2fs, within the first MiB and the far windows) costs no device
-// reads; the last MiB and the samples are read past the cache; and Probe
-// fetches no more than it asks for (no read-ahead around its small
-// reads).
-func TestHostProbeLeavesReadsCached(t *testing.T) {
-	needRoot(t)
-	const size = 256 * mib
-	dev, _ := newLoop(t, size)
-	ctx := context.Background()
-	_, sec0 := blockReads(t, dev)
-	sig, held, err := probe(ctx, dev, mkfsReadsCache(Ext4))
-	if err != nil || !sig.Blank() {
-		t.Fatalf("probe of a blank device = %+v, %v", sig, err)
-	}
-	defer held.Close()
-	ios1, sec1 := blockReads(t, dev)
-	tail := int64(size - mib)
-	asked := int64(2 * mib)
-	for _, r := range farSpans(size, mib, tail) {
-		asked += r[1] - r[0]
-	}
-	asked += int64(len(sampleOffsets(size, tail))) * sampleSize
-	if got := (sec1 - sec0) * 512; got > asked+64<<10 {
-		t.Errorf("probe read %d bytes from the device; it asks for %d", got, asked)
-	}
-
-	// Where mkfs' libblkid looks: the first MiB, the far windows.
-	offs := []int64{0, 1024, 64 << 10, mib - 4096, 2 * mib, 4 * mib, size - 3087*512}
-	readAll := func() {
-		t.Helper()
-		f, err := os.Open(dev)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		for _, off := range offs {
-			if _, err := f.ReadAt(make([]byte, 512), off); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	readAll()
-	if ios2, _ := blockReads(t, dev); ios2 != ios1 {
-		t.Errorf("reading what probe read, with probe's device open, took %d device reads; want them cached", ios2-ios1)
-	}
-	// The last MiB and the samples are read past the cache: mkfs does
-	// not read there.
-	for _, off := range []int64{tail, size - 4096, 3 * mib} {
-		before, _ := blockReads(t, dev)
-		f, err := os.Open(dev)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := f.ReadAt(make([]byte, 512), off); err != nil {
-			t.Fatal(err)
-		}
-		f.Close()
-		if after, _ := blockReads(t, dev); after == before {
-			t.Errorf("probe's read at %d stayed in the cache", off)
-		}
-	}
-	ios1, _ = blockReads(t, dev)
-	// Closed, the kernel drops the cache: the same reads reach the device.
-	held.Close()
-	readAll()
-	if ios3, _ := blockReads(t, dev); ios3 == ios1 {
-		t.Error("reads after the device was closed were cached too: the check above proves nothing")
 	}
 }

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -16,7 +15,6 @@ import (
 
 	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
-	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // mkfsTimeout bounds one mkfs run.
@@ -47,32 +45,12 @@ const mkfsTimeout = 10 * time.Minute
 // (O_DIRECT, where the device allows it). When the first block holds
 // data, blkid is started at once and runs while Probe reads the rest.
 func Probe(ctx context.Context, devPath string) (Signature, error) {
-	sig, f, err := probe(ctx, devPath, false)
-	if f != nil {
-		f.Close()
-	}
-	return sig, err
-}
-
-// probe is Probe that also returns the device it read, still open, or
-// nil on error; the caller closes it. With cached, Probe reads the first
-// MiB and the far windows through the cache it dropped, each read for
-// exactly the bytes it asks (no read-ahead), and the kernel keeps those
-// pages while the device stays open (it drops them at the last close):
-// mkfs.ext4, whose libblkid check reads there before it writes, finds
-// them in memory, on a network device one round trip less per read.
-// Where the cache cannot be dropped every read bypasses it.
-func probe(ctx context.Context, devPath string, cached bool) (Signature, *os.File, error) {
-	f, size, err := openForProbe(devPath, cached)
+	f, size, err := openForProbe(devPath)
 	if err != nil {
-		return Signature{}, nil, err
+		return Signature{}, err
 	}
-	sig, err := probeOpen(ctx, f, devPath, size)
-	if err != nil {
-		f.Close()
-		return Signature{}, nil, err
-	}
-	return sig, f, nil
+	defer f.Close()
+	return probeOpen(ctx, f, devPath, size)
 }
 
 // probeOpen is Probe of the device f, of the given size.
@@ -187,17 +165,10 @@ var gptSignature = []byte("EFI PART")
 
 // openForProbe opens path for readEnds and returns its size. The buffer
 // cache of a block device is written back and dropped (BLKFLSBUF) first,
-// so that every read after it, Probe's, blkid's and mkfs', finds the
-// medium. The file bypasses the cache (O_DIRECT, where the file allows
-// it) unless cached is set and the cache was dropped; then it reads
-// through the cache with read-ahead off (POSIX_FADV_RANDOM: each read
-// fetches what it asks, not the MiBs around it).
-func openForProbe(path string, cached bool) (*os.File, int64, error) {
-	open := openDirect
-	if cached {
-		open = func(path string) (*os.File, error) { return openDevice(path, unix.O_RDONLY) }
-	}
-	f, err := open(path)
+// so that every read after it, blkid's and mkfs', finds the medium. The
+// file bypasses the cache (O_DIRECT, where the file allows it).
+func openForProbe(path string) (*os.File, int64, error) {
+	f, err := openDirect(path)
 	if err != nil {
 		return nil, 0, fmt.Errorf("probe %s: %w", path, err)
 	}
@@ -214,20 +185,9 @@ func openForProbe(path string, cached bool) (*os.File, int64, error) {
 			return nil, 0, fmt.Errorf("probe %s: ioctl BLKGETSIZE64: %w", path, err)
 		}
 		size = int64(n)
-		if err := unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0); err != nil && cached {
-			// Cached pages may be stale: read past them, on the
-			// device already open.
-			d, err := reopenDirect(f)
-			f.Close()
-			if err != nil {
-				return nil, 0, fmt.Errorf("probe %s: %w", path, err)
-			}
-			return d, size, nil
-		}
-	}
-	if cached {
-		// Advice only: without it the reads fetch more than they need.
-		_ = unix.Fadvise(int(f.Fd()), 0, 0, unix.FADV_RANDOM)
+		// Where the cache cannot be dropped, Probe's own reads still
+		// bypass it.
+		_ = unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0)
 	}
 	return f, size, nil
 }
@@ -376,85 +336,15 @@ type span struct {
 	err  error
 }
 
-// read fills s.buf from the device, in pieces of at most piece bytes
-// read at once (one read when piece is 0). The request is rounded up to
-// whole blocks, as O_DIRECT needs; the device ends where the range does.
-// Fewer bytes than the range holds (a device that shrank) is an error.
-func (s *span) read(f *os.File, piece int) {
-	s.n, s.err = readPieces(f, s.buf[:min(len(s.buf), roundUp(s.want, blockAlign))], s.off, piece)
+// read fills s.buf from the device. The request is rounded up to whole
+// blocks, as O_DIRECT needs; the device ends where the range does. Fewer
+// bytes than the range holds (a device that shrank) is an error.
+func (s *span) read(f *os.File) {
+	s.n, s.err = readAtFull(f, s.buf[:min(len(s.buf), roundUp(s.want, blockAlign))], s.off)
 	if s.err == nil && s.n < s.want {
 		s.err = fmt.Errorf("read %d bytes at offset %d, expected %d: did the device shrink?", s.n, s.off, s.want)
 	}
 	s.n = min(s.n, s.want)
-}
-
-// readPieces is readAtFull with buf cut into pieces of at most piece
-// bytes, all read at once. Through the cache with read-ahead off, the
-// kernel fetches one read's missing pages a device request at a time
-// (up to the larger of the queue's max_sectors_kb and read_ahead_kb,
-// see readPiece), waiting for each before it sends the next; reads of
-// one request each go out together.
-func readPieces(f *os.File, buf []byte, off int64, piece int) (int, error) {
-	if piece <= 0 || len(buf) <= piece {
-		return readAtFull(f, buf, off)
-	}
-	pieces := (len(buf) + piece - 1) / piece
-	got := make([]int, pieces)
-	errs := make([]error, pieces)
-	var wg sync.WaitGroup
-	for i := range pieces {
-		lo, hi := i*piece, min(len(buf), (i+1)*piece)
-		wg.Go(func() { got[i], errs[i] = readAtFull(f, buf[lo:hi], off+int64(lo)) })
-	}
-	wg.Wait()
-	n := 0
-	for i := range pieces {
-		if errs[i] != nil {
-			return n, errs[i]
-		}
-		n += got[i]
-		if got[i] < min(len(buf), (i+1)*piece)-i*piece {
-			break // the file ends here
-		}
-	}
-	return n, nil
-}
-
-// readPiece returns the most one buffered read of the block device f
-// fetches in one device request when read-ahead is off: the larger of
-// its queue's max_sectors_kb and read_ahead_kb (the kernel's
-// force_page_cache_ra). It is 0, one read, for a file that is not a
-// block device or that bypasses the cache (the kernel sends all of an
-// O_DIRECT read's requests at once), and 128 KiB, the kernel's default
-// read-ahead, when sysfs does not say.
-func readPiece(f *os.File) int {
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFBLK {
-		return 0
-	}
-	if fl, err := unix.FcntlInt(f.Fd(), unix.F_GETFL, 0); err != nil || fl&unix.O_DIRECT != 0 {
-		return 0
-	}
-	dev := fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev))
-	kib := 0
-	for _, q := range []string{dev + "/queue", dev + "/../queue"} { // a partition's queue is its disk's
-		for _, name := range []string{"max_sectors_kb", "read_ahead_kb"} {
-			v, err := sysfs.ReadAttr(q + "/" + name)
-			if err != nil {
-				continue
-			}
-			if v, err := strconv.Atoi(v); err == nil {
-				kib = max(kib, v)
-			}
-		}
-		if kib > 0 {
-			break
-		}
-	}
-	if kib <= 0 {
-		return 128 << 10
-	}
-	return max(blockAlign, kib<<10&^(blockAlign-1))
 }
 
 func (s *span) data() []byte { return s.buf[:s.n] }
@@ -489,39 +379,26 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 	var sampleErr error
 
 	var wg sync.WaitGroup
-	// When f reads through the cache, only the first MiB and the far
-	// windows are read through it: mkfs.ext4's own look at the device
-	// reads within them, not in the last MiB or at the samples. Those go
-	// past the cache, which costs less (no pages to fill and copy).
-	piece, past, pastPiece := readPiece(f), f, 0
-	if piece > 0 {
-		if d, err := reopenDirect(f); err == nil {
-			defer d.Close()
-			past = d
-		} else {
-			pastPiece = piece
-		}
-	}
-	wg.Go(func() { tail.read(past, pastPiece) })
+	wg.Go(func() { tail.read(f) })
 	if head.want > 0 {
-		wg.Go(func() { head.read(f, piece) })
+		wg.Go(func() { head.read(f) })
 	}
 	if len(far) > 0 {
 		// Small reads: one after the other on one thread.
 		wg.Go(func() {
 			for _, s := range far {
-				if s.read(f, 0); s.err != nil {
+				if s.read(f); s.err != nil {
 					return
 				}
 			}
 		})
 	}
-	first.read(f, 0)
+	first.read(f)
 	if first.err == nil {
 		if firstNonZero(first.data()) >= 0 {
 			onData()
 		} else if offs := sampleOffsets(size, e.tailStart); len(offs) > 0 {
-			wg.Go(func() { e.sampleNonZero, sampleErr = readSamples(past, offs, e.tailStart, sampleBuf, &pb.aio) })
+			wg.Go(func() { e.sampleNonZero, sampleErr = readSamples(f, offs, e.tailStart, sampleBuf, &pb.aio) })
 		}
 	}
 	wg.Wait()
@@ -648,7 +525,7 @@ func readSamplesThreads(f *os.File, offs []int64, tail int64, buf []byte) (int64
 				}
 				nonZero[i] = -1
 				s := span{off: offs[i], want: int(min(sampleSize, tail-offs[i])), buf: b}
-				if s.read(f, 0); s.err != nil {
+				if s.read(f); s.err != nil {
 					errs[i] = s.err
 					lower(i)
 					continue
@@ -690,12 +567,6 @@ func readAtFull(f *os.File, buf []byte, off int64) (int, error) {
 		}
 	}
 	return n, nil
-}
-
-// reopenDirect opens the file f has open once more, for reading with
-// O_DIRECT: the same inode (through /proc/self/fd), not its name again.
-func reopenDirect(f *os.File) (*os.File, error) {
-	return openDevice(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), unix.O_RDONLY|unix.O_DIRECT)
 }
 
 // openDirect opens path for reading with O_DIRECT, or without it where
@@ -761,13 +632,9 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 	}
 	var sig Signature
 	if blank, err := knownBlank(opt); !blank || err != nil {
-		var dev *os.File
-		if sig, dev, err = probe(ctx, devPath, mkfsReadsCache(fsType)); err != nil {
+		if sig, err = Probe(ctx, devPath); err != nil {
 			return false, err
 		}
-		// Held open until mkfs is done, so that the cache keeps what
-		// Probe read.
-		defer dev.Close()
 	}
 	switch {
 	case sig.Type == fsType:
@@ -796,13 +663,6 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 	}
 	return true, nil
 }
-
-// mkfsReadsCache reports whether mkfs of fsType looks at the device
-// through the kernel's cache before it writes, so that Probe's reads are
-// worth keeping there: mke2fs' libblkid check does (about 80 small
-// reads, most of them in the first 256 KiB); mkfs.xfs drops the cache
-// (BLKFLSBUF) and reads with O_DIRECT.
-func mkfsReadsCache(fsType string) bool { return fsType == Ext4 }
 
 // knownBlank asks opt.KnownBlank, if set.
 func knownBlank(opt MkfsOptions) (bool, error) {

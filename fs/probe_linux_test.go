@@ -26,7 +26,7 @@ func TestReadEndsOddSizes(t *testing.T) {
 			}
 			p := sparseFile(t, size)
 			writeAt(t, p, at, []byte{0x5a})
-			pf, gotSize, err := openForProbe(p, false)
+			pf, gotSize, err := openForProbe(p)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -83,7 +83,7 @@ func testReadEndsSamples(t *testing.T) {
 		}
 		p := sparseFile(t, size)
 		writeAt(t, p, tc.off, b)
-		pf, gotSize, err := openForProbe(p, false)
+		pf, gotSize, err := openForProbe(p)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -97,38 +97,6 @@ func testReadEndsSamples(t *testing.T) {
 		}
 		if !e.windowsZero() {
 			t.Errorf("%d bytes at %d: a window is not zero: %+v", tc.n, tc.off, e)
-		}
-	}
-}
-
-// readPieces reads what one readAtFull reads, the file's end included,
-// whatever the piece size.
-func TestReadPieces(t *testing.T) {
-	const size = 100<<10 + 700
-	p := filepath.Join(t.TempDir(), "dev")
-	want := make([]byte, size)
-	for i := range want {
-		want[i] = byte(i*7 + i>>12)
-	}
-	if err := os.WriteFile(p, want, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	f, err := os.Open(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	for _, off := range []int64{0, 4096, 60 << 10, 96 << 10, size - 100, size} {
-		for _, piece := range []int{0, 4096, 12 << 10, 64 << 10, 1 << 20} {
-			buf := make([]byte, 64<<10)
-			n, err := readPieces(f, buf, off, piece)
-			if err != nil {
-				t.Fatalf("off %d piece %d: %v", off, piece, err)
-			}
-			exp := want[off:min(size, off+int64(len(buf)))]
-			if n != len(exp) || !bytes.Equal(buf[:n], exp) {
-				t.Errorf("off %d piece %d: read %d bytes, want %d, same bytes %v", off, piece, n, len(exp), bytes.Equal(buf[:min(n, len(exp))], exp[:min(n, len(exp))]))
-			}
 		}
 	}
 }
