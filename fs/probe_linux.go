@@ -236,32 +236,28 @@ func alignedBuffer(n int) ([]byte, error) {
 
 // probeBufSize is the most readEnds reads at once: the first MiB, the
 // last MiB with up to a block more (its start is block aligned), two
-// blocks for each far window (one may straddle a block boundary), and
-// sampleBatch samples.
-var probeBufSize = 2*headSize + blockAlign + len(farWindows)*2*blockAlign + sampleBatch*sampleSize
+// blocks for each far window (one may straddle a block boundary), and a
+// sample for each of sampleWorkers.
+var probeBufSize = 2*headSize + blockAlign + len(farWindows)*2*blockAlign + sampleWorkers*sampleSize
 
 // probeBufs keeps read buffers between probes: a new mapping costs a
-// page fault per page, a new AIO context an RCU grace period when it
-// goes, and probes come in bursts (a node's volumes staged at once).
-// Once no probe took a buffer for 5 s, they are all released.
+// page fault per page, and probes come in bursts (a node's volumes
+// staged at once). Once no probe took a buffer for 5 s, they are all
+// released.
 var probeBufs = &bufPool{size: probeBufSize, max: 16, idle: 5 * time.Second}
 
 func getProbeBuf() (*probeBuf, error) { return probeBufs.get() }
 
 func putProbeBuf(b *probeBuf) { probeBufs.put(b) }
 
-// probeBuf is a probe's read buffer (see alignedBuffer) and the AIO
-// context its samples were read with, 0 until they were.
+// probeBuf is a probe's read buffer (see alignedBuffer).
 type probeBuf struct {
 	mem []byte
-	aio aioContext
 }
 
-// release unmaps b and destroys its AIO context. It waits for an RCU
-// grace period when b has a context.
+// release unmaps b.
 func (b *probeBuf) release() {
 	unix.Munmap(b.mem)
-	b.aio.destroy()
 }
 
 // bufPool keeps up to max free buffers of size bytes and releases them
@@ -398,7 +394,7 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 		if firstNonZero(first.data()) >= 0 {
 			onData()
 		} else if offs := sampleOffsets(size, e.tailStart); len(offs) > 0 {
-			wg.Go(func() { e.sampleNonZero, sampleErr = readSamples(f, offs, e.tailStart, sampleBuf, &pb.aio) })
+			wg.Go(func() { e.sampleNonZero, sampleErr = readSamples(f, offs, e.tailStart, sampleBuf) })
 		}
 	}
 	wg.Wait()
@@ -440,72 +436,12 @@ func readError(path string, err error) error {
 		"(check the device and the kernel log): %w", path, err, errdefs.ErrFailedPrecondition)
 }
 
-// readSamples reads the samples at offs (ascending, below tail) into
-// buf, which holds sampleBatch samples. It returns the device offset of
-// the first non-zero byte of the lowest sample holding one, or -1. The
-// samples are read with native AIO, sampleBatch at a time (see
-// readBatch); where the kernel offers none, by sampleWorkers threads.
-// Samples above one found holding data may not be read. The AIO
-// context is *aio, set up on first use and kept there for the next
-// call; one that failed is destroyed and left 0.
-func readSamples(f *os.File, offs []int64, tail int64, buf []byte, aio *aioContext) (int64, error) {
-	if sampleAIO {
-		at, err := readSamplesBatched(f, offs, tail, buf, aio)
-		if !errors.Is(err, errNoAIO) {
-			return at, err
-		}
-	}
-	return readSamplesThreads(f, offs, tail, buf)
-}
-
-// sampleAIO is whether readSamples tries native AIO first (tests turn it
-// off to cover the threads).
-var sampleAIO = true
-
-// readSamplesBatched is readSamples with readBatch: it returns errNoAIO,
-// having read nothing, when the kernel offers no AIO.
-func readSamplesBatched(f *os.File, offs []int64, tail int64, buf []byte, aio *aioContext) (int64, error) {
-	if *aio == 0 {
-		c, err := newAIOContext(sampleBatch)
-		if err != nil {
-			return -1, err
-		}
-		*aio = c
-	}
-	batch := min(sampleBatch, len(buf)/sampleSize)
-	reads := make([]batchRead, 0, batch)
-	for lo := 0; lo < len(offs); lo += batch {
-		chunk := offs[lo:min(len(offs), lo+batch)]
-		reads = reads[:0]
-		for i, off := range chunk {
-			want := roundUp(int(min(sampleSize, tail-off)), blockAlign)
-			reads = append(reads, batchRead{off: off, buf: buf[i*sampleSize : i*sampleSize+want]})
-		}
-		if err := aio.readBatch(f, reads); err != nil {
-			aio.destroy()
-			*aio = 0
-			return -1, err
-		}
-		for i, r := range reads {
-			if r.err != nil {
-				return -1, r.err
-			}
-			want := int(min(sampleSize, tail-chunk[i]))
-			if r.n < want {
-				return -1, fmt.Errorf("read %d bytes at offset %d, expected %d: did the device shrink?", r.n, r.off, want)
-			}
-			if j := firstNonZero(r.buf[:want]); j >= 0 {
-				return chunk[i] + int64(j), nil
-			}
-		}
-	}
-	return -1, nil
-}
-
-// readSamplesThreads is readSamples with up to sampleWorkers threads
-// reading at once, each into its own sampleSize part of buf. Samples
-// above one found holding data are not read.
-func readSamplesThreads(f *os.File, offs []int64, tail int64, buf []byte) (int64, error) {
+// readSamples reads the samples at offs (ascending, below tail) and
+// returns the device offset of the first non-zero byte of the lowest
+// sample holding one, or -1. Up to sampleWorkers threads read at once,
+// each into its own sampleSize part of buf. Samples above one found
+// holding data are not read.
+func readSamples(f *os.File, offs []int64, tail int64, buf []byte) (int64, error) {
 	nonZero := make([]int64, len(offs))
 	errs := make([]error, len(offs))
 	var next, stop atomic.Int64 // next sample to read; none above stop is read

@@ -1,13 +1,12 @@
 package fs
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -48,19 +47,8 @@ func TestReadEndsOddSizes(t *testing.T) {
 }
 
 // The samples see data at the offsets they cover, and only there: data
-// wholly between two samples is not seen (sampling is not proof). So
-// they do read with native AIO and with threads.
+// wholly between two samples is not seen (sampling is not proof).
 func TestReadEndsSamples(t *testing.T) {
-	for _, aio := range []bool{true, false} {
-		t.Run(map[bool]string{true: "aio", false: "threads"}[aio], func(t *testing.T) {
-			defer func(old bool) { sampleAIO = old }(sampleAIO)
-			sampleAIO = aio
-			testReadEndsSamples(t)
-		})
-	}
-}
-
-func testReadEndsSamples(t *testing.T) {
 	const mib = 1 << 20
 	const size = 256 * mib
 	for _, tc := range []struct {
@@ -101,74 +89,9 @@ func testReadEndsSamples(t *testing.T) {
 	}
 }
 
-// readBatch reads what pread reads, the file's end included, with one
-// io_submit for all the ranges.
-func TestReadBatch(t *testing.T) {
-	if a, b := unsafe.Sizeof(iocb{}), unsafe.Sizeof(ioEvent{}); a != 64 || b != 32 {
-		t.Fatalf("iocb is %d bytes, io_event %d; the kernel's are 64 and 32", a, b)
-	}
-	const size = 300<<10 + 700
-	p := filepath.Join(t.TempDir(), "dev")
-	want := make([]byte, size)
-	for i := range want {
-		want[i] = byte(i*13 + i>>12 + 1)
-	}
-	if err := os.WriteFile(p, want, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	f, err := openDirect(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	offs := []int64{0, 4096, 64 << 10, 200 << 10, 296 << 10, 300 << 10, 304 << 10}
-	buf, err := alignedBuffer(len(offs) * 16 << 10)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(buf)
-	aio, err := newAIOContext(len(offs))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer aio.destroy()
-	reads := make([]batchRead, len(offs))
-	for i, off := range offs {
-		reads[i] = batchRead{off: off, buf: buf[i*16<<10 : (i+1)*16<<10]}
-	}
-	// Twice: a context serves one batch after another.
-	for range 2 {
-		if err := aio.readBatch(f, reads); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for _, r := range reads {
-		exp := want[min(size, r.off):min(size, r.off+int64(len(r.buf)))]
-		if r.err != nil || r.n != len(exp) || !bytes.Equal(r.buf[:r.n], exp) {
-			t.Errorf("at %d: read %d bytes, %v; want %d, same bytes %v", r.off, r.n, r.err, len(exp), bytes.Equal(r.buf[:min(r.n, len(exp))], exp[:min(r.n, len(exp))]))
-		}
-	}
-	// A range the kernel refuses (not aligned for O_DIRECT, where the
-	// file is) fails on its own; the others are still read.
-	if fl, err := unix.FcntlInt(f.Fd(), unix.F_GETFL, 0); err == nil && fl&unix.O_DIRECT != 0 {
-		reads := []batchRead{{off: 0, buf: buf[:4096]}, {off: 100, buf: buf[4096:8192]}, {off: 8192, buf: buf[8192:12288]}}
-		if err := aio.readBatch(f, reads); err != nil {
-			t.Fatal(err)
-		}
-		if reads[1].err == nil {
-			t.Errorf("unaligned read at 100: no error")
-		}
-		for _, i := range []int{0, 2} {
-			if r := reads[i]; r.err != nil || !bytes.Equal(r.buf[:r.n], want[r.off:r.off+4096]) {
-				t.Errorf("at %d: %d bytes, %v", r.off, r.n, r.err)
-			}
-		}
-	}
-}
-
-// The samples read with native AIO and with threads find the same data
-// at the same offset, over more samples than one batch holds.
-func TestReadSamplesBatchedAndThreads(t *testing.T) {
+// The samples find the data of the lowest sample holding some, at its
+// offset, over many more samples than there are readers.
+func TestReadSamples(t *testing.T) {
 	const mib = 1 << 20
 	const size = 64 * mib
 	tail := int64(size - headSize)
@@ -176,39 +99,31 @@ func TestReadSamplesBatchedAndThreads(t *testing.T) {
 	for off := int64(headSize); off < tail; off += 512 << 10 {
 		offs = append(offs, off)
 	}
-	if len(offs) <= sampleBatch {
-		t.Fatalf("%d offsets: want more than one batch", len(offs))
+	if len(offs) <= 4*sampleWorkers {
+		t.Fatalf("%d offsets: want several rounds of %d readers", len(offs), sampleWorkers)
 	}
-	buf, err := alignedBuffer(sampleBatch * sampleSize)
+	buf, err := alignedBuffer(sampleWorkers * sampleSize)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer unix.Munmap(buf)
-	var aio aioContext
-	defer func() { aio.destroy() }()
-	for _, at := range []int64{-1, offs[3] + 100, offs[sampleBatch+5] + sampleSize - 1, offs[len(offs)-1]} {
+	for _, at := range [][]int64{nil, {offs[3] + 100}, {offs[3*sampleWorkers+5] + sampleSize - 1}, {offs[len(offs)-1]}, {offs[40] + 7, offs[9] + 1}} {
 		p := sparseFile(t, size)
-		if at >= 0 {
-			writeAt(t, p, at, []byte{0xa5})
+		for _, off := range at {
+			writeAt(t, p, off, []byte{0xa5})
+		}
+		want := int64(-1)
+		if len(at) > 0 {
+			want = slices.Min(at)
 		}
 		pf, err := openDirect(p)
 		if err != nil {
 			t.Fatal(err)
 		}
-		got, err := readSamplesBatched(pf, offs, tail, buf, &aio)
-		if err != nil {
-			t.Fatalf("batched, byte at %d: %v", at, err)
-		}
-		threads, err := readSamplesThreads(pf, offs, tail, buf)
+		got, err := readSamples(pf, offs, tail, buf)
 		pf.Close()
-		if err != nil {
-			t.Fatalf("threads, byte at %d: %v", at, err)
-		}
-		if aio == 0 {
-			t.Errorf("byte at %d: no AIO context kept for the next call", at)
-		}
-		if got != at || threads != at {
-			t.Errorf("byte at %d: batched found %d, threads %d", at, got, threads)
+		if err != nil || got != want {
+			t.Errorf("bytes at %v: readSamples = %d, %v; want %d", at, got, err, want)
 		}
 	}
 }
