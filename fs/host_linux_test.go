@@ -14,7 +14,6 @@ import (
 	"regexp"
 	"strings"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -1119,52 +1118,6 @@ func TestHostBeforeMkfsAndFormat(t *testing.T) {
 	formatted, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{BeforeMkfs: func() error { calls++; return nil }})
 	if err != nil || formatted || calls != 1 {
 		t.Fatalf("EnsureFilesystem after Format = %v, %v, BeforeMkfs called %d times; want the ext4 used as it is", formatted, err, calls)
-	}
-}
-
-// freeCount is the number of buffers p keeps now.
-func (p *bufPool) freeCount() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return len(p.free)
-}
-
-// Probe buffers taken at once are kept for the next burst, up to the
-// pool's bound, and unmapped once the pool was idle.
-func TestProbeBufPool(t *testing.T) {
-	p := &bufPool{size: 64 << 10, max: 3, idle: time.Hour}
-	var bufs []*probeBuf
-	for range 5 {
-		b, err := p.get()
-		if err != nil {
-			t.Fatal(err)
-		}
-		bufs = append(bufs, b)
-	}
-	for _, b := range bufs {
-		p.put(b)
-	}
-	if n := p.freeCount(); n != 3 {
-		t.Fatalf("%d buffers kept after 5 were returned, want the bound 3", n)
-	}
-	b, err := p.get()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if b != bufs[2] || &b.mem[0] != &bufs[2].mem[0] {
-		t.Fatal("a kept buffer was not reused")
-	}
-	p.put(b)
-	p.release() // as the timer would, too early
-	if n := p.freeCount(); n != 3 {
-		t.Fatalf("%d buffers kept after a release before the pool was idle, want 3", n)
-	}
-	p.mu.Lock()
-	p.used = time.Now().Add(-2 * time.Hour)
-	p.mu.Unlock()
-	p.release()
-	if n := p.freeCount(); n != 0 {
-		t.Fatalf("%d buffers kept once the pool was idle, want 0", n)
 	}
 }
 

@@ -240,89 +240,6 @@ func alignedBuffer(n int) ([]byte, error) {
 // sample for each of sampleWorkers.
 var probeBufSize = 2*headSize + blockAlign + len(farWindows)*2*blockAlign + sampleWorkers*sampleSize
 
-// probeBufs keeps read buffers between probes: a new mapping costs a
-// page fault per page, and probes come in bursts (a node's volumes
-// staged at once). Once no probe took a buffer for 5 s, they are all
-// released.
-var probeBufs = &bufPool{size: probeBufSize, max: 16, idle: 5 * time.Second}
-
-func getProbeBuf() (*probeBuf, error) { return probeBufs.get() }
-
-func putProbeBuf(b *probeBuf) { probeBufs.put(b) }
-
-// probeBuf is a probe's read buffer (see alignedBuffer).
-type probeBuf struct {
-	mem []byte
-}
-
-// release unmaps b.
-func (b *probeBuf) release() {
-	unix.Munmap(b.mem)
-}
-
-// bufPool keeps up to max free buffers of size bytes and releases them
-// once none was taken for idle.
-type bufPool struct {
-	size, max int
-	idle      time.Duration
-
-	mu    sync.Mutex
-	free  []*probeBuf
-	used  time.Time   // when a buffer was last taken
-	timer *time.Timer // releases the free buffers once idle
-}
-
-func (p *bufPool) get() (*probeBuf, error) {
-	p.mu.Lock()
-	p.used = time.Now()
-	if n := len(p.free); n > 0 {
-		b := p.free[n-1]
-		p.free = p.free[:n-1]
-		p.mu.Unlock()
-		return b, nil
-	}
-	p.mu.Unlock()
-	mem, err := alignedBuffer(p.size)
-	if err != nil {
-		return nil, err
-	}
-	return &probeBuf{mem: mem}, nil
-}
-
-func (p *bufPool) put(b *probeBuf) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if len(p.free) >= p.max {
-		go b.release()
-		return
-	}
-	p.free = append(p.free, b)
-	if p.timer == nil {
-		p.timer = time.AfterFunc(p.idle, p.release)
-	}
-}
-
-// release releases the free buffers when none was taken for p.idle, and
-// looks again later otherwise.
-func (p *bufPool) release() {
-	p.mu.Lock()
-	if p.timer == nil {
-		p.mu.Unlock()
-		return
-	}
-	if idle := time.Since(p.used); idle < p.idle {
-		p.timer.Reset(p.idle - idle)
-		p.mu.Unlock()
-		return
-	}
-	free := p.free
-	p.free, p.timer = nil, nil
-	p.mu.Unlock()
-	for _, b := range free {
-		b.release()
-	}
-}
-
 // span is a range of the device readEnds reads, into buf.
 type span struct {
 	off  int64
@@ -356,12 +273,12 @@ func roundUp(n, to int) int { return (n + to - 1) / to * to }
 func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) {
 	e := ends{farNonZero: -1, sampleNonZero: -1}
 	e.tailStart = max(0, (size-headSize)&^(blockAlign-1))
-	pb, err := getProbeBuf()
+	buf, err := alignedBuffer(probeBufSize)
 	if err != nil {
 		return e, fmt.Errorf("probe %s: %w", path, err)
 	}
-	defer putProbeBuf(pb)
-	buf := pb.mem
+	// Unmapped once every read into it has returned (wg.Wait below).
+	defer unix.Munmap(buf)
 	tailEnd := 2*headSize + blockAlign
 	first := &span{off: 0, want: int(min(blockAlign, size)), buf: buf[:blockAlign]}
 	head := &span{off: blockAlign, want: int(max(0, min(headSize, size)-blockAlign)), buf: buf[blockAlign:headSize]}
