@@ -66,7 +66,7 @@ func BenchmarkHostFormat(b *testing.B) {
 			offs := sampleOffsets(size, tail)
 			b.ReportMetric(float64(len(offs)), "reads/op")
 			for b.Loop() {
-				if at, err := readSamples(f, offs, tail, buf); err != nil || at >= 0 {
+				if at, err := readSamples(ctx, f, offs, tail, buf); err != nil || at >= 0 {
 					b.Fatalf("readSamples = %d, %v", at, err)
 				}
 			}

@@ -113,7 +113,7 @@ func mkfs(ctx context.Context, devPath, fsType string, args []string) error {
 	// The device was probed before; reading the new superblock's magic
 	// confirms mkfs wrote what was asked (a full probe would read the
 	// device again through blkid).
-	ok, err := hasSuperblock(devPath, fsType)
+	ok, err := hasSuperblock(mkfsCtx, devPath, fsType)
 	if err != nil {
 		return fmt.Errorf("format %s as %s: verify: %w", devPath, fsType, err)
 	}
@@ -139,8 +139,17 @@ var (
 // hasSuperblock reports whether devPath starts with a superblock of
 // fsType: the check that a finished mkfs wrote what was asked, without
 // running blkid again. The read bypasses the buffer cache, which keeps
-// what mkfs wrote.
-func hasSuperblock(devPath, fsType string) (bool, error) {
+// what mkfs wrote. It ends with ctx, as Probe does (see onDevice). mkfs
+// gives it mkfs' own bound, not the request's: with the request's, a
+// stage whose deadline passed during mkfs would fail the check, and its
+// retry make the format again, as often as mkfs outlasts the deadline.
+func hasSuperblock(ctx context.Context, devPath, fsType string) (bool, error) {
+	return onDevice(ctx, devPath, func(ctx context.Context) (bool, error) {
+		return readSuperblock(ctx, devPath, fsType)
+	})
+}
+
+func readSuperblock(ctx context.Context, devPath, fsType string) (bool, error) {
 	// No BLKFLSBUF here: mkfs has synced, the read bypasses the cache,
 	// and the cached metadata mkfs wrote is what the mount reads next.
 	f, err := openDirect(devPath)
@@ -154,7 +163,7 @@ func hasSuperblock(devPath, fsType string) (bool, error) {
 		return false, fmt.Errorf("probe %s: %w", devPath, err)
 	}
 	defer unix.Munmap(buf)
-	n, err := readAtFull(f, buf, 0)
+	n, err := readAtFull(ctx, f, buf, 0)
 	if err != nil {
 		return false, fmt.Errorf("probe %s: read the first block: %w", devPath, err)
 	}

@@ -173,7 +173,7 @@ func TestHostSuperblockCheck(t *testing.T) {
 		{xfs, XFS, true}, {xfs, Ext4, false},
 		{blank, Ext4, false}, {blank, XFS, false},
 	} {
-		got, err := hasSuperblock(tc.dev, tc.fsType)
+		got, err := hasSuperblock(context.Background(), tc.dev, tc.fsType)
 		if err != nil || got != tc.want {
 			t.Errorf("hasSuperblock(%s, %s) = %v, %v; want %v", tc.dev, tc.fsType, got, err, tc.want)
 		}

@@ -35,13 +35,21 @@ import (
 // a LUN written from another node). Probe's own reads bypass the cache
 // (O_DIRECT, where the device allows it). When the first block holds
 // data, blkid is started at once and runs while Probe reads the rest.
+//
+// Probe returns when ctx ends, with an error wrapping
+// errdefs.ErrUnavailable, even when a read of the device has not
+// returned (a multipath map that queues I/O with no path); the next
+// probe of the device waits for that read instead of sending its own
+// (see onDevice).
 func Probe(ctx context.Context, devPath string) (Signature, error) {
-	f, size, err := openForProbe(devPath)
-	if err != nil {
-		return Signature{}, err
-	}
-	defer f.Close()
-	return probeOpen(ctx, f, devPath, size)
+	return onDevice(ctx, devPath, func(ctx context.Context) (Signature, error) {
+		f, size, err := openForProbe(devPath)
+		if err != nil {
+			return Signature{}, err
+		}
+		defer f.Close()
+		return probeOpen(ctx, f, devPath, size)
+	})
 }
 
 // probeOpen is Probe of the device f, of the given size.
@@ -62,7 +70,7 @@ func probeOpen(ctx context.Context, f *os.File, devPath string, size int64) (Sig
 	if !blkidAudited() || blkidOnly(f) {
 		startBlkid()
 	}
-	e, endsErr := readEnds(f, devPath, size, func() {
+	e, endsErr := readEnds(ctx, f, devPath, size, func() {
 		if blkid == nil {
 			startBlkid()
 		}

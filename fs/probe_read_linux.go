@@ -2,6 +2,7 @@ package fs
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -12,7 +13,75 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/kmutex"
 )
+
+// reading holds a key for each device that a probe's reads are on. A
+// read of a device that does not answer (a multipath map that queues
+// I/O with no path) may never return, and nothing can cancel it; the
+// probe's caller is answered at its deadline while the reads go on, and
+// they hold the key until they return. The next probe of the device
+// waits for the key within its own deadline: it sends no reads of its
+// own after the stuck ones.
+var reading kmutex.KeyedMutex
+
+// onDevice runs read, the reads of the device at path and what is made
+// of them, in a goroutine of its own while it holds the device's key in
+// reading, and returns its result. When ctx ends first, onDevice returns
+// at once with an error wrapping errdefs.ErrUnavailable and ctx's error;
+// read's own ctx ends then too, so it starts no further read or tool.
+func onDevice[T any](ctx context.Context, path string, read func(ctx context.Context) (T, error)) (T, error) {
+	var zero T
+	key, err := deviceKey(path)
+	if err != nil {
+		return zero, err
+	}
+	unlock, err := reading.Lock(ctx, key)
+	if err != nil {
+		return zero, fmt.Errorf("probe %s: an earlier probe's read of the device has not returned by the request's deadline "+
+			"(the device answers no I/O: check the paths to the storage and the kernel log): %w",
+			path, errors.Join(errdefs.ErrUnavailable, err))
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	type result struct {
+		v   T
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		defer unlock()
+		v, err := read(ctx)
+		done <- result{v, err}
+	}()
+	select {
+	case r := <-done:
+		if r.err == nil || ctx.Err() == nil {
+			return r.v, r.err
+		}
+		// read failed because ctx ended.
+	case <-ctx.Done():
+	}
+	return zero, fmt.Errorf("probe %s: the device did not answer the probe's reads by the request's deadline "+
+		"(check the paths to the storage and the kernel log); the reads go on, and the next probe waits for them: %w",
+		path, errors.Join(errdefs.ErrUnavailable, ctx.Err()))
+}
+
+// deviceKey names the device at path in reading: its device number, or
+// for a regular file its inode.
+func deviceKey(path string) (string, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return "", fmt.Errorf("probe %s: %w: %w", path, err, errdefs.ErrNotFound)
+		}
+		return "", fmt.Errorf("probe %s: %w", path, err)
+	}
+	if st.Mode&unix.S_IFMT == unix.S_IFBLK {
+		return fmt.Sprintf("block %d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev)), nil
+	}
+	return fmt.Sprintf("file %d:%d %d", unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino), nil
+}
 
 // openForProbe opens path for readEnds and returns its size. The buffer
 // cache of a block device is written back and dropped (BLKFLSBUF) first,
@@ -81,8 +150,8 @@ type span struct {
 // read fills s.buf from the device. The request is rounded up to whole
 // blocks, as O_DIRECT needs; the device ends where the range does. Fewer
 // bytes than the range holds (a device that shrank) is an error.
-func (s *span) read(f *os.File) {
-	s.n, s.err = readAtFull(f, s.buf[:min(len(s.buf), roundUp(s.want, blockAlign))], s.off)
+func (s *span) read(ctx context.Context, f *os.File) {
+	s.n, s.err = readAtFull(ctx, f, s.buf[:min(len(s.buf), roundUp(s.want, blockAlign))], s.off)
 	if s.err == nil && s.n < s.want {
 		s.err = fmt.Errorf("read %d bytes at offset %d, expected %d: did the device shrink?", s.n, s.off, s.want)
 	}
@@ -98,8 +167,8 @@ func roundUp(n, to int) int { return (n + to - 1) / to * to }
 // them in about one round trip. The first block is read on its own, and
 // onData is called as soon as it holds a non-zero byte. When it does
 // not, the samples between the ends are read as well, alongside the
-// rest.
-func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) {
+// rest. No read starts once ctx has ended.
+func readEnds(ctx context.Context, f *os.File, path string, size int64, onData func()) (ends, error) {
 	e := ends{farNonZero: -1, sampleNonZero: -1}
 	e.tailStart = max(0, (size-headSize)&^(blockAlign-1))
 	buf, err := alignedBuffer(probeBufSize)
@@ -121,26 +190,26 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 	var sampleErr error
 
 	var wg sync.WaitGroup
-	wg.Go(func() { tail.read(f) })
+	wg.Go(func() { tail.read(ctx, f) })
 	if head.want > 0 {
-		wg.Go(func() { head.read(f) })
+		wg.Go(func() { head.read(ctx, f) })
 	}
 	if len(far) > 0 {
 		// Small reads: one after the other on one thread.
 		wg.Go(func() {
 			for _, s := range far {
-				if s.read(f); s.err != nil {
+				if s.read(ctx, f); s.err != nil {
 					return
 				}
 			}
 		})
 	}
-	first.read(f)
+	first.read(ctx, f)
 	if first.err == nil {
 		if firstNonZero(first.data()) >= 0 {
 			onData()
 		} else if offs := sampleOffsets(size, e.tailStart); len(offs) > 0 {
-			wg.Go(func() { e.sampleNonZero, sampleErr = readSamples(f, offs, e.tailStart, sampleBuf) })
+			wg.Go(func() { e.sampleNonZero, sampleErr = readSamples(ctx, f, offs, e.tailStart, sampleBuf) })
 		}
 	}
 	wg.Wait()
@@ -178,8 +247,8 @@ func readEnds(f *os.File, path string, size int64, onData func()) (ends, error) 
 // returns the device offset of the first non-zero byte of the lowest
 // sample holding one, or -1. Up to sampleWorkers threads read at once,
 // each into its own sampleSize part of buf. Samples above one found
-// holding data are not read.
-func readSamples(f *os.File, offs []int64, tail int64, buf []byte) (int64, error) {
+// holding data are not read, nor any once ctx has ended.
+func readSamples(ctx context.Context, f *os.File, offs []int64, tail int64, buf []byte) (int64, error) {
 	nonZero := make([]int64, len(offs))
 	errs := make([]error, len(offs))
 	var next, stop atomic.Int64 // next sample to read; none above stop is read
@@ -199,7 +268,7 @@ func readSamples(f *os.File, offs []int64, tail int64, buf []byte) (int64, error
 				}
 				nonZero[i] = -1
 				s := span{off: offs[i], want: int(min(sampleSize, tail-offs[i])), buf: b}
-				if s.read(f); s.err != nil {
+				if s.read(ctx, f); s.err != nil {
 					errs[i] = s.err
 					lower(i)
 					continue
@@ -236,9 +305,13 @@ func readError(path string, err error) error {
 var readAt = (*os.File).ReadAt
 
 // readAtFull reads into buf at off until buf is full or the file ends.
-func readAtFull(f *os.File, buf []byte, off int64) (int, error) {
+// It starts no read once ctx has ended.
+func readAtFull(ctx context.Context, f *os.File, buf []byte, off int64) (int, error) {
 	n := 0
 	for n < len(buf) {
+		if err := ctx.Err(); err != nil {
+			return n, err
+		}
 		m, err := readAt(f, buf[n:], off+int64(n))
 		n += m
 		if errors.Is(err, io.EOF) || (err == nil && m == 0) {

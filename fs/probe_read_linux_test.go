@@ -1,11 +1,18 @@
 package fs
 
 import (
+	"context"
+	"errors"
 	"os"
+	"runtime"
 	"slices"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // readEnds reads to the very end of a device of any size: a byte in the
@@ -24,7 +31,7 @@ func TestReadEndsOddSizes(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			e, err := readEnds(pf, p, gotSize, func() {})
+			e, err := readEnds(context.Background(), pf, p, gotSize, func() {})
 			pf.Close()
 			if err != nil {
 				t.Fatalf("size %d: %v", size, err)
@@ -70,7 +77,7 @@ func TestReadEndsSamples(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		e, err := readEnds(pf, p, gotSize, func() {})
+		e, err := readEnds(context.Background(), pf, p, gotSize, func() {})
 		pf.Close()
 		if err != nil {
 			t.Fatal(err)
@@ -115,7 +122,7 @@ func TestReadSamples(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		got, err := readSamples(pf, offs, tail, buf)
+		got, err := readSamples(context.Background(), pf, offs, tail, buf)
 		pf.Close()
 		if err != nil || got != want {
 			t.Errorf("bytes at %v: readSamples = %d, %v; want %d", at, got, err, want)
@@ -129,4 +136,79 @@ func withReadAt(t *testing.T, read func(f *os.File, b []byte, off int64) (int, e
 	old := readAt
 	readAt = read
 	t.Cleanup(func() { readAt = old })
+}
+
+// waitUntil waits up to 10 s for cond, checking it every 10 ms.
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !cond(); {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 10 s: %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// A device that never answers a read (a multipath map queueing I/O with
+// no path) holds the probe's reads, not its caller: Probe returns when
+// the request's context ends; a second probe meanwhile waits for the
+// stuck reads within its own deadline and sends none of its own; once
+// the device answers, every goroutine of both ends and no further read
+// is sent for them.
+func TestProbeEndsWithContext(t *testing.T) {
+	p := sparseFile(t, 64*mib)
+	release := make(chan struct{})
+	var reads, inRead atomic.Int32
+	withReadAt(t, func(f *os.File, b []byte, off int64) (int, error) {
+		reads.Add(1)
+		inRead.Add(1)
+		defer inRead.Add(-1)
+		<-release
+		return f.ReadAt(b, off)
+	})
+	goroutines := runtime.NumGoroutine()
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	errc := make(chan error, 1)
+	go func() {
+		_, err := Probe(ctx, p)
+		errc <- err
+	}()
+	waitUntil(t, "no read started", func() bool { return reads.Load() > 0 })
+	cancel()
+	select {
+	case err := <-errc:
+		if !errors.Is(err, errdefs.ErrUnavailable) || !errors.Is(err, context.Canceled) {
+			t.Errorf("Probe of a device that does not answer, cancelled = %v; want Unavailable and Canceled", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Probe did not return within 5 s of its context's end")
+	}
+	stuck := reads.Load()
+
+	start := time.Now()
+	ctx2, cancel2 := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel2()
+	if _, err := Probe(ctx2, p); !errors.Is(err, errdefs.ErrUnavailable) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("second Probe during the stuck one = %v; want Unavailable and DeadlineExceeded", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("second Probe returned after %v; its deadline was 200ms", d)
+	}
+	if n := reads.Load(); n != stuck {
+		t.Errorf("second Probe started %d reads of a device whose reads are stuck", n-stuck)
+	}
+
+	close(release)
+	waitUntil(t, "the stuck reads' goroutines are still running", func() bool {
+		return inRead.Load() == 0 && runtime.NumGoroutine() <= goroutines
+	})
+	if n := reads.Load(); n != stuck {
+		t.Errorf("%d reads started after the probes' contexts ended", n-stuck)
+	}
+	// The device answers again: the next probe reads it.
+	if sig, err := Probe(context.Background(), p); err != nil || !sig.Blank() || reads.Load() == stuck {
+		t.Errorf("Probe once the device answers = %+v, %v after %d reads; want blank", sig, err, reads.Load()-stuck)
+	}
 }
