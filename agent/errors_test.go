@@ -37,6 +37,8 @@ func TestCode(t *testing.T) {
 		{errors.Join(fmt.Errorf("a: %w", errdefs.ErrBusy), fmt.Errorf("b: %w", errdefs.ErrInvalidArgument)), codes.InvalidArgument},
 		// A sentinel wins over a deadline that cut the cleanup short.
 		{errors.Join(fmt.Errorf("a: %w", errdefs.ErrNotFound), context.DeadlineExceeded), codes.NotFound},
+		// A device that did not answer by the deadline (fs.Probe, blocking).
+		{fmt.Errorf("probe: %w", errors.Join(errdefs.ErrUnavailable, context.DeadlineExceeded)), codes.Unavailable},
 		{status.Error(codes.Unauthenticated, "x"), codes.Unauthenticated},
 		{errors.New("mkfs crashed"), codes.Internal},
 	} {

@@ -57,7 +57,7 @@ func BenchmarkHostFormat(b *testing.B) {
 				b.Fatal(err)
 			}
 			defer f.Close()
-			buf, err := alignedBuffer(sampleBatch * sampleSize)
+			buf, err := alignedBuffer(sampleWorkers * sampleSize)
 			if err != nil {
 				b.Fatal(err)
 			}
@@ -65,10 +65,8 @@ func BenchmarkHostFormat(b *testing.B) {
 			tail := (size - headSize) &^ (blockAlign - 1)
 			offs := sampleOffsets(size, tail)
 			b.ReportMetric(float64(len(offs)), "reads/op")
-			var aio aioContext
-			defer func() { aio.destroy() }()
 			for b.Loop() {
-				if at, err := readSamples(f, offs, tail, buf, &aio); err != nil || at >= 0 {
+				if at, err := readSamples(ctx, f, offs, tail, buf); err != nil || at >= 0 {
 					b.Fatalf("readSamples = %d, %v", at, err)
 				}
 			}

@@ -1,10 +1,14 @@
 package fs
 
 import (
+	"errors"
 	"fmt"
 	"math"
+	"os"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // BlockDeviceSize returns the size of the block device in bytes
@@ -152,4 +156,36 @@ func DeviceReadOnly(devPath string) (bool, error) {
 		return false, fmt.Errorf("read-only state of %s: ioctl BLKROGET: %w", devPath, err)
 	}
 	return v != 0, nil
+}
+
+// openDevice opens a block device or file and names the sentinel for the
+// common failures.
+func openDevice(path string, flags int) (*os.File, error) {
+	f, err := os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
+	if err != nil {
+		switch {
+		case errors.Is(err, os.ErrNotExist):
+			return nil, fmt.Errorf("%w: %w", err, errdefs.ErrNotFound)
+		case errors.Is(err, os.ErrPermission):
+			return nil, fmt.Errorf("%w: %w", err, errdefs.ErrPermissionDenied)
+		}
+		return nil, err
+	}
+	return f, nil
+}
+
+// statBlockDevice checks that path is a block device and returns its
+// device number.
+func statBlockDevice(path string) (uint64, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return 0, fmt.Errorf("device %s: %w: %w", path, err, errdefs.ErrNotFound)
+		}
+		return 0, fmt.Errorf("device %s: %w", path, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		return 0, fmt.Errorf("device %s: not a block device: %w", path, errdefs.ErrInvalidArgument)
+	}
+	return st.Rdev, nil
 }

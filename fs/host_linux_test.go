@@ -12,10 +12,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -175,7 +173,7 @@ func TestHostSuperblockCheck(t *testing.T) {
 		{xfs, XFS, true}, {xfs, Ext4, false},
 		{blank, Ext4, false}, {blank, XFS, false},
 	} {
-		got, err := hasSuperblock(tc.dev, tc.fsType)
+		got, err := hasSuperblock(context.Background(), tc.dev, tc.fsType)
 		if err != nil || got != tc.want {
 			t.Errorf("hasSuperblock(%s, %s) = %v, %v; want %v", tc.dev, tc.fsType, got, err, tc.want)
 		}
@@ -871,8 +869,7 @@ func TestHostProbeLastSectorOfOddSize(t *testing.T) {
 	if err != nil || sig.Type != "lsi_mega_raid_member" {
 		t.Fatalf("Probe = %+v, %v; want lsi_mega_raid_member", sig, err)
 	}
-	// An ext4 format probes through the cache, and reads the last MiB
-	// past it: the same sector is seen.
+	// EnsureFilesystem's probe sees the same sector.
 	before := hashFile(t, file)
 	formatted, err := EnsureFilesystem(context.Background(), dev, Ext4, MkfsOptions{})
 	if formatted || !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), "lsi_mega_raid_member") {
@@ -1124,52 +1121,6 @@ func TestHostBeforeMkfsAndFormat(t *testing.T) {
 	}
 }
 
-// freeCount is the number of buffers p keeps now.
-func (p *bufPool) freeCount() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return len(p.free)
-}
-
-// Probe buffers taken at once are kept for the next burst, up to the
-// pool's bound, and unmapped once the pool was idle.
-func TestProbeBufPool(t *testing.T) {
-	p := &bufPool{size: 64 << 10, max: 3, idle: time.Hour}
-	var bufs []*probeBuf
-	for range 5 {
-		b, err := p.get()
-		if err != nil {
-			t.Fatal(err)
-		}
-		bufs = append(bufs, b)
-	}
-	for _, b := range bufs {
-		p.put(b)
-	}
-	if n := p.freeCount(); n != 3 {
-		t.Fatalf("%d buffers kept after 5 were returned, want the bound 3", n)
-	}
-	b, err := p.get()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if b != bufs[2] || &b.mem[0] != &bufs[2].mem[0] {
-		t.Fatal("a kept buffer was not reused")
-	}
-	p.put(b)
-	p.release() // as the timer would, too early
-	if n := p.freeCount(); n != 3 {
-		t.Fatalf("%d buffers kept after a release before the pool was idle, want 3", n)
-	}
-	p.mu.Lock()
-	p.used = time.Now().Add(-2 * time.Hour)
-	p.mu.Unlock()
-	p.release()
-	if n := p.freeCount(); n != 0 {
-		t.Fatalf("%d buffers kept once the pool was idle, want 0", n)
-	}
-}
-
 // KnownBlank is asked before the probe: true skips the probe's reads
 // (the caller showed the device blank); false or an error, and the
 // device is probed as always, which refuses data.
@@ -1196,100 +1147,5 @@ func TestHostKnownBlank(t *testing.T) {
 	formatted, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{KnownBlank: func() (bool, error) { return true, nil }})
 	if err != nil || !formatted {
 		t.Fatalf("EnsureFilesystem with KnownBlank true = %v, %v; want formatted without a probe", formatted, err)
-	}
-}
-
-// blockReads returns the read requests and sectors a block device has
-// completed (/sys/block/NAME/stat).
-func blockReads(t *testing.T, dev string) (ios, sectors int64) {
-	t.Helper()
-	b, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(dev), "stat"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	f := strings.Fields(string(b))
-	if len(f) < 3 {
-		t.Fatalf("%s stat: %q", dev, b)
-	}
-	ios, err = strconv.ParseInt(f[0], 10, 64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sectors, err = strconv.ParseInt(f[2], 10, 64)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ios, sectors
-}
-
-// Probe's reads stay in the device's cache while the device it returns
-// is open, so that mkfs' own look at the same places (libblkid in
-// mke2fs, within the first MiB and the far windows) costs no device
-// reads; the last MiB and the samples are read past the cache; and Probe
-// fetches no more than it asks for (no read-ahead around its small
-// reads).
-func TestHostProbeLeavesReadsCached(t *testing.T) {
-	needRoot(t)
-	const size = 256 * mib
-	dev, _ := newLoop(t, size)
-	ctx := context.Background()
-	_, sec0 := blockReads(t, dev)
-	sig, held, err := probe(ctx, dev, mkfsReadsCache(Ext4))
-	if err != nil || !sig.Blank() {
-		t.Fatalf("probe of a blank device = %+v, %v", sig, err)
-	}
-	defer held.Close()
-	ios1, sec1 := blockReads(t, dev)
-	tail := int64(size - mib)
-	asked := int64(2 * mib)
-	for _, r := range farSpans(size, mib, tail) {
-		asked += r[1] - r[0]
-	}
-	asked += int64(len(sampleOffsets(size, tail))) * sampleSize
-	if got := (sec1 - sec0) * 512; got > asked+64<<10 {
-		t.Errorf("probe read %d bytes from the device; it asks for %d", got, asked)
-	}
-
-	// Where mkfs' libblkid looks: the first MiB, the far windows.
-	offs := []int64{0, 1024, 64 << 10, mib - 4096, 2 * mib, 4 * mib, size - 3087*512}
-	readAll := func() {
-		t.Helper()
-		f, err := os.Open(dev)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		for _, off := range offs {
-			if _, err := f.ReadAt(make([]byte, 512), off); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	readAll()
-	if ios2, _ := blockReads(t, dev); ios2 != ios1 {
-		t.Errorf("reading what probe read, with probe's device open, took %d device reads; want them cached", ios2-ios1)
-	}
-	// The last MiB and the samples are read past the cache: mkfs does
-	// not read there.
-	for _, off := range []int64{tail, size - 4096, 3 * mib} {
-		before, _ := blockReads(t, dev)
-		f, err := os.Open(dev)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := f.ReadAt(make([]byte, 512), off); err != nil {
-			t.Fatal(err)
-		}
-		f.Close()
-		if after, _ := blockReads(t, dev); after == before {
-			t.Errorf("probe's read at %d stayed in the cache", off)
-		}
-	}
-	ios1, _ = blockReads(t, dev)
-	// Closed, the kernel drops the cache: the same reads reach the device.
-	held.Close()
-	readAll()
-	if ios3, _ := blockReads(t, dev); ios3 == ios1 {
-		t.Error("reads after the device was closed were cached too: the check above proves nothing")
 	}
 }

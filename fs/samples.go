@@ -13,14 +13,8 @@ import "slices"
 // sampleSize is how much is read at each sample offset.
 const sampleSize = 16 << 10
 
-// sampleBatch is how many samples one io_submit reads. Devices up to
-// 4 TiB have at most 64 samples (39 at 64 MiB, 50 at 320 MiB, 47 at
-// 1 GiB), so their samples go out together: one round trip on a network
-// device, and one wake-up of the caller.
-const sampleBatch = 64
-
-// sampleWorkers is how many samples are read at once where the kernel
-// offers no native AIO: a thread each, a few rounds deep, not ten.
+// sampleWorkers is how many samples are read at once: a thread each, a
+// few rounds deep, not ten.
 const sampleWorkers = 16
 
 // Where samples are taken (each a multiple of blockAlign):

@@ -43,13 +43,3 @@ func TestSampleOffsets(t *testing.T) {
 		}
 	}
 }
-
-// Up to 4 TiB, a device's samples fit in one io_submit.
-func TestSampleOffsetsOneBatch(t *testing.T) {
-	for size := int64(1 << 20); size <= 4<<40; size = size*1013/1000 + 4096 {
-		tail := max(0, (size-headSize)&^(blockAlign-1))
-		if n := len(sampleOffsets(size, tail)); n > sampleBatch {
-			t.Fatalf("size %d: %d samples, more than one batch (%d)", size, n, sampleBatch)
-		}
-	}
-}

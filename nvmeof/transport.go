@@ -70,6 +70,9 @@ type Transport struct {
 	host   *HostIdentity
 
 	locks keyedMutex
+	// flushing holds a key for each namespace device whose flush is in
+	// flight (see flush).
+	flushing kmutex.KeyedMutex
 
 	mu sync.Mutex
 	// released holds the keys of volumes this process has detached (and
@@ -560,7 +563,7 @@ func (g *Target) Detach(ctx context.Context) error {
 		if openedExclusively(dev) {
 			return fmt.Errorf("detach %s: %s is still mounted or held open: %w", g.Key(), dev, errdefs.ErrBusy)
 		}
-		if err := flushDevice(dev); err != nil {
+		if err := t.flush(ctx, dev); err != nil {
 			return fmt.Errorf("detach %s: %w", g.Key(), err)
 		}
 		failpoint.Hit("nvmeof.flushed")
@@ -577,6 +580,38 @@ func (g *Target) Detach(ctx context.Context) error {
 		return fmt.Errorf("detach %s: %w", g.Key(), err)
 	}
 	return nil
+}
+
+// flushDev is flushDevice; tests replace it with a device that does not
+// answer.
+var flushDev = flushDevice
+
+// flush runs flushDevice on dev in a goroutine of its own and waits for
+// it until ctx ends: a namespace whose I/O is queued (its controllers
+// reconnecting, with ctrl_loss_tmo -1 for ever) does not complete an
+// fsync, and nothing can cancel one. The caller then gets an error
+// wrapping errdefs.ErrUnavailable and ctx's error, and lets the
+// subsystem's lock go; the flush goes on and holds dev's key in
+// t.flushing until it returns. The next flush of dev waits for that key
+// within its own ctx instead of starting another fsync behind it.
+func (t *Transport) flush(ctx context.Context, dev string) error {
+	unlock, err := t.flushing.Lock(ctx, dev)
+	if err != nil {
+		return fmt.Errorf("flush %s: an earlier flush of the device has not returned by the request's deadline "+
+			"(its I/O is queued: check the paths to the subsystem): %w", dev, errors.Join(errdefs.ErrUnavailable, err))
+	}
+	done := make(chan error, 1)
+	go func() {
+		defer unlock()
+		done <- flushDev(dev)
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("flush %s: not done by the request's deadline (its I/O is queued: check the paths to the subsystem); "+
+			"it goes on, and the next detach waits for it: %w", dev, errors.Join(errdefs.ErrUnavailable, ctx.Err()))
+	}
 }
 
 // deleteControllers deletes the controllers of the volume's paths, but

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -320,5 +321,68 @@ func TestTargetRebootClearsAttach(t *testing.T) {
 	rc, ok := any(&Target{}).(interface{ RebootClearsAttach() bool })
 	if !ok || !rc.RebootClearsAttach() {
 		t.Fatal("the NVMe/TCP Target does not say that a reboot clears its attach")
+	}
+}
+
+// A namespace whose flush does not return (its I/O queued while the
+// controllers reconnect) holds Detach only until the request's deadline:
+// the subsystem's lock goes with it, nothing is deleted, a retry waits
+// for the stuck flush without starting another, and once it returns the
+// next Detach flushes and deletes.
+func TestDetachFlushEndsWithContext(t *testing.T) {
+	root := sampleSys(t)
+	for _, c := range []string{"nvme1", "nvme2", "nvme3"} {
+		writeID(t, root+"/class/nvme/"+c, "delete_controller", "")
+	}
+	release := make(chan struct{})
+	var flushes atomic.Int32
+	old := flushDev
+	flushDev = func(string) error {
+		flushes.Add(1)
+		<-release
+		return nil
+	}
+	t.Cleanup(func() { flushDev = old })
+	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tg, _ := tr.Parse(map[string]string{"nqn": subA, "nsid": "1", "targets": "127.0.0.1:4420,[::1]:4421"}, nil)
+	detach := func(d time.Duration) error {
+		ctx, cancel := context.WithTimeout(context.Background(), d)
+		defer cancel()
+		start := time.Now()
+		err := tg.Detach(ctx)
+		if took := time.Since(start); took > d+5*time.Second {
+			t.Errorf("Detach with a %v deadline took %v", d, took)
+		}
+		return err
+	}
+	if err := detach(100 * time.Millisecond); !errors.Is(err, errdefs.ErrUnavailable) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Detach with a stuck flush = %v; want Unavailable and DeadlineExceeded", err)
+	}
+	if flushes.Load() != 1 {
+		t.Fatalf("%d flushes started, want 1", flushes.Load())
+	}
+	short, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	unlock, err := tr.locks.lock(short, subA)
+	if err != nil {
+		t.Fatalf("the subsystem's lock is still held after Detach returned: %v", err)
+	}
+	unlock()
+	if err := detach(100 * time.Millisecond); !errors.Is(err, errdefs.ErrUnavailable) || flushes.Load() != 1 {
+		t.Errorf("Detach retried during the stuck flush = %v after %d flushes; want Unavailable, and no new flush", err, flushes.Load())
+	}
+	if readAttrT(t, root+"/class/nvme/nvme1", "delete_controller") != "" {
+		t.Error("a controller was deleted although its namespace was not flushed")
+	}
+	close(release)
+	if err := detach(10 * time.Second); err != nil || flushes.Load() != 2 {
+		t.Errorf("Detach once the flush returned = %v after %d flushes; want nil after 2", err, flushes.Load())
+	}
+	if readAttrT(t, root+"/class/nvme/nvme1", "delete_controller") != "1" {
+		t.Error("Detach once the flush returned did not delete the controller")
 	}
 }
