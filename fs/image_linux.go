@@ -13,10 +13,7 @@ import (
 )
 
 // imageReadBound is the most bytes of an image's data EnsureFilesystem
-// reads (README, "What berth guarantees"): every byte of any image up
-// to 1 GiB, however it was written, and about 10 s of a stage at
-// 100 MB/s (a hard disk, a network filesystem), where kubelet gives
-// NodeStageVolume 2 minutes.
+// reads; README ("What berth guarantees") states it and why.
 var imageReadBound int64 = 1 << 30
 
 // imageChunk is how much of a data extent firstImageData reads at once;

@@ -10,9 +10,15 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// image is a sparse file of size bytes in a test directory, with each
-// of writes written at its offset, open for reading.
-func image(t *testing.T, size int64, writes map[int64][]byte) *fileData {
+// write is bytes written into an image at an offset.
+type write struct {
+	off int64
+	b   []byte
+}
+
+// image is a sparse file of size bytes in a test directory, with writes
+// written in their order, open for reading.
+func image(t *testing.T, size int64, writes ...write) *fileData {
 	t.Helper()
 	p := filepath.Join(t.TempDir(), "image")
 	f, err := os.Create(p)
@@ -23,8 +29,8 @@ func image(t *testing.T, size int64, writes map[int64][]byte) *fileData {
 	if err := f.Truncate(size); err != nil {
 		t.Fatal(err)
 	}
-	for off, b := range writes {
-		if _, err := f.WriteAt(b, off); err != nil {
+	for _, w := range writes {
+		if _, err := f.WriteAt(w.b, w.off); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -60,27 +66,27 @@ func TestFirstImageData(t *testing.T) {
 		name   string
 		size   int64 // the device's size
 		file   int64 // the file's, when not size
-		writes map[int64][]byte
+		writes []write
 		want   int64
 	}{
-		{name: "7 bytes at 200 MiB", size: 512 * mib, writes: map[int64][]byte{200 * mib: nonZero(7)}, want: 200 * mib},
-		{name: "512 bytes at 37 MiB", size: 512 * mib, writes: map[int64][]byte{37 * mib: nonZero(512)}, want: 37 * mib},
-		{name: "64 bytes before the last MiB", size: 512 * mib, writes: map[int64][]byte{511*mib - 64: nonZero(64)}, want: 511*mib - 64},
-		{name: "4 KiB at 700 MiB of 1 GiB", size: gib, writes: map[int64][]byte{700 * mib: nonZero(4 << 10)}, want: 700 * mib},
-		{name: "the last byte", size: 64 * mib, writes: map[int64][]byte{64*mib - 1: {1}}, want: 64*mib - 1},
-		{name: "the lowest of two", size: 64 * mib, writes: map[int64][]byte{50 * mib: nonZero(1), 9*mib + 3: {0, 0, 0, 7}}, want: 9*mib + 6},
-		{name: "after zeros ending within a read", size: 64 * mib, writes: map[int64][]byte{0: make([]byte, 3*mib/2), 3*mib/2 + 256<<10: {9}}, want: 3*mib/2 + 256<<10},
+		{name: "7 bytes at 200 MiB", size: 512 * mib, writes: []write{{200 * mib, nonZero(7)}}, want: 200 * mib},
+		{name: "512 bytes at 37 MiB", size: 512 * mib, writes: []write{{37 * mib, nonZero(512)}}, want: 37 * mib},
+		{name: "64 bytes before the last MiB", size: 512 * mib, writes: []write{{511*mib - 64, nonZero(64)}}, want: 511*mib - 64},
+		{name: "4 KiB at 700 MiB of 1 GiB", size: gib, writes: []write{{700 * mib, nonZero(4 << 10)}}, want: 700 * mib},
+		{name: "the last byte", size: 64 * mib, writes: []write{{64*mib - 1, []byte{1}}}, want: 64*mib - 1},
+		{name: "the lowest of two", size: 64 * mib, writes: []write{{50 * mib, nonZero(1)}, {9*mib + 3, []byte{0, 0, 0, 7}}}, want: 9*mib + 6},
+		{name: "after zeros ending within a read", size: 64 * mib, writes: []write{{0, make([]byte, 3*mib/2)}, {3*mib/2 + 256<<10, []byte{9}}}, want: 3*mib/2 + 256<<10},
 		{name: "all sparse", size: gib, want: -1},
-		{name: "written zeros", size: 64 * mib, writes: map[int64][]byte{mib: make([]byte, 8*mib), 40 * mib: make([]byte, 4096)}, want: -1},
-		{name: "data past the device's end", size: 64 * mib, file: 128 * mib, writes: map[int64][]byte{64 * mib: {1}}, want: -1},
-		{name: "a device larger than its file", size: 128 * mib, file: 64 * mib, writes: map[int64][]byte{63 * mib: make([]byte, mib)}, want: -1},
+		{name: "written zeros", size: 64 * mib, writes: []write{{mib, make([]byte, 8*mib)}, {40 * mib, make([]byte, 4096)}}, want: -1},
+		{name: "data past the device's end", size: 64 * mib, file: 128 * mib, writes: []write{{64 * mib, []byte{1}}}, want: -1},
+		{name: "a device larger than its file", size: 128 * mib, file: 64 * mib, writes: []write{{63 * mib, make([]byte, mib)}}, want: -1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			file := tc.file
 			if file == 0 {
 				file = tc.size
 			}
-			got, err := firstImageData(context.Background(), image(t, file, tc.writes), tc.size, imageReadBound)
+			got, err := firstImageData(context.Background(), image(t, file, tc.writes...), tc.size, imageReadBound)
 			if err != nil || got != tc.want {
 				t.Fatalf("firstImageData = %d, %v; want %d", got, err, tc.want)
 			}
@@ -92,14 +98,14 @@ func TestFirstImageData(t *testing.T) {
 // within the bound is found even when more follows.
 func TestFirstImageDataBound(t *testing.T) {
 	ctx := context.Background()
-	zeros := image(t, 64*mib, map[int64][]byte{0: make([]byte, 8*mib)})
+	zeros := image(t, 64*mib, write{0, make([]byte, 8*mib)})
 	if got, err := firstImageData(ctx, zeros, 64*mib, 8*mib); err != nil || got != -1 {
 		t.Fatalf("8 MiB of zeros, bound 8 MiB: firstImageData = %d, %v; want -1", got, err)
 	}
 	if got, err := firstImageData(ctx, zeros, 64*mib, 8*mib-1); !errors.Is(err, errNotRead) {
 		t.Fatalf("8 MiB of zeros, bound 8 MiB - 1: firstImageData = %d, %v; want errNotRead", got, err)
 	}
-	early := image(t, 64*mib, map[int64][]byte{0: make([]byte, 8*mib), 2 * mib: {1}})
+	early := image(t, 64*mib, write{0, make([]byte, 8*mib)}, write{2 * mib, []byte{1}})
 	if got, err := firstImageData(ctx, early, 64*mib, 4*mib); err != nil || got != 2*mib {
 		t.Fatalf("data at 2 MiB of 8, bound 4 MiB: firstImageData = %d, %v; want 2 MiB", got, err)
 	}
@@ -109,7 +115,7 @@ func TestFirstImageDataBound(t *testing.T) {
 func TestFirstImageDataContext(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	d := image(t, 64*mib, map[int64][]byte{0: make([]byte, 4*mib), 3 * mib: {1}})
+	d := image(t, 64*mib, write{0, make([]byte, 4*mib)}, write{3 * mib, []byte{1}})
 	if got, err := firstImageData(ctx, d, 64*mib, imageReadBound); !errors.Is(err, context.Canceled) {
 		t.Fatalf("firstImageData after the context ended = %d, %v; want context.Canceled", got, err)
 	}
@@ -134,14 +140,14 @@ func TestFirstImageDataNoExtentMap(t *testing.T) {
 	}
 	einval := func(int, int64, int) (int64, error) { return -1, unix.EINVAL }
 
-	sparse := image(t, 64*mib, map[int64][]byte{9 * mib: {1}})
+	sparse := image(t, 64*mib, write{9 * mib, []byte{1}})
 	for name, seek := range map[string]func(int, int64, int) (int64, error){"whole file as data": generic(sparse), "EINVAL": einval} {
 		sparse.seek = seek
 		if got, err := firstImageData(ctx, sparse, 64*mib, imageReadBound); !errors.Is(err, errNotRead) {
 			t.Errorf("%s, a sparse file: firstImageData = %d, %v; want errNotRead", name, got, err)
 		}
 	}
-	full := image(t, 4*mib, map[int64][]byte{0: make([]byte, 4*mib), 3 * mib: {1}})
+	full := image(t, 4*mib, write{0, make([]byte, 4*mib)}, write{3 * mib, []byte{1}})
 	full.seek = generic(full)
 	if got, err := firstImageData(ctx, full, 4*mib, imageReadBound); err != nil || got != 3*mib {
 		t.Errorf("whole file as data, a file all allocated: firstImageData = %d, %v; want 3 MiB", got, err)
