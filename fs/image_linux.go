@@ -51,7 +51,8 @@ func firstImageData(ctx context.Context, f dataMap, size, bound int64) (int64, e
 		if start < off || end <= start {
 			return -1, fmt.Errorf("%w: its filesystem reported data at [%d, %d) when asked from %d", errNotRead, start, end, off)
 		}
-		for off, end = start, min(end, size); off < end; {
+		end = min(end, size)
+		for off = start; off < end; {
 			if err := ctx.Err(); err != nil {
 				return -1, err
 			}
