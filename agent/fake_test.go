@@ -75,7 +75,7 @@ func (f *fakeFS) ParseMountOptions(opts []string) (uintptr, string, error) {
 	return 0, "", nil
 }
 
-func (f *fakeFS) EnsureFilesystem(_ context.Context, devPath, fsType string, _ fs.MkfsParams, _ func() (bool, error), beforeMkfs func() error) (bool, error) {
+func (f *fakeFS) EnsureFilesystem(_ context.Context, devPath, fsType string, _ fs.MkfsParams, _ func() (*os.File, int64, error), beforeMkfs func() error) (bool, error) {
 	f.mu.Lock()
 	switch c := f.content[devPath]; c {
 	case fsType:

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
 	"strings"
 
 	"github.com/berth-csi/berth/devices"
@@ -68,13 +69,13 @@ func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, de
 		}
 		formatted = true
 	} else {
-		// A loop device of a file without data is blank without being
-		// read: its filesystem's extent map says so.
-		var knownBlank func() (bool, error)
+		// A loop device shows an image file, whose data is read whole
+		// (fs.MkfsOptions.Image).
+		var image func() (*os.File, int64, error)
 		if dev.ID.Kind == devices.KindLoop {
-			knownBlank = func() (bool, error) { return devices.LoopHoldsNoData(dev) }
+			image = func() (*os.File, int64, error) { return devices.LoopBackingFile(dev) }
 		}
-		formatted, err = n.a.host.EnsureFilesystem(ctx, dev.Path, fsType, params, knownBlank, func() error {
+		formatted, err = n.a.host.EnsureFilesystem(ctx, dev.Path, fsType, params, image, func() error {
 			took.mark("probe")
 			rec.Formatting = deviceRecordOf(dev)
 			return n.a.state.put(rec)

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"os"
 
 	"github.com/berth-csi/berth/fs"
 )
@@ -35,11 +36,11 @@ type hostFS interface {
 	ParseMountOptions(opts []string) (flags uintptr, data string, err error)
 	// EnsureFilesystem creates fsType on a blank device and refuses one
 	// that holds anything else (errdefs.ErrFailedPrecondition).
-	// knownBlank, when not nil, may tell that the device is blank
-	// without its probe (see fs.MkfsOptions.KnownBlank). beforeMkfs is
-	// called once the device was found blank, right before mkfs starts;
-	// an error from it stops the format.
-	EnsureFilesystem(ctx context.Context, devPath, fsType string, p fs.MkfsParams, knownBlank func() (bool, error), beforeMkfs func() error) (formatted bool, err error)
+	// image, when not nil, gives the image file the device shows (see
+	// fs.MkfsOptions.Image). beforeMkfs is called once the device was
+	// found blank, right before mkfs starts; an error from it stops the
+	// format. p is the new filesystem's geometry.
+	EnsureFilesystem(ctx context.Context, devPath, fsType string, p fs.MkfsParams, image func() (*os.File, int64, error), beforeMkfs func() error) (formatted bool, err error)
 	// Format creates fsType on a device without looking at what it
 	// holds: only for a device whose format berth started and that a
 	// crash or a failed mkfs left unfinished. p is the new filesystem's

@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"os"
 
 	"github.com/berth-csi/berth/fs"
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -21,8 +22,8 @@ func (realFS) ParseMountOptions(opts []string) (uintptr, string, error) {
 	return fs.ParseMountOptions(opts)
 }
 
-func (realFS) EnsureFilesystem(ctx context.Context, devPath, fsType string, p fs.MkfsParams, knownBlank func() (bool, error), beforeMkfs func() error) (bool, error) {
-	return fs.EnsureFilesystem(ctx, devPath, fsType, fs.MkfsOptions{Params: p, KnownBlank: knownBlank, BeforeMkfs: beforeMkfs})
+func (realFS) EnsureFilesystem(ctx context.Context, devPath, fsType string, p fs.MkfsParams, image func() (*os.File, int64, error), beforeMkfs func() error) (bool, error) {
+	return fs.EnsureFilesystem(ctx, devPath, fsType, fs.MkfsOptions{Params: p, Image: image, BeforeMkfs: beforeMkfs})
 }
 
 func (realFS) Format(ctx context.Context, devPath, fsType string, p fs.MkfsParams) error {

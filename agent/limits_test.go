@@ -215,7 +215,7 @@ func (t *blockingDetachTarget) Detach(ctx context.Context) error {
 // device, whose fsck blocks until its context ends.
 type fsckBlocks struct{ *fakeFS }
 
-func (fsckBlocks) EnsureFilesystem(context.Context, string, string, fs.MkfsParams, func() (bool, error), func() error) (bool, error) {
+func (fsckBlocks) EnsureFilesystem(context.Context, string, string, fs.MkfsParams, func() (*os.File, int64, error), func() error) (bool, error) {
 	return false, nil
 }
 func (fsckBlocks) Fsck(ctx context.Context, _, _ string) error {

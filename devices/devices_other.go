@@ -5,6 +5,7 @@ package devices
 import (
 	"context"
 	"fmt"
+	"os"
 	"runtime"
 
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -75,3 +76,6 @@ func InUse(*Device) error { return errUnsupported }
 
 // CheckDeviceMapper is only supported on Linux.
 func (Roots) CheckDeviceMapper() error { return errUnsupported }
+
+// LoopBackingFile is only supported on Linux.
+func LoopBackingFile(*Device) (*os.File, int64, error) { return nil, 0, errUnsupported }

@@ -705,64 +705,60 @@ func blockDeviceSize(f *os.File) (int64, error) {
 // lock; waiting for a file respects the context.
 var attachLocks kmutex.KeyedMutex
 
-// LoopHoldsNoData reports whether the loop device d reads as zeros from
-// start to end because the file it shows holds no data: d is bound to
-// the whole file (offset 0, no size limit), and the file's filesystem
-// finds no data in it (lseek SEEK_DATA from 0 answers ENXIO: holes and
-// unwritten extents only). That is what reading every byte of d would
-// find, told by the filesystem's extent map instead. The device's own
-// cache is written back to the file first (BLKFLSBUF), so that writes
-// through d count. The file is opened by its name and checked to be the
-// inode d is bound to.
+// LoopBackingFile opens the file the loop device d shows, for reading,
+// and returns it with the device's size: d is bound to the whole file
+// (offset 0, no size limit), so that the device's bytes are the file's
+// first size bytes (a device larger than the file, which shrank, reads
+// zeros past its end). The device's own cache is written back to the
+// file first (BLKFLSBUF), so that writes through d are in the file. The
+// file is opened by its name and checked to be the inode d is bound to.
 //
-// false with a nil error means it cannot be told this way: d is not a
-// loop device, the file holds data or its filesystem does not tell holes
-// from data (it then reports data at 0), or the file is deleted.
-func LoopHoldsNoData(d *Device) (bool, error) {
+// A nil file with a nil error means d does not show a whole file: d is
+// not a loop device, is bound at an offset or with a size limit, or its
+// file is deleted or has another inode under its name now.
+func LoopBackingFile(d *Device) (*os.File, int64, error) {
 	if d == nil || d.ID.Kind != KindLoop || d.ID.BackingFile == "" || strings.HasSuffix(d.ID.BackingFile, " (deleted)") {
-		return false, nil
+		return nil, 0, nil
 	}
 	lf, err := openLoopChecked(d)
 	if errors.Is(err, errdefs.ErrNotFound) {
-		return false, nil // another device has the name now
+		return nil, 0, nil // another device has the name now
 	} else if err != nil {
-		return false, fmt.Errorf("%s: %w", d.Path, err)
+		return nil, 0, fmt.Errorf("%s: %w", d.Path, err)
 	}
 	defer lf.Close()
 	if err := unix.IoctlSetInt(int(lf.Fd()), unix.BLKFLSBUF, 0); err != nil {
-		return false, fmt.Errorf("BLKFLSBUF %s: %w", d.Path, err)
+		return nil, 0, fmt.Errorf("BLKFLSBUF %s: %w", d.Path, err)
 	}
 	info, err := unix.IoctlLoopGetStatus64(int(lf.Fd()))
 	if err != nil {
 		if errors.Is(err, unix.ENXIO) {
-			return false, nil // unbound meanwhile
+			return nil, 0, nil // unbound meanwhile
 		}
-		return false, fmt.Errorf("LOOP_GET_STATUS64 %s: %w", d.Path, err)
+		return nil, 0, fmt.Errorf("LOOP_GET_STATUS64 %s: %w", d.Path, err)
 	}
 	if loopDiff(info) != "" {
-		return false, nil
+		return nil, 0, nil
 	}
-	var st unix.Stat_t
+	size, err := blockDeviceSize(lf)
+	if err != nil {
+		return nil, 0, fmt.Errorf("%s: %w", d.Path, err)
+	}
 	bf, err := os.OpenFile(d.ID.BackingFile, os.O_RDONLY|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
-			return false, nil
+			return nil, 0, nil
 		}
-		return false, fmt.Errorf("open %s: %w", d.ID.BackingFile, err)
+		return nil, 0, fmt.Errorf("open %s: %w", d.ID.BackingFile, err)
 	}
-	defer bf.Close()
+	var st unix.Stat_t
 	if err := unix.Fstat(int(bf.Fd()), &st); err != nil {
-		return false, fmt.Errorf("fstat %s: %w", d.ID.BackingFile, err)
+		bf.Close()
+		return nil, 0, fmt.Errorf("fstat %s: %w", d.ID.BackingFile, err)
 	}
 	if st.Dev != info.Device || st.Ino != info.Inode || st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return false, nil // the name means another file now
+		bf.Close()
+		return nil, 0, nil // the name means another file now
 	}
-	_, err = unix.Seek(int(bf.Fd()), 0, unix.SEEK_DATA)
-	switch {
-	case errors.Is(err, unix.ENXIO):
-		return true, nil
-	case err == nil, errors.Is(err, unix.EINVAL), errors.Is(err, unix.EOPNOTSUPP):
-		return false, nil
-	}
-	return false, fmt.Errorf("lseek SEEK_DATA %s: %w", d.ID.BackingFile, err)
+	return bf, size, nil
 }

@@ -23,7 +23,9 @@
 // offset from 32 MiB on, and at 31 points evenly spaced over the device
 // (see sampleOffsets), a few at a time alongside its other reads. Any
 // non-zero byte there is "unknown-data". Sampling is not proof: data
-// wholly between the places read is not seen.
+// wholly between the places read is not seen. A loop device's image is
+// read whole instead, up to a bound (see [EnsureFilesystem] and
+// [MkfsOptions].Image).
 // [EnsureFilesystem] formats only when nothing was found: no filesystem,
 // partition table, RAID member, LUKS header, swap area, LVM PV or other
 // signature, and every byte read (both MiBs, the libblkid places, the

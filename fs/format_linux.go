@@ -20,6 +20,13 @@ const mkfsTimeout = 10 * time.Minute
 // refused with an error wrapping errdefs.ErrFailedPrecondition that names
 // what was found; its bytes are not changed.
 //
+// A device that shows an image file (opt.Image) has the image's data
+// read first, all of it up to imageReadBound (see firstImageData): all
+// zero, and the device is blank without a probe; a non-zero byte, and
+// the device is probed, and refused as unknown data at that byte's
+// offset unless the probe finds what it holds. Where the data is not
+// read whole the device is probed as any other.
+//
 // Once mkfs has started it runs to completion even if ctx ends, since a
 // half-written device would be refused by every later call. If the node
 // dies during mkfs, the device is refused as "unknown-data" by later
@@ -34,9 +41,17 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 		return false, err
 	}
 	var sig Signature
-	if blank, err := knownBlank(opt); !blank || err != nil {
+	at, exact, err := imageData(ctx, devPath, opt)
+	if err != nil {
+		return false, err
+	}
+	if !exact || at >= 0 {
 		if sig, err = Probe(ctx, devPath); err != nil {
 			return false, err
+		}
+		if exact && (sig.Blank() || sig.Type == typeUnknownData) {
+			// Data the probe recognises nothing in, at its first byte.
+			sig = Signature{Type: typeUnknownData, Offset: at}
 		}
 	}
 	switch {
@@ -65,14 +80,6 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 		return false, err
 	}
 	return true, nil
-}
-
-// knownBlank asks opt.KnownBlank, if set.
-func knownBlank(opt MkfsOptions) (bool, error) {
-	if opt.KnownBlank == nil {
-		return false, nil
-	}
-	return opt.KnownBlank()
 }
 
 // Format makes fsType on devPath without looking at what the device

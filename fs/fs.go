@@ -3,6 +3,7 @@ package fs
 import (
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"unicode/utf8"
 
@@ -118,11 +119,12 @@ type MkfsOptions struct {
 	// finish the format with Format instead of finding mkfs' partial
 	// writes refused as unknown data.
 	BeforeMkfs func() error
-	// KnownBlank, when set, is asked by EnsureFilesystem before it
-	// probes: true means the caller has shown the whole device reads as
-	// zeros by other means (see devices.LoopHoldsNoData), and the probe's
-	// reads are skipped. false or an error, and the device is probed.
-	KnownBlank func() (bool, error)
+	// Image, when set, is asked by EnsureFilesystem before it probes
+	// for the file the device shows from its start, open for reading,
+	// and the device's size (see devices.LoopBackingFile); a nil file
+	// when there is none. EnsureFilesystem reads the file's data and
+	// closes it. With an error or no file, the device is probed.
+	Image func() (*os.File, int64, error)
 }
 
 // Stats is the usage of a mounted filesystem.

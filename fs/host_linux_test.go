@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -8,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,6 +21,7 @@ import (
 
 	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/logctx"
 )
 
 const mib = 1 << 20
@@ -1121,31 +1124,92 @@ func TestHostBeforeMkfsAndFormat(t *testing.T) {
 	}
 }
 
-// KnownBlank is asked before the probe: true skips the probe's reads
-// (the caller showed the device blank); false or an error, and the
-// device is probed as always, which refuses data.
-func TestHostKnownBlank(t *testing.T) {
+// imageOf is MkfsOptions.Image for a loop device on file, as
+// devices.LoopBackingFile gives it.
+func imageOf(file string, size int64) func() (*os.File, int64, error) {
+	return func() (*os.File, int64, error) {
+		f, err := os.Open(file)
+		return f, size, err
+	}
+}
+
+// logTo returns ctx with a logger that writes to b.
+func logTo(ctx context.Context, b *bytes.Buffer) context.Context {
+	return logctx.With(ctx, slog.New(slog.NewTextHandler(b, nil)))
+}
+
+// With the image a loop device shows, EnsureFilesystem reads the
+// image's data: data between the probe's samples is refused at its
+// offset, a filesystem in the image is used as it is, and an image of
+// zeros is formatted, also when it holds more than the bound (then the
+// device is probed instead, and the log says so). When the image cannot
+// be had, the device is probed.
+func TestHostEnsureFilesystemImage(t *testing.T) {
 	needRoot(t)
 	needTools(t, "blkid", "mkfs.ext4")
 	ctx := context.Background()
-	dev, file := newLoop(t, 64*mib)
+	const size = 64 * mib
+	dev, file := newLoop(t, size)
+	// Samples are 16 KiB every 2 MiB of a 64 MiB device.
+	const off = 41*mib + 100<<10
+	writeAt(t, file, off, []byte("data"))
+	if sig, err := Probe(ctx, dev); err != nil || !sig.Blank() {
+		t.Fatalf("Probe = %+v, %v; want the data missed", sig, err)
+	}
+	before := hashFile(t, file)
+	var log bytes.Buffer
+	formatted, err := EnsureFilesystem(logTo(ctx, &log), dev, Ext4, MkfsOptions{Image: imageOf(file, size)})
+	if formatted || !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), fmt.Sprintf("byte read at offset %d)", off)) {
+		t.Fatalf("EnsureFilesystem over data at %d = %v, %v; want a FAILED_PRECONDITION refusal naming the offset", off, formatted, err)
+	}
+	if hashFile(t, file) != before || log.Len() != 0 {
+		t.Fatalf("device bytes changed, or the log says %q", log.String())
+	}
+
+	// Zeros written over the data, more than the bound: probed, blank.
+	defer func(b int64) { imageReadBound = b }(imageReadBound)
+	imageReadBound = 8 * mib
+	writeAt(t, file, 40*mib, make([]byte, 9*mib))
+	formatted, err = EnsureFilesystem(logTo(ctx, &log), dev, Ext4, MkfsOptions{Image: imageOf(file, size)})
+	if err != nil || !formatted {
+		t.Fatalf("EnsureFilesystem over 9 MiB of zeros, bound 8 MiB = %v, %v; want formatted", formatted, err)
+	}
+	if !strings.Contains(log.String(), "probed and sampled instead") || !strings.Contains(log.String(), "more than 8388608 bytes") {
+		t.Fatalf("the log does not say the image was sampled instead: %q", log.String())
+	}
+	log.Reset()
+	formatted, err = EnsureFilesystem(logTo(ctx, &log), dev, Ext4, MkfsOptions{Image: imageOf(file, size)})
+	if err != nil || formatted || log.Len() != 0 {
+		t.Fatalf("EnsureFilesystem of the image's ext4 = %v, %v, log %q; want it used as it is", formatted, err, log.String())
+	}
+
+	// The image cannot be had: the probe decides, and refuses data.
 	junk := make([]byte, 4096)
 	rand.Read(junk)
 	junk[0] |= 1
 	writeAt(t, file, 0, junk)
-	before := hashFile(t, file)
-	for _, kb := range []func() (bool, error){
-		func() (bool, error) { return false, nil },
-		func() (bool, error) { return true, errors.New("cannot tell") },
+	before = hashFile(t, file)
+	for name, image := range map[string]func() (*os.File, int64, error){
+		"no file":  func() (*os.File, int64, error) { return nil, 0, nil },
+		"an error": func() (*os.File, int64, error) { return nil, 0, errors.New("cannot tell") },
 	} {
-		asked := 0
-		_, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{KnownBlank: func() (bool, error) { asked++; return kb() }})
-		if !errors.Is(err, errdefs.ErrFailedPrecondition) || asked != 1 || hashFile(t, file) != before {
-			t.Fatalf("EnsureFilesystem over data, KnownBlank asked %d times: %v; want it refused by the probe", asked, err)
+		log.Reset()
+		_, err := EnsureFilesystem(logTo(ctx, &log), dev, Ext4, MkfsOptions{Image: image})
+		if !errors.Is(err, errdefs.ErrFailedPrecondition) || hashFile(t, file) != before || !strings.Contains(log.String(), "probed and sampled instead") {
+			t.Fatalf("%s: EnsureFilesystem over data = %v, log %q; want it refused by the probe, and logged", name, err, log.String())
 		}
 	}
-	formatted, err := EnsureFilesystem(ctx, dev, Ext4, MkfsOptions{KnownBlank: func() (bool, error) { return true, nil }})
-	if err != nil || !formatted {
-		t.Fatalf("EnsureFilesystem with KnownBlank true = %v, %v; want formatted without a probe", formatted, err)
+}
+
+// An image without data is formatted: its reads find none.
+func TestHostEnsureFilesystemSparseImage(t *testing.T) {
+	needRoot(t)
+	needTools(t, "blkid", "mkfs.xfs")
+	const size = 512 * mib
+	dev, file := newLoop(t, size)
+	var log bytes.Buffer
+	formatted, err := EnsureFilesystem(logTo(context.Background(), &log), dev, XFS, MkfsOptions{Image: imageOf(file, size)})
+	if err != nil || !formatted || log.Len() != 0 {
+		t.Fatalf("EnsureFilesystem of a sparse image = %v, %v, log %q; want formatted", formatted, err, log.String())
 	}
 }
