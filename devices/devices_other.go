@@ -43,6 +43,9 @@ func AttachLoop(context.Context, *Listener, string, bool) (*Device, error) {
 // FindLoop is only supported on Linux.
 func (Roots) FindLoop(string) (*Device, error) { return nil, errUnsupported }
 
+// FindLoopRef is only supported on Linux.
+func (Roots) FindLoopRef(LoopRef) (*Device, error) { return nil, errUnsupported }
+
 // FindDeletedLoop is only supported on Linux.
 func (Roots) FindDeletedLoop(string) (*Device, error) { return nil, errUnsupported }
 

@@ -186,11 +186,21 @@ func (f *Target) Attach(ctx context.Context) (*devices.Device, error) {
 // it at an offset or with a size limit. An image deleted while attached
 // is found under the name the kernel gives it then ("<path> (deleted)")
 // and by berth's mark on the device, so its loop device does not leak.
+// A name that no longer reaches a regular file without symbolic links
+// is not followed: only such a deleted image's device is looked for.
 // The agent does not call Detach while another volume uses the image
-// (another name of it).
+// (another name of it), and calls DetachLoop where it recorded the
+// device.
 func (f *Target) Detach(ctx context.Context) error {
-	d, err := f.t.listener.Roots().FindLoop(f.path)
-	if errors.Is(err, errdefs.ErrNotFound) {
+	var d *devices.Device
+	err := f.check()
+	if err == nil {
+		d, err = f.t.listener.Roots().FindLoop(f.path)
+	}
+	if err != nil {
+		if !errors.Is(err, errdefs.ErrNotFound) && !errors.Is(err, errdefs.ErrInvalidArgument) {
+			return err
+		}
 		d, err = f.t.listener.Roots().FindDeletedLoop(f.path)
 	}
 	if errors.Is(err, errdefs.ErrNotFound) {
@@ -199,6 +209,31 @@ func (f *Target) Detach(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	return f.detach(ctx, d)
+}
+
+// DetachLoop detaches the loop device ref names, the one the stage
+// attached, if it is still bound to the file it was bound to then
+// (devices.FindLoopRef): the image's name is not looked up again, so an
+// image renamed since still has its device detached, and one whose name
+// now leads to another file (a symbolic link put in its place) does not
+// have that file's loop device detached instead. A nil ref (no device
+// recorded) is Detach.
+func (f *Target) DetachLoop(ctx context.Context, ref *devices.LoopRef) error {
+	if ref == nil {
+		return f.Detach(ctx)
+	}
+	d, err := f.t.listener.Roots().FindLoopRef(*ref)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return nil // detached already, or the number was given to another attach
+	}
+	if err != nil {
+		return fmt.Errorf("image file %s: %w", f.path, err)
+	}
+	return f.detach(ctx, d)
+}
+
+func (f *Target) detach(ctx context.Context, d *devices.Device) error {
 	// udev's probe after the unmount may hold the device for a moment;
 	// wait for its last close by event instead of answering busy.
 	return devices.DetachLoopContext(ctx, f.t.listener, d)
