@@ -5,6 +5,7 @@ package devices
 import (
 	"context"
 	"fmt"
+	"os"
 	"runtime"
 
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -37,6 +38,11 @@ func (d *Device) Verify() error { return errUnsupported }
 
 // AttachLoop is only supported on Linux.
 func AttachLoop(context.Context, *Listener, string, bool) (*Device, error) {
+	return nil, errUnsupported
+}
+
+// AttachLoopFile is only supported on Linux.
+func AttachLoopFile(context.Context, *Listener, *os.File, string, bool) (*Device, error) {
 	return nil, errUnsupported
 }
 

@@ -68,7 +68,7 @@ var loopConfigureMissing atomic.Bool
 // and DetachLoop removes it. Partition scanning stays off (a volume's
 // contents are not the node's business) and so does direct I/O, which
 // backing files on filesystems without O_DIRECT (tmpfs) would refuse.
-func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (_ *Device, retErr error) {
+func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (*Device, error) {
 	if l == nil {
 		return nil, fmt.Errorf("attach loop device for %q: no uevent listener: %w", file, errdefs.ErrInvalidArgument)
 	}
@@ -91,6 +91,35 @@ func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (_
 		return nil, fmt.Errorf("attach loop device: open %s: %w", path, err)
 	}
 	defer backing.Close()
+	return attachLoopFile(ctx, l, backing, path, readOnly)
+}
+
+// AttachLoopFile is AttachLoop for a regular file the caller opened
+// (read-write, or read-only for readOnly) by the name path, following no
+// symbolic link: the inode f holds is what is compared with existing loop
+// devices and bound to a new one, and nothing is looked up by name. path
+// must be the name the kernel gives the file (its absolute path, without
+// symbolic links); a device that shows it under another name (the file
+// renamed meanwhile) is refused with an error wrapping
+// errdefs.ErrFailedPrecondition. f stays the caller's to close.
+func AttachLoopFile(ctx context.Context, l *Listener, f *os.File, path string, readOnly bool) (*Device, error) {
+	if l == nil {
+		return nil, fmt.Errorf("attach loop device for %q: no uevent listener: %w", path, errdefs.ErrInvalidArgument)
+	}
+	if !filepath.IsAbs(path) || filepath.Clean(path) != path {
+		return nil, fmt.Errorf("attach loop device for %q: want a clean absolute path: %w", path, errdefs.ErrInvalidArgument)
+	}
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("attach loop device for %s: %w", path, err)
+	}
+	if !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("loop backing file %s: %s is not a regular file: %w", path, fi.Mode().Type(), errdefs.ErrInvalidArgument)
+	}
+	return attachLoopFile(ctx, l, f, path, readOnly)
+}
+
+func attachLoopFile(ctx context.Context, l *Listener, backing *os.File, path string, readOnly bool) (_ *Device, retErr error) {
 	id, err := fileIDOf(backing)
 	if err != nil {
 		return nil, fmt.Errorf("attach loop device: %s: %w", path, err)

@@ -173,12 +173,22 @@ func (f *Target) Preflight(context.Context) error { return f.check() }
 func (f *Target) RebootClearsAttach() bool { return true }
 
 // Attach attaches the image to a loop device, or returns the loop device
-// that already backs it.
+// that already backs it. The image is opened once, following no symbolic
+// link on the way (fs.OpenPath), and what is attached is that open file
+// (devices.AttachLoopFile): a name swapped for a symbolic link after the
+// checks leads nowhere else, and an image renamed meanwhile is refused.
 func (f *Target) Attach(ctx context.Context) (*devices.Device, error) {
-	if err := f.check(); err != nil {
-		return nil, err
+	h, err := fs.OpenPath(f.path)
+	if err != nil {
+		return nil, fmt.Errorf("attach image file: %w", err)
 	}
-	return devices.AttachLoop(ctx, f.t.listener, f.path, false)
+	defer h.Close()
+	img, err := h.OpenFile(os.O_RDWR)
+	if err != nil {
+		return nil, fmt.Errorf("attach image file: %w", err)
+	}
+	defer img.Close()
+	return devices.AttachLoopFile(ctx, f.t.listener, img, f.path, false)
 }
 
 // Detach detaches the loop device of the image, if any: the one that
