@@ -49,6 +49,9 @@ func AttachLoopFile(context.Context, *Listener, *os.File, string, bool) (*Device
 // FindLoop is only supported on Linux.
 func (Roots) FindLoop(string) (*Device, error) { return nil, errUnsupported }
 
+// FindLoopOf is only supported on Linux.
+func (Roots) FindLoopOf(*os.File) (*Device, error) { return nil, errUnsupported }
+
 // FindLoopRef is only supported on Linux.
 func (Roots) FindLoopRef(LoopRef) (*Device, error) { return nil, errUnsupported }
 

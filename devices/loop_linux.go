@@ -401,6 +401,17 @@ func (r Roots) FindLoop(file string) (*Device, error) {
 	return r.findLoopFile(path, fileID{dev: st.Dev, ino: st.Ino, size: st.Size}, false)
 }
 
+// FindLoopOf is FindLoop for a file the caller opened (by a name it
+// resolved without following symbolic links): the loop device bound to
+// the inode f holds, whatever its name leads to now.
+func (r Roots) FindLoopOf(f *os.File) (*Device, error) {
+	id, err := fileIDOf(f)
+	if err != nil {
+		return nil, fmt.Errorf("loop device backed by %s: %w", f.Name(), err)
+	}
+	return r.findLoopFile(f.Name(), id, false)
+}
+
 // FindDeletedLoop returns the loop device berth attached to the file path
 // that has been deleted since: the kernel then reports its backing file as
 // "<path> (deleted)". Its inode cannot be compared any more, so only a

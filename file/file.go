@@ -139,23 +139,21 @@ func (f *Target) Identity() (string, error) {
 
 // check makes sure the image exists, is a regular file and that the
 // path reaches it without symbolic links (which could lead out of the
-// root, or change what a volume is after it was staged).
+// root, or change what a volume is after it was staged). The path is
+// opened once without following any (fs.OpenPath), so that a name being
+// swapped meanwhile gives one of those answers, not an error of a
+// lookup half done.
 func (f *Target) check() error {
-	real, err := filepath.EvalSymlinks(f.path)
-	if errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("image file %s: %w", f.path, errdefs.ErrNotFound)
+	h, err := fs.OpenPath(f.path)
+	if err != nil {
+		return fmt.Errorf("image file: %w", err)
 	}
+	defer h.Close()
+	st, err := h.Stat()
 	if err != nil {
 		return fmt.Errorf("image file %s: %w", f.path, err)
 	}
-	if real != f.path {
-		return invalid("image file %s: resolves to %s through a symbolic link", f.path, real)
-	}
-	fi, err := os.Stat(real)
-	if err != nil {
-		return fmt.Errorf("image file %s: %w", f.path, err)
-	}
-	if !fi.Mode().IsRegular() {
+	if !st.Regular {
 		return invalid("image file %s: not a regular file", f.path)
 	}
 	return nil
@@ -178,17 +176,28 @@ func (f *Target) RebootClearsAttach() bool { return true }
 // (devices.AttachLoopFile): a name swapped for a symbolic link after the
 // checks leads nowhere else, and an image renamed meanwhile is refused.
 func (f *Target) Attach(ctx context.Context) (*devices.Device, error) {
-	h, err := fs.OpenPath(f.path)
+	img, err := f.open(os.O_RDWR)
 	if err != nil {
-		return nil, fmt.Errorf("attach image file: %w", err)
-	}
-	defer h.Close()
-	img, err := h.OpenFile(os.O_RDWR)
-	if err != nil {
-		return nil, fmt.Errorf("attach image file: %w", err)
+		return nil, fmt.Errorf("attach %w", err)
 	}
 	defer img.Close()
 	return devices.AttachLoopFile(ctx, f.t.listener, img, f.path, false)
+}
+
+// open opens the image for I/O with flag, following no symbolic link on
+// the way (fs.OpenPath): what is opened is the regular file at the name,
+// or an error wrapping errdefs.ErrNotFound or errdefs.ErrInvalidArgument.
+func (f *Target) open(flag int) (*os.File, error) {
+	h, err := fs.OpenPath(f.path)
+	if err != nil {
+		return nil, fmt.Errorf("image file: %w", err)
+	}
+	defer h.Close()
+	img, err := h.OpenFile(flag)
+	if err != nil {
+		return nil, fmt.Errorf("image file: %w", err)
+	}
+	return img, nil
 }
 
 // Detach detaches the loop device of the image, if any: the one that
@@ -203,9 +212,10 @@ func (f *Target) Attach(ctx context.Context) (*devices.Device, error) {
 // device.
 func (f *Target) Detach(ctx context.Context) error {
 	var d *devices.Device
-	err := f.check()
+	img, err := f.open(os.O_RDONLY)
 	if err == nil {
-		d, err = f.t.listener.Roots().FindLoop(f.path)
+		d, err = f.t.listener.Roots().FindLoopOf(img)
+		img.Close()
 	}
 	if err != nil {
 		if !errors.Is(err, errdefs.ErrNotFound) && !errors.Is(err, errdefs.ErrInvalidArgument) {
