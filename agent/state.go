@@ -381,9 +381,12 @@ func (s *store) write(r *volumeRecord, durable bool) error {
 	return nil
 }
 
+// file is the path of the file that holds the record of volume id.
+func (s *store) file(id string) string { return filepath.Join(s.dir, stateFileName(id)) }
+
 // remove deletes the record of a volume; a missing record is not an error.
 func (s *store) remove(id string) error {
-	err := os.Remove(filepath.Join(s.dir, stateFileName(id)))
+	err := os.Remove(s.file(id))
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("remove state of volume %q: %w", id, err)
 	}

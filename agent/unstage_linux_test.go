@@ -11,6 +11,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/berth-csi/berth/devices"
 )
@@ -206,5 +207,37 @@ func TestUnstageRenamedImage(t *testing.T) {
 				t.Error("record left")
 			}
 		})
+	}
+}
+
+// A record whose volume_context was changed on disk (the state file
+// edited) so that it names other storage than the one staged: unstage
+// refuses (FailedPrecondition) and detaches neither, rather than tear
+// down whatever the context names now and drop the record of what is
+// still attached.
+func TestUnstageRecordContextChanged(t *testing.T) {
+	a, _, tr := newFakeAgent(t)
+	n := &nodeServer{a: a}
+	staging := filepath.Join(t.TempDir(), "s")
+	must(t, "mkdir", mkdirAll(staging))
+	if _, err := n.NodeStageVolume(context.Background(), stageReq("vol", staging, "3")); err != nil {
+		t.Fatal(err)
+	}
+	rec, ok := a.state.get("vol")
+	if !ok {
+		t.Fatal("no record")
+	}
+	rec.Context["fake"] = "7"
+	must(t, "edit record", a.state.put(rec))
+	_, err := n.NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: "vol", StagingTargetPath: staging})
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("unstage of an edited record: got %v (%v), want FailedPrecondition", status.Code(err), err)
+	}
+	t.Log(err)
+	if tr.detached["7"] != 0 || tr.detached["3"] != 0 {
+		t.Errorf("detached %v (by key), want none", tr.detached)
+	}
+	if _, ok := a.state.get("vol"); !ok {
+		t.Error("record of the staged volume dropped")
 	}
 }
