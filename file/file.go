@@ -259,9 +259,19 @@ func (f *Target) detach(ctx context.Context, d *devices.Device) error {
 	return devices.DetachLoopContext(ctx, f.t.listener, d)
 }
 
-// Expand makes the loop device take the image file's current size.
+// Expand makes the loop device take the image file's current size. The
+// image is opened without following a symbolic link (see open), and the
+// loop device is the one bound to that open file: a name that leads to
+// another file now never has that file's loop device resized.
 func (f *Target) Expand(ctx context.Context) (int64, error) {
-	d, err := f.t.listener.Roots().FindLoop(f.path)
+	img, err := f.open(os.O_RDONLY)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return 0, fmt.Errorf("image file %s: not attached to a loop device (%v): %w", f.path, err, errdefs.ErrFailedPrecondition)
+	} else if err != nil {
+		return 0, fmt.Errorf("expand %w", err)
+	}
+	defer img.Close()
+	d, err := f.t.listener.Roots().FindLoopOf(img)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return 0, fmt.Errorf("image file %s: not attached to a loop device: %w", f.path, errdefs.ErrFailedPrecondition)
 	}
@@ -270,7 +280,7 @@ func (f *Target) Expand(ctx context.Context) (int64, error) {
 	}
 	// LOOP_SET_CAPACITY takes whatever size the image has now, smaller
 	// too: a filesystem mounted on the device would lose its end.
-	fi, err := os.Stat(f.path)
+	fi, err := img.Stat()
 	if err != nil {
 		return 0, fmt.Errorf("image file %s: %w", f.path, err)
 	}
@@ -290,17 +300,20 @@ func (f *Target) ExpandTo(ctx context.Context, _ int64) (int64, error) {
 // StopQueueing: a loop device never queues I/O for a path to come back.
 func (f *Target) StopQueueing(context.Context) (bool, error) { return false, nil }
 
-// Health reports a missing image or loop device, and an image smaller
-// than its loop device.
+// Health reports a missing image or loop device, an image name that
+// leads through a symbolic link, and an image smaller than its loop
+// device.
 func (f *Target) Health(context.Context) (bool, string) {
-	if _, err := os.Stat(f.path); err != nil {
-		return true, fmt.Sprintf("image file %s: %v", f.path, err)
+	img, err := f.open(os.O_RDONLY)
+	if err != nil {
+		return true, err.Error()
 	}
-	d, err := f.t.listener.Roots().FindLoop(f.path)
+	defer img.Close()
+	d, err := f.t.listener.Roots().FindLoopOf(img)
 	if err != nil {
 		return true, fmt.Sprintf("image file %s: no loop device: %v", f.path, err)
 	}
-	if fi, err := os.Stat(f.path); err == nil && fi.Size() < d.Size {
+	if fi, err := img.Stat(); err == nil && fi.Size() < d.Size {
 		return true, fmt.Sprintf("image file %s: holds %d bytes, less than its loop device %s (%d bytes): the volume's end is gone", f.path, fi.Size(), d.Path, d.Size)
 	}
 	return false, ""
