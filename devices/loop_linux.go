@@ -791,10 +791,20 @@ func (r Roots) clearLoop(name string) error {
 	return nil
 }
 
+// stillBacked reports whether the loop device dev is still bound to its
+// file: for a device whose file's numbers were read with it (LoopRef),
+// by those numbers, through its node (the name the kernel shows changes
+// with every rename of the file); for another, by that name.
 func stillBacked(dev *Device) bool {
 	cur, err := dev.roots.readDevice(dev.roots.block(dev.Name), KindLoop)
-	return err == nil && cur.ID.BackingFile != "" && cur.ID.BackingFile == dev.ID.BackingFile &&
-		cur.Major == dev.Major && cur.Minor == dev.Minor
+	if err != nil || cur.ID.BackingFile == "" || cur.Major != dev.Major || cur.Minor != dev.Minor {
+		return false
+	}
+	if dev.backingIno != 0 {
+		info, err := loopStatus(dev)
+		return err == nil && info.Device == dev.backingDev && info.Inode == dev.backingIno
+	}
+	return cur.ID.BackingFile == dev.ID.BackingFile
 }
 
 // RefreshLoopCapacity makes the loop device take the current size of its

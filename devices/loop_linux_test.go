@@ -1034,3 +1034,33 @@ func TestFindLoopRef(t *testing.T) {
 		}
 	}
 }
+
+// A device whose backing inode is known is detached by that inode, not
+// by the name the kernel showed when it was read: a file renamed since
+// has its device detached all the same.
+func TestDetachLoopAfterRename(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	file := testFile(t, dir, "vol.img", 4<<20)
+	d, err := AttachLoop(ctx, l, file, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	moved := filepath.Join(dir, "moved.img")
+	if err := os.Rename(file, moved); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if cur, err := (Roots{}).FindLoop(moved); err == nil {
+			detachForTest(t, cur)
+		}
+	})
+	if err := DetachLoopContext(ctx, l, d); err != nil {
+		t.Fatal(err)
+	}
+	if cur, err := (Roots{}).FindLoop(moved); err == nil {
+		t.Fatalf("DetachLoop of %s (read as backed by %s) left %s bound to %s", d.Path, d.ID.BackingFile, cur.Path, moved)
+	}
+}
