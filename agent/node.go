@@ -68,6 +68,9 @@ func (n *nodeServer) detach(ctx context.Context, rec *volumeRecord, tr Transport
 		logFrom(ctx, n.a.log).WarnContext(ctx, "not detaching: another volume uses the same storage", slog.String("other_volume_id", owner))
 		return nil
 	}
+	if ld, ok := target.(LoopDetacher); ok {
+		return ld.DetachLoop(ctx, rec.Device.loopRef())
+	}
 	return target.Detach(ctx)
 }
 

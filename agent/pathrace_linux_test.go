@@ -319,3 +319,66 @@ func TestPublishTargetRules(t *testing.T) {
 	must(t, "unstage w", h.unstage(w))
 	must(t, "unstage v", h.unstage(v))
 }
+
+// The image of a block volume is exchanged with a symbolic link to a file
+// outside the file root, which has a loop device of its own held open,
+// while the volume is staged and unstaged: the image is renamed and its
+// name leads elsewhere at every step. Each RPC answers within its
+// deadline with a code that says what happened (never Internal, never
+// the deadline), the other file's loop device is never detached nor set
+// to autoclear, and no loop device of the image is left behind.
+func TestStageImageRenameRace(t *testing.T) {
+	h := newHarness(t)
+	v := h.newVol("a", 64*mib, blockCap(snw))
+	outside := filepath.Join(h.mkdir("outside"), "other.img")
+	must(t, "create the other file", os.WriteFile(outside, make([]byte, 1<<20), 0o600))
+	theirs := losetup(t, outside)
+	held, err := os.Open(theirs)
+	must(t, "hold "+theirs, err)
+	defer held.Close()
+	img, link := filepath.Join(h.root, "a.img"), filepath.Join(h.root, "a-link.img")
+	must(t, "symlink", os.Symlink(outside, link))
+
+	allowed := map[codes.Code]bool{codes.OK: true, codes.NotFound: true, codes.InvalidArgument: true, codes.FailedPrecondition: true}
+	var counts codeCount
+	call := func(rpc string, f func(context.Context) error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		start := time.Now()
+		err := f(ctx)
+		counts.add(rpc, err)
+		if el := time.Since(start); el > 2*time.Second {
+			t.Errorf("%s answered after %v: %v", rpc, el.Round(time.Millisecond), err)
+		}
+		if !allowed[status.Code(err)] || (rpc == "unstage" && err != nil) {
+			t.Errorf("%s: %v", rpc, err)
+		}
+	}
+	stop := swapper(t, [][2]string{{img, link}})
+	for deadline := time.Now().Add(2 * time.Second); time.Now().Before(deadline); {
+		call("stage", func(ctx context.Context) error {
+			_, err := h.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging, VolumeCapability: v.cap, VolumeContext: v.vctx})
+			return err
+		})
+		call("unstage", func(ctx context.Context) error {
+			_, err := h.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging})
+			return err
+		})
+	}
+	swaps := stop()
+	t.Logf("%d exchanges; answers %v", swaps, counts.m)
+	if counts.m["stage"][codes.OK] == 0 {
+		t.Error("no stage succeeded; the race needs more")
+	}
+	if got := loopBacking(t, theirs); got != outside {
+		t.Errorf("%s, the loop device of %s, was detached (backing now %q)", theirs, outside, got)
+	} else if loopAutoclear(t, theirs) {
+		t.Errorf("autoclear set on %s, the loop device of %s", theirs, outside)
+	}
+	if got := loopsOf(t, h.root); len(got) != 0 {
+		t.Errorf("loop devices of the image left: %v", got)
+	}
+	if _, ok := h.recordOf(v.id); ok {
+		t.Error("record left")
+	}
+}

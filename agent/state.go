@@ -40,7 +40,14 @@ type deviceRecord struct {
 	UUID        string `json:"uuid,omitempty"`
 	NGUID       string `json:"nguid,omitempty"`
 	BackingFile string `json:"backingFile,omitempty"`
-	DMName      string `json:"dmName,omitempty"`
+	// BackingDev and BackingIno are the device and inode numbers of a
+	// loop device's backing file as the kernel reported them at stage
+	// (LOOP_GET_STATUS64); with the device's number they find that
+	// attach again whatever the file is called by then (see LoopDetacher).
+	// Records of earlier versions have none.
+	BackingDev uint64 `json:"backingDev,omitempty"`
+	BackingIno uint64 `json:"backingIno,omitempty"`
+	DMName     string `json:"dmName,omitempty"`
 }
 
 // path is the recorded device's path, for messages: "<none>" for a
@@ -51,6 +58,15 @@ func (r *deviceRecord) path() string {
 		return "<none>"
 	}
 	return r.Path
+}
+
+// loopRef is the loop device attach the record names, nil for a record
+// of another kind of device or one without the backing file's numbers.
+func (r *deviceRecord) loopRef() *devices.LoopRef {
+	if r == nil || r.Kind != devices.KindLoop || r.BackingIno == 0 {
+		return nil
+	}
+	return &devices.LoopRef{Name: r.Name, Major: r.Major, Minor: r.Minor, DiskSeq: r.DiskSeq, BackingDev: r.BackingDev, BackingIno: r.BackingIno}
 }
 
 // publishRecord is one target path a volume is published at.
@@ -365,9 +381,12 @@ func (s *store) write(r *volumeRecord, durable bool) error {
 	return nil
 }
 
+// file is the path of the file that holds the record of volume id.
+func (s *store) file(id string) string { return filepath.Join(s.dir, stateFileName(id)) }
+
 // remove deletes the record of a volume; a missing record is not an error.
 func (s *store) remove(id string) error {
-	err := os.Remove(filepath.Join(s.dir, stateFileName(id)))
+	err := os.Remove(s.file(id))
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("remove state of volume %q: %w", id, err)
 	}

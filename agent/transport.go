@@ -106,6 +106,21 @@ type RebootClearsAttach interface {
 	RebootClearsAttach() bool
 }
 
+// LoopDetacher is implemented by a Target attached as a loop device over
+// a file named by a path (the file transport), where the name may lead
+// elsewhere by the time the volume is unstaged: the image renamed, or
+// replaced by a symbolic link to another file that has a loop device of
+// its own. The agent then calls DetachLoop instead of Detach, with the
+// loop device the stage recorded (its number and its backing file's
+// device and inode numbers), and the target detaches that attach and
+// nothing else: one no longer bound to that file is gone already. ref is
+// nil when the record has no such device (a stage interrupted before it
+// recorded one, a record of an earlier version); the target then finds
+// its device as Detach does.
+type LoopDetacher interface {
+	DetachLoop(ctx context.Context, ref *devices.LoopRef) error
+}
+
 // TransportFunc makes a Transport of a package whose Parse returns its
 // own target type (so that it need not import agent):
 //
@@ -216,13 +231,17 @@ func selectTransport(vc map[string]string, implied map[string]string, ts map[str
 }
 
 func deviceRecordOf(d *devices.Device) *deviceRecord {
-	return &deviceRecord{
+	r := &deviceRecord{
 		Name: d.Name, Path: d.Path, Major: d.Major, Minor: d.Minor, Size: d.Size,
 		DiskSeq: d.DiskSeq,
 		Kind:    d.ID.Kind, WWID: d.ID.WWID, HCTL: d.ID.HCTL,
 		NQN: d.ID.NQN, NSID: d.ID.NSID, UUID: d.ID.UUID, NGUID: d.ID.NGUID,
 		BackingFile: d.ID.BackingFile, DMName: d.ID.DMName,
 	}
+	if ref, ok := d.LoopRef(); ok {
+		r.BackingDev, r.BackingIno = ref.BackingDev, ref.BackingIno
+	}
+	return r
 }
 
 func describeDevice(d *devices.Device) string {

@@ -87,6 +87,14 @@ func (n *nodeServer) unstageTarget(rec *volumeRecord) (Transport, Target, error)
 	if err != nil {
 		return nil, nil, fmt.Errorf("volume %q: recorded volume_context: %w", rec.VolumeID, err)
 	}
+	// The key was computed from the context at stage and stored beside
+	// it: a context that gives another now was changed on disk, and
+	// detaching what it names would tear down other storage and drop
+	// the record of what is still attached.
+	if key := target.Key(); rec.TargetKey != "" && key != rec.TargetKey {
+		return nil, nil, precondition("volume %q: staged from %s target %s, but its recorded volume_context names %s target %s: the state file %s was changed since the stage; berth detaches neither: restore the record, or detach the volume's storage by hand and remove the file",
+			rec.VolumeID, rec.Transport, rec.TargetKey, rec.Transport, key, n.a.state.file(rec.VolumeID))
+	}
 	return tr, target, nil
 }
 

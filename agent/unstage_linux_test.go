@@ -12,6 +12,7 @@ import (
 	"github.com/berth-csi/berth/devices"
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 // An unmount that blocks in the kernel (its device queues I/O) does not
@@ -129,5 +130,134 @@ func TestUnstageDeletedImage(t *testing.T) {
 	must(t, "unstage", h.unstage(v))
 	if cur, err := (devices.Roots{}).Lookup(d.Name); err == nil && cur.ID.BackingFile != "" && strings.HasPrefix(cur.ID.BackingFile, img) {
 		t.Fatalf("%s still backed by %q after unstage", d.Path, cur.ID.BackingFile)
+	}
+}
+
+// loopAutoclear reports whether the kernel will detach the loop device at
+// its last close (autoclear), as its sysfs attribute says.
+func loopAutoclear(t *testing.T, dev string) bool {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(dev), "loop", "autoclear"))
+	must(t, "read autoclear of "+dev, err)
+	return strings.TrimSpace(string(b)) == "1"
+}
+
+// loopBacking returns the backing file the kernel shows for the loop
+// device dev, "" when it is not bound.
+func loopBacking(t *testing.T, dev string) string {
+	t.Helper()
+	d, err := devices.Roots{}.Lookup(filepath.Base(dev))
+	if err != nil {
+		return ""
+	}
+	return d.ID.BackingFile
+}
+
+// An image replaced, while staged, by a symbolic link to a file outside
+// the file root that has a loop device of its own: unstage detaches the
+// loop device berth attached at stage, and never touches the other one
+// (not detached, no autoclear set on it, held open or not).
+func TestUnstageImageReplacedBySymlink(t *testing.T) {
+	for _, held := range []bool{false, true} {
+		t.Run(map[bool]string{false: "idle", true: "held"}[held], func(t *testing.T) {
+			h := newHarness(t)
+			v := h.newVol("a", 64*mib, blockCap(snw))
+			must(t, "stage", h.stage(v))
+			rec, ok := h.recordOf(v.id)
+			if !ok || rec.Device == nil {
+				t.Fatal("no device recorded at stage")
+			}
+			ours := rec.Device.Path
+			outside := filepath.Join(h.mkdir("outside"), "other.img")
+			must(t, "create the other file", os.WriteFile(outside, make([]byte, 1<<20), 0o600))
+			theirs := losetup(t, outside)
+			if held {
+				f, err := os.Open(theirs)
+				must(t, "hold "+theirs, err)
+				t.Cleanup(func() { f.Close() })
+			}
+			img := filepath.Join(h.root, "a.img")
+			must(t, "remove image", os.Remove(img))
+			must(t, "symlink", os.Symlink(outside, img))
+
+			err := h.unstage(v)
+			if got := loopBacking(t, theirs); got != outside {
+				t.Errorf("unstage (%v) detached %s, the loop device of %s, which berth did not attach (backing now %q)", err, theirs, outside, got)
+			} else if loopAutoclear(t, theirs) {
+				t.Errorf("unstage (%v) set autoclear on %s, the loop device of %s, which berth did not attach", err, theirs, outside)
+			}
+			must(t, "unstage", err)
+			if got := loopBacking(t, ours); got != "" {
+				t.Errorf("berth's loop device %s still attached to %q after unstage", ours, got)
+			}
+			if _, ok := h.recordOf(v.id); ok {
+				t.Error("record left")
+			}
+		})
+	}
+}
+
+// An image renamed (inside the root) while staged: unstage finds the loop
+// device stage recorded, by its number and its backing inode, and
+// detaches it; nothing leaks.
+func TestUnstageRenamedImage(t *testing.T) {
+	for _, block := range []bool{false, true} {
+		name, c := "mount", mountCap("ext4", snw)
+		if block {
+			name, c = "block", blockCap(snw)
+		}
+		t.Run(name, func(t *testing.T) {
+			h := newHarness(t)
+			v := h.newVol("a", 64*mib, c)
+			must(t, "stage", h.stage(v))
+			rec, ok := h.recordOf(v.id)
+			if !ok || rec.Device == nil {
+				t.Fatal("no device recorded at stage")
+			}
+			moved := filepath.Join(h.root, "moved.img")
+			must(t, "rename image", os.Rename(filepath.Join(h.root, "a.img"), moved))
+			must(t, "unstage", h.unstage(v))
+			if got := loopBacking(t, rec.Device.Path); got != "" {
+				t.Errorf("loop device %s leaked: still attached to %q after unstage", rec.Device.Path, got)
+			}
+			if !block && mountsAt(t, v.staging) != 0 {
+				t.Error("staging path still mounted")
+			}
+			if _, ok := h.recordOf(v.id); ok {
+				t.Error("record left")
+			}
+		})
+	}
+}
+
+// A record whose volume_context was changed on disk (the state file
+// edited) so that it names other storage than the one staged: unstage
+// refuses (FailedPrecondition) and detaches neither, rather than tear
+// down whatever the context names now and drop the record of what is
+// still attached.
+func TestUnstageRecordContextChanged(t *testing.T) {
+	a, _, tr := newFakeAgent(t)
+	n := &nodeServer{a: a}
+	staging := filepath.Join(t.TempDir(), "s")
+	must(t, "mkdir", mkdirAll(staging))
+	if _, err := n.NodeStageVolume(context.Background(), stageReq("vol", staging, "3")); err != nil {
+		t.Fatal(err)
+	}
+	rec, ok := a.state.get("vol")
+	if !ok {
+		t.Fatal("no record")
+	}
+	rec.Context["fake"] = "7"
+	must(t, "edit record", a.state.put(rec))
+	_, err := n.NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: "vol", StagingTargetPath: staging})
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("unstage of an edited record: got %v (%v), want FailedPrecondition", status.Code(err), err)
+	}
+	t.Log(err)
+	if tr.detached["7"] != 0 || tr.detached["3"] != 0 {
+		t.Errorf("detached %v (by key), want none", tr.detached)
+	}
+	if _, ok := a.state.get("vol"); !ok {
+		t.Error("record of the staged volume dropped")
 	}
 }

@@ -61,6 +61,40 @@ type Device struct {
 	roots Roots
 	// dmSuspended: a device-mapper map without a live table.
 	dmSuspended bool
+	// backingDev and backingIno are, for a loop device that AttachLoop,
+	// FindLoop or FindLoopRef returned, the device and inode numbers of
+	// the file bound to it as LOOP_GET_STATUS64 reported them (zero for
+	// a device read from sysfs only): see LoopRef.
+	backingDev, backingIno uint64
+}
+
+// LoopRef names one attach of a loop device: the device's name and
+// number, its disk sequence number and the device and inode numbers of
+// the file bound to it (LOOP_GET_STATUS64 lo_device and lo_inode, which
+// the kernel keeps from the bind on). It is what a caller records to find
+// that attach again (FindLoopRef) whatever the file is called by then:
+// renamed, deleted, or its name given to a symbolic link to another file.
+type LoopRef struct {
+	Name         string
+	Major, Minor uint32
+	// DiskSeq is compared when it is not 0: it changes at every bind.
+	DiskSeq    uint64
+	BackingDev uint64
+	BackingIno uint64
+}
+
+// LoopRef returns the reference of a loop device whose backing file's
+// numbers were read with it (see Device.backingIno); false for any other
+// device.
+func (d *Device) LoopRef() (LoopRef, bool) {
+	if d == nil || d.ID.Kind != KindLoop || d.backingIno == 0 {
+		return LoopRef{}, false
+	}
+	return LoopRef{Name: d.Name, Major: d.Major, Minor: d.Minor, DiskSeq: d.DiskSeq, BackingDev: d.backingDev, BackingIno: d.backingIno}, true
+}
+
+func (r LoopRef) String() string {
+	return fmt.Sprintf("/dev/%s (%d:%d) bound to file %d:%d", r.Name, r.Major, r.Minor, r.BackingDev, r.BackingIno)
 }
 
 func (d *Device) String() string {

@@ -41,8 +41,19 @@ func AttachLoop(context.Context, *Listener, string, bool) (*Device, error) {
 	return nil, errUnsupported
 }
 
+// AttachLoopFile is only supported on Linux.
+func AttachLoopFile(context.Context, *Listener, *os.File, string, bool) (*Device, error) {
+	return nil, errUnsupported
+}
+
 // FindLoop is only supported on Linux.
 func (Roots) FindLoop(string) (*Device, error) { return nil, errUnsupported }
+
+// FindLoopOf is only supported on Linux.
+func (Roots) FindLoopOf(*os.File) (*Device, error) { return nil, errUnsupported }
+
+// FindLoopRef is only supported on Linux.
+func (Roots) FindLoopRef(LoopRef) (*Device, error) { return nil, errUnsupported }
 
 // FindDeletedLoop is only supported on Linux.
 func (Roots) FindDeletedLoop(string) (*Device, error) { return nil, errUnsupported }

@@ -68,7 +68,7 @@ var loopConfigureMissing atomic.Bool
 // and DetachLoop removes it. Partition scanning stays off (a volume's
 // contents are not the node's business) and so does direct I/O, which
 // backing files on filesystems without O_DIRECT (tmpfs) would refuse.
-func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (_ *Device, retErr error) {
+func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (*Device, error) {
 	if l == nil {
 		return nil, fmt.Errorf("attach loop device for %q: no uevent listener: %w", file, errdefs.ErrInvalidArgument)
 	}
@@ -84,10 +84,42 @@ func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (_
 	// is compared with existing loop devices and bound to a new one, even
 	// if the name changes meanwhile.
 	backing, err := os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
-	if err != nil {
+	if errors.Is(err, fs.ErrNotExist) {
+		// Renamed or removed since it was looked at.
+		return nil, fmt.Errorf("attach loop device: open %s: %w", path, errdefs.ErrNotFound)
+	} else if err != nil {
 		return nil, fmt.Errorf("attach loop device: open %s: %w", path, err)
 	}
 	defer backing.Close()
+	return attachLoopFile(ctx, l, backing, path, readOnly)
+}
+
+// AttachLoopFile is AttachLoop for a regular file the caller opened
+// (read-write, or read-only for readOnly) by the name path, following no
+// symbolic link: the inode f holds is what is compared with existing loop
+// devices and bound to a new one, and nothing is looked up by name. path
+// must be the name the kernel gives the file (its absolute path, without
+// symbolic links); a device that shows it under another name (the file
+// renamed meanwhile) is refused with an error wrapping
+// errdefs.ErrFailedPrecondition. f stays the caller's to close.
+func AttachLoopFile(ctx context.Context, l *Listener, f *os.File, path string, readOnly bool) (*Device, error) {
+	if l == nil {
+		return nil, fmt.Errorf("attach loop device for %q: no uevent listener: %w", path, errdefs.ErrInvalidArgument)
+	}
+	if !filepath.IsAbs(path) || filepath.Clean(path) != path {
+		return nil, fmt.Errorf("attach loop device for %q: want a clean absolute path: %w", path, errdefs.ErrInvalidArgument)
+	}
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("attach loop device for %s: %w", path, err)
+	}
+	if !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("loop backing file %s: %s is not a regular file: %w", path, fi.Mode().Type(), errdefs.ErrInvalidArgument)
+	}
+	return attachLoopFile(ctx, l, f, path, readOnly)
+}
+
+func attachLoopFile(ctx context.Context, l *Listener, backing *os.File, path string, readOnly bool) (_ *Device, retErr error) {
 	id, err := fileIDOf(backing)
 	if err != nil {
 		return nil, fmt.Errorf("attach loop device: %s: %w", path, err)
@@ -130,19 +162,48 @@ func AttachLoop(ctx context.Context, l *Listener, file string, readOnly bool) (_
 	if err != nil {
 		return nil, fmt.Errorf("attach loop device %s for %s: %w", name, path, err)
 	}
+	if err := checkBoundTo(d, id); err != nil {
+		return nil, fmt.Errorf("attach loop device for %s: %w", path, err)
+	}
+	// The inode opened above is bound; the kernel names it by where it
+	// is now. Another name is a rename (or a removal) since the open: the
+	// device would not be found again under the name asked for.
+	if d.ID.BackingFile != path {
+		return nil, fmt.Errorf("attach loop device for %s: the file was renamed or removed while it was being attached (the kernel names it %q now); %s was detached again: check what moves the file, then retry: %w",
+			path, d.ID.BackingFile, name, errdefs.ErrFailedPrecondition)
+	}
 	return d, nil
 }
 
-// loopAttachMatcher matches the loop device AttachLoop configured, not
-// another one that happens to be backed by the same file.
+// checkBoundTo checks that the loop device d is bound to the file id, as
+// LOOP_GET_STATUS64 reports it through d's node, and records the file's
+// numbers in d (see LoopRef).
+func checkBoundTo(d *Device, id fileID) error {
+	info, err := loopStatus(d)
+	if err != nil {
+		return err
+	}
+	if info.Device != id.dev || info.Inode != id.ino {
+		return fmt.Errorf("%s: bound to file %d:%d, not to %s: %w", d.Path, info.Device, info.Inode, id, errdefs.ErrFailedPrecondition)
+	}
+	d.backingDev, d.backingIno = info.Device, info.Inode
+	return nil
+}
+
+// loopAttachMatcher matches the loop device AttachLoop configured, by its
+// name, whatever the kernel names its file: the file may be renamed after
+// it was opened, and a wait for its old name would last until ctx ends.
+// AttachLoop checks the device's file once it is found.
 type loopAttachMatcher struct {
 	loopMatcher
 	name string // set after the ioctl, before Wait
 }
 
 func (m *loopAttachMatcher) Match(d *Device) bool {
-	return m.loopMatcher.Match(d) && d.Name == m.name
+	return d != nil && d.ID.Kind == KindLoop && d.ID.BackingFile != "" && m.name != "" && d.Name == m.name
 }
+
+func (m *loopAttachMatcher) String() string { return "loop device " + m.name + " bound to " + m.file }
 
 func (m *loopAttachMatcher) deviceName() string { return m.name }
 
@@ -340,6 +401,17 @@ func (r Roots) FindLoop(file string) (*Device, error) {
 	return r.findLoopFile(path, fileID{dev: st.Dev, ino: st.Ino, size: st.Size}, false)
 }
 
+// FindLoopOf is FindLoop for a file the caller opened (by a name it
+// resolved without following symbolic links): the loop device bound to
+// the inode f holds, whatever its name leads to now.
+func (r Roots) FindLoopOf(f *os.File) (*Device, error) {
+	id, err := fileIDOf(f)
+	if err != nil {
+		return nil, fmt.Errorf("loop device backed by %s: %w", f.Name(), err)
+	}
+	return r.findLoopFile(f.Name(), id, false)
+}
+
 // FindDeletedLoop returns the loop device berth attached to the file path
 // that has been deleted since: the kernel then reports its backing file as
 // "<path> (deleted)". Its inode cannot be compared any more, so only a
@@ -356,6 +428,7 @@ func (r Roots) FindDeletedLoop(path string) (*Device, error) {
 		if err != nil || loopDiff(info) != "" || !strings.HasPrefix(cString(info.File_name[:]), loopMarker) {
 			return false
 		}
+		d.backingDev, d.backingIno = info.Device, info.Inode
 		found = d
 		return true
 	})
@@ -366,6 +439,50 @@ func (r Roots) FindDeletedLoop(path string) (*Device, error) {
 		return nil, fmt.Errorf("loop device attached by berth to deleted %s: %w", path, errdefs.ErrNotFound)
 	}
 	return found, nil
+}
+
+// FindLoopRef returns the loop device ref names if it is still that
+// attach: the device of that name has that number (and disk sequence
+// number, when ref has one) and is bound to the file ref names, from
+// offset 0 without a size limit. The file is compared by its device and
+// inode numbers, never by a name: the name it had may since be another
+// file's, or a symbolic link to one. Anything else (the device gone,
+// unbound, bound to another file) is an error wrapping
+// errdefs.ErrNotFound.
+func (r Roots) FindLoopRef(ref LoopRef) (*Device, error) {
+	if err := checkName(ref.Name); err != nil || !nameMayBeKind(ref.Name, KindLoop) || ref.BackingIno == 0 {
+		return nil, fmt.Errorf("find loop device %v: not a loop device reference: %w", ref, errdefs.ErrInvalidArgument)
+	}
+	gone := func(why string) (*Device, error) {
+		return nil, fmt.Errorf("loop device %v: %s: %w", ref, why, errdefs.ErrNotFound)
+	}
+	d, err := r.readDevice(r.block(ref.Name), KindLoop)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return gone("no such device")
+	} else if err != nil {
+		return nil, fmt.Errorf("find loop device %v: %w", ref, err)
+	}
+	switch {
+	case d.ID.Kind != KindLoop || d.Major != ref.Major || d.Minor != ref.Minor:
+		return gone(fmt.Sprintf("the name is device %d:%d now", d.Major, d.Minor))
+	case d.ID.BackingFile == "":
+		return gone("not bound")
+	case ref.DiskSeq != 0 && d.DiskSeq != 0 && d.DiskSeq != ref.DiskSeq:
+		return gone(fmt.Sprintf("bound again since (disk sequence number %d)", d.DiskSeq))
+	}
+	info, err := loopStatus(d)
+	switch {
+	case errors.Is(err, errdefs.ErrNotFound), errors.Is(err, unix.ENXIO), errors.Is(err, fs.ErrNotExist):
+		return gone("not bound")
+	case err != nil:
+		return nil, fmt.Errorf("find loop device %v: %w", ref, err)
+	case info.Device != ref.BackingDev || info.Inode != ref.BackingIno:
+		return gone(fmt.Sprintf("bound to file %d:%d (%s) now", info.Device, info.Inode, d.ID.BackingFile))
+	case loopDiff(info) != "":
+		return gone("bound with " + loopDiff(info))
+	}
+	d.backingDev, d.backingIno = info.Device, info.Inode
+	return d, nil
 }
 
 // fileID is the identity of a file: the device and inode numbers stat
@@ -423,6 +540,7 @@ func (r Roots) findLoopFile(path string, id fileID, strict bool) (*Device, error
 			continue
 		}
 		if found == nil {
+			d.backingDev, d.backingIno = info.Device, info.Inode
 			found = d
 		}
 	}
@@ -603,6 +721,21 @@ func DetachLoop(dev *Device) error {
 		lf.Close()
 		return nil
 	}
+	// A device whose file's numbers were read with it (LoopRef) is
+	// detached only while that file is bound to it, as the kernel says
+	// through the node held open: a name alone is never enough to set
+	// LOOP_CLR_FD (or, while it is held, autoclear) on another attach.
+	if dev.backingIno != 0 {
+		info, err := unix.IoctlLoopGetStatus64(int(lf.Fd()))
+		if err != nil && !errors.Is(err, unix.ENXIO) {
+			lf.Close()
+			return fmt.Errorf("detach %s: LOOP_GET_STATUS64: %w", dev.Path, err)
+		}
+		if err != nil || info.Device != dev.backingDev || info.Inode != dev.backingIno {
+			lf.Close()
+			return nil // unbound, or bound to another file since
+		}
+	}
 	err = unix.IoctlSetInt(int(lf.Fd()), unix.LOOP_CLR_FD, 0)
 	lf.Close() // the kernel detaches at this last close
 	if err != nil && !errors.Is(err, unix.ENXIO) {
@@ -658,10 +791,20 @@ func (r Roots) clearLoop(name string) error {
 	return nil
 }
 
+// stillBacked reports whether the loop device dev is still bound to its
+// file: for a device whose file's numbers were read with it (LoopRef),
+// by those numbers, through its node (the name the kernel shows changes
+// with every rename of the file); for another, by that name.
 func stillBacked(dev *Device) bool {
 	cur, err := dev.roots.readDevice(dev.roots.block(dev.Name), KindLoop)
-	return err == nil && cur.ID.BackingFile != "" && cur.ID.BackingFile == dev.ID.BackingFile &&
-		cur.Major == dev.Major && cur.Minor == dev.Minor
+	if err != nil || cur.ID.BackingFile == "" || cur.Major != dev.Major || cur.Minor != dev.Minor {
+		return false
+	}
+	if dev.backingIno != 0 {
+		info, err := loopStatus(dev)
+		return err == nil && info.Device == dev.backingDev && info.Inode == dev.backingIno
+	}
+	return cur.ID.BackingFile == dev.ID.BackingFile
 }
 
 // RefreshLoopCapacity makes the loop device take the current size of its

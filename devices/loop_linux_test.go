@@ -955,3 +955,101 @@ func TestNodeMatchesOnlyOpenable(t *testing.T) {
 		t.Errorf("the node of the bound loop device %s did not match", d)
 	}
 }
+
+// A file renamed after AttachLoop opened it and before the loop device is
+// bound: the attach does not wait for a device backed by the old name
+// (which never comes) until its context ends; it answers at once with an
+// error wrapping errdefs.ErrFailedPrecondition and leaves nothing bound
+// to the file.
+func TestAttachLoopFileRenamedWhileAttaching(t *testing.T) {
+	requireRoot(t)
+	dir := t.TempDir()
+	file := testFile(t, dir, "vol.img", 4<<20)
+	moved := filepath.Join(dir, "moved.img")
+	l := newTestListener(t, withBeforeConfigure(func(string) {
+		if err := os.Rename(file, moved); err != nil {
+			t.Error(err)
+		}
+	}))
+	t.Cleanup(func() {
+		if d, err := (Roots{}).FindLoop(moved); err == nil {
+			detachForTest(t, d)
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	start := time.Now()
+	d, err := AttachLoop(ctx, l, file, false)
+	el := time.Since(start)
+	if !errors.Is(err, errdefs.ErrFailedPrecondition) {
+		t.Errorf("AttachLoop of a file renamed meanwhile = %v, %v after %v; want ErrFailedPrecondition", d, err, el.Round(time.Millisecond))
+	}
+	if el > 2*time.Second {
+		t.Errorf("AttachLoop waited %v", el.Round(time.Millisecond))
+	}
+	if got, err := (Roots{}).FindLoop(moved); err == nil {
+		t.Errorf("%s left bound to the renamed file", got.Path)
+	}
+}
+
+// FindLoopRef finds a loop device by what its attach returned (number,
+// backing inode), whatever its file is called since, and nothing else: a
+// reference whose inode or number differs finds nothing.
+func TestFindLoopRef(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	file := testFile(t, dir, "vol.img", 4<<20)
+	d := attachForTest(t, ctx, l, file)
+	ref, ok := d.LoopRef()
+	if !ok {
+		t.Fatalf("AttachLoop returned %v without its backing inode", d)
+	}
+	moved := filepath.Join(dir, "moved.img")
+	if err := os.Rename(file, moved); err != nil {
+		t.Fatal(err)
+	}
+	got, err := l.Roots().FindLoopRef(ref)
+	if err != nil || got.Name != d.Name || got.ID.BackingFile != moved {
+		t.Fatalf("FindLoopRef(%+v) after a rename = %v, %v; want %s backed by %s", ref, got, err, d.Name, moved)
+	}
+	for _, bad := range []LoopRef{
+		{Name: ref.Name, Major: ref.Major, Minor: ref.Minor, BackingDev: ref.BackingDev, BackingIno: ref.BackingIno + 1},
+		{Name: ref.Name, Major: ref.Major, Minor: ref.Minor + 1, BackingDev: ref.BackingDev, BackingIno: ref.BackingIno},
+	} {
+		if got, err := l.Roots().FindLoopRef(bad); !errors.Is(err, errdefs.ErrNotFound) {
+			t.Errorf("FindLoopRef(%+v) = %v, %v; want ErrNotFound", bad, got, err)
+		}
+	}
+}
+
+// A device whose backing inode is known is detached by that inode, not
+// by the name the kernel showed when it was read: a file renamed since
+// has its device detached all the same.
+func TestDetachLoopAfterRename(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	file := testFile(t, dir, "vol.img", 4<<20)
+	d, err := AttachLoop(ctx, l, file, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	moved := filepath.Join(dir, "moved.img")
+	if err := os.Rename(file, moved); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if cur, err := (Roots{}).FindLoop(moved); err == nil {
+			detachForTest(t, cur)
+		}
+	})
+	if err := DetachLoopContext(ctx, l, d); err != nil {
+		t.Fatal(err)
+	}
+	if cur, err := (Roots{}).FindLoop(moved); err == nil {
+		t.Fatalf("DetachLoop of %s (read as backed by %s) left %s bound to %s", d.Path, d.ID.BackingFile, cur.Path, moved)
+	}
+}

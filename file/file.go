@@ -139,23 +139,21 @@ func (f *Target) Identity() (string, error) {
 
 // check makes sure the image exists, is a regular file and that the
 // path reaches it without symbolic links (which could lead out of the
-// root, or change what a volume is after it was staged).
+// root, or change what a volume is after it was staged). The path is
+// opened once without following any (fs.OpenPath), so that a name being
+// swapped meanwhile gives one of those answers, not an error of a
+// lookup half done.
 func (f *Target) check() error {
-	real, err := filepath.EvalSymlinks(f.path)
-	if errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("image file %s: %w", f.path, errdefs.ErrNotFound)
+	h, err := fs.OpenPath(f.path)
+	if err != nil {
+		return fmt.Errorf("image file: %w", err)
 	}
+	defer h.Close()
+	st, err := h.Stat()
 	if err != nil {
 		return fmt.Errorf("image file %s: %w", f.path, err)
 	}
-	if real != f.path {
-		return invalid("image file %s: resolves to %s through a symbolic link", f.path, real)
-	}
-	fi, err := os.Stat(real)
-	if err != nil {
-		return fmt.Errorf("image file %s: %w", f.path, err)
-	}
-	if !fi.Mode().IsRegular() {
+	if !st.Regular {
 		return invalid("image file %s: not a regular file", f.path)
 	}
 	return nil
@@ -173,12 +171,33 @@ func (f *Target) Preflight(context.Context) error { return f.check() }
 func (f *Target) RebootClearsAttach() bool { return true }
 
 // Attach attaches the image to a loop device, or returns the loop device
-// that already backs it.
+// that already backs it. The image is opened once, following no symbolic
+// link on the way (fs.OpenPath), and what is attached is that open file
+// (devices.AttachLoopFile): a name swapped for a symbolic link after the
+// checks leads nowhere else, and an image renamed meanwhile is refused.
 func (f *Target) Attach(ctx context.Context) (*devices.Device, error) {
-	if err := f.check(); err != nil {
-		return nil, err
+	img, err := f.open(os.O_RDWR)
+	if err != nil {
+		return nil, fmt.Errorf("attach %w", err)
 	}
-	return devices.AttachLoop(ctx, f.t.listener, f.path, false)
+	defer img.Close()
+	return devices.AttachLoopFile(ctx, f.t.listener, img, f.path, false)
+}
+
+// open opens the image for I/O with flag, following no symbolic link on
+// the way (fs.OpenPath): what is opened is the regular file at the name,
+// or an error wrapping errdefs.ErrNotFound or errdefs.ErrInvalidArgument.
+func (f *Target) open(flag int) (*os.File, error) {
+	h, err := fs.OpenPath(f.path)
+	if err != nil {
+		return nil, fmt.Errorf("image file: %w", err)
+	}
+	defer h.Close()
+	img, err := h.OpenFile(flag)
+	if err != nil {
+		return nil, fmt.Errorf("image file: %w", err)
+	}
+	return img, nil
 }
 
 // Detach detaches the loop device of the image, if any: the one that
@@ -186,11 +205,22 @@ func (f *Target) Attach(ctx context.Context) (*devices.Device, error) {
 // it at an offset or with a size limit. An image deleted while attached
 // is found under the name the kernel gives it then ("<path> (deleted)")
 // and by berth's mark on the device, so its loop device does not leak.
+// A name that no longer reaches a regular file without symbolic links
+// is not followed: only such a deleted image's device is looked for.
 // The agent does not call Detach while another volume uses the image
-// (another name of it).
+// (another name of it), and calls DetachLoop where it recorded the
+// device.
 func (f *Target) Detach(ctx context.Context) error {
-	d, err := f.t.listener.Roots().FindLoop(f.path)
-	if errors.Is(err, errdefs.ErrNotFound) {
+	var d *devices.Device
+	img, err := f.open(os.O_RDONLY)
+	if err == nil {
+		d, err = f.t.listener.Roots().FindLoopOf(img)
+		img.Close()
+	}
+	if err != nil {
+		if !errors.Is(err, errdefs.ErrNotFound) && !errors.Is(err, errdefs.ErrInvalidArgument) {
+			return err
+		}
 		d, err = f.t.listener.Roots().FindDeletedLoop(f.path)
 	}
 	if errors.Is(err, errdefs.ErrNotFound) {
@@ -199,14 +229,49 @@ func (f *Target) Detach(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	return f.detach(ctx, d)
+}
+
+// DetachLoop detaches the loop device ref names, the one the stage
+// attached, if it is still bound to the file it was bound to then
+// (devices.FindLoopRef): the image's name is not looked up again, so an
+// image renamed since still has its device detached, and one whose name
+// now leads to another file (a symbolic link put in its place) does not
+// have that file's loop device detached instead. A nil ref (no device
+// recorded) is Detach.
+func (f *Target) DetachLoop(ctx context.Context, ref *devices.LoopRef) error {
+	if ref == nil {
+		return f.Detach(ctx)
+	}
+	d, err := f.t.listener.Roots().FindLoopRef(*ref)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return nil // detached already, or the number was given to another attach
+	}
+	if err != nil {
+		return fmt.Errorf("image file %s: %w", f.path, err)
+	}
+	return f.detach(ctx, d)
+}
+
+func (f *Target) detach(ctx context.Context, d *devices.Device) error {
 	// udev's probe after the unmount may hold the device for a moment;
 	// wait for its last close by event instead of answering busy.
 	return devices.DetachLoopContext(ctx, f.t.listener, d)
 }
 
-// Expand makes the loop device take the image file's current size.
+// Expand makes the loop device take the image file's current size. The
+// image is opened without following a symbolic link (see open), and the
+// loop device is the one bound to that open file: a name that leads to
+// another file now never has that file's loop device resized.
 func (f *Target) Expand(ctx context.Context) (int64, error) {
-	d, err := f.t.listener.Roots().FindLoop(f.path)
+	img, err := f.open(os.O_RDONLY)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return 0, fmt.Errorf("image file %s: not attached to a loop device (%v): %w", f.path, err, errdefs.ErrFailedPrecondition)
+	} else if err != nil {
+		return 0, fmt.Errorf("expand %w", err)
+	}
+	defer img.Close()
+	d, err := f.t.listener.Roots().FindLoopOf(img)
 	if errors.Is(err, errdefs.ErrNotFound) {
 		return 0, fmt.Errorf("image file %s: not attached to a loop device: %w", f.path, errdefs.ErrFailedPrecondition)
 	}
@@ -215,7 +280,7 @@ func (f *Target) Expand(ctx context.Context) (int64, error) {
 	}
 	// LOOP_SET_CAPACITY takes whatever size the image has now, smaller
 	// too: a filesystem mounted on the device would lose its end.
-	fi, err := os.Stat(f.path)
+	fi, err := img.Stat()
 	if err != nil {
 		return 0, fmt.Errorf("image file %s: %w", f.path, err)
 	}
@@ -235,17 +300,20 @@ func (f *Target) ExpandTo(ctx context.Context, _ int64) (int64, error) {
 // StopQueueing: a loop device never queues I/O for a path to come back.
 func (f *Target) StopQueueing(context.Context) (bool, error) { return false, nil }
 
-// Health reports a missing image or loop device, and an image smaller
-// than its loop device.
+// Health reports a missing image or loop device, an image name that
+// leads through a symbolic link, and an image smaller than its loop
+// device.
 func (f *Target) Health(context.Context) (bool, string) {
-	if _, err := os.Stat(f.path); err != nil {
-		return true, fmt.Sprintf("image file %s: %v", f.path, err)
+	img, err := f.open(os.O_RDONLY)
+	if err != nil {
+		return true, err.Error()
 	}
-	d, err := f.t.listener.Roots().FindLoop(f.path)
+	defer img.Close()
+	d, err := f.t.listener.Roots().FindLoopOf(img)
 	if err != nil {
 		return true, fmt.Sprintf("image file %s: no loop device: %v", f.path, err)
 	}
-	if fi, err := os.Stat(f.path); err == nil && fi.Size() < d.Size {
+	if fi, err := img.Stat(); err == nil && fi.Size() < d.Size {
 		return true, fmt.Sprintf("image file %s: holds %d bytes, less than its loop device %s (%d bytes): the volume's end is gone", f.path, fi.Size(), d.Path, d.Size)
 	}
 	return false, ""

@@ -1,12 +1,14 @@
 package file
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -154,5 +156,113 @@ func TestTargetRebootClearsAttach(t *testing.T) {
 	rc, ok := any(&Target{}).(interface{ RebootClearsAttach() bool })
 	if !ok || !rc.RebootClearsAttach() {
 		t.Fatal("the file Target does not say that a reboot clears its attach")
+	}
+}
+
+// Attach opens the image without following a symbolic link anywhere on
+// the way: an image name that is one, or that leads through a directory
+// that is one, is refused (InvalidArgument), and the file it points to
+// gets no loop device.
+func TestAttachFollowsNoSymlink(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (loop devices)")
+	}
+	l, err := devices.NewListener()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	ft := newTransport(t, t.TempDir())
+	ft.listener = l
+	outsideDir := t.TempDir()
+	outside := filepath.Join(outsideDir, "other.img")
+	if err := os.WriteFile(outside, make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, filepath.Join(ft.root, "link.img")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outsideDir, filepath.Join(ft.root, "dir")); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"link.img", "dir/other.img"} {
+		tg, err := ft.Parse(map[string]string{KeyFile: name}, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		d, err := tg.Attach(context.Background())
+		if d != nil {
+			t.Cleanup(func() { _ = devices.DetachLoop(d) })
+		}
+		if !errors.Is(err, errdefs.ErrInvalidArgument) {
+			t.Errorf("Attach(%s) = %v, %v; want ErrInvalidArgument", name, d, err)
+		}
+	}
+	if d, err := l.Roots().FindLoop(outside); err == nil {
+		t.Errorf("%s attached to the file outside the root", d.Path)
+		_ = devices.DetachLoop(d)
+	}
+}
+
+// An image replaced by a symbolic link to another file that has a loop
+// device: Expand refuses, and never refreshes the capacity of that other
+// device (which would take the other file's new size).
+func TestExpandFollowsNoSymlink(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root (loop devices)")
+	}
+	ctx := context.Background()
+	l, err := devices.NewListener()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	ft := newTransport(t, t.TempDir())
+	ft.listener = l
+	img := filepath.Join(ft.root, "a.img")
+	outside := filepath.Join(t.TempDir(), "other.img")
+	for _, p := range []string{img, outside} {
+		if err := os.WriteFile(p, make([]byte, 1<<20), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tg, err := ft.Parse(map[string]string{KeyFile: "a.img"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ours, err := tg.Attach(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = devices.DetachLoop(ours) })
+	theirs, err := devices.AttachLoop(ctx, l, outside, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = devices.DetachLoop(theirs) })
+	if err := os.Truncate(outside, 2<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(img, img+".old"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, img); err != nil {
+		t.Fatal(err)
+	}
+	size, err := tg.Expand(ctx)
+	if err == nil {
+		t.Errorf("Expand through a symbolic link = %d, nil; want an error", size)
+	}
+	cur, lerr := l.Roots().Lookup(theirs.Name)
+	if lerr != nil {
+		t.Fatal(lerr)
+	}
+	if cur.Size != 1<<20 {
+		t.Errorf("Expand (%v) refreshed %s, the other file's loop device: %d bytes now", err, theirs.Path, cur.Size)
+	}
+	if abnormal, msg := tg.Health(ctx); !abnormal {
+		t.Error("Health through a symbolic link: reported healthy")
+	} else {
+		t.Log(msg)
 	}
 }

@@ -224,6 +224,25 @@ func (h *Handle) Stat() (PathStat, error) {
 // the descriptor refers to, not to a name.
 func (h *Handle) procPath() string { return "/proc/self/fd/" + strconv.Itoa(h.fd) }
 
+// OpenFile opens the regular file h refers to for I/O with flag
+// (os.O_RDONLY, os.O_RDWR): through the descriptor, so that what is
+// opened is what h resolved, whatever is at its name now. Anything but a
+// regular file is an error wrapping errdefs.ErrInvalidArgument.
+func (h *Handle) OpenFile(flag int) (*os.File, error) {
+	st, err := StatFd(h.fd)
+	if err != nil {
+		return nil, fmt.Errorf("stat %s: %w", h.path, err)
+	}
+	if !st.Regular {
+		return nil, fmt.Errorf("open %s: not a regular file: %w", h.path, errdefs.ErrInvalidArgument)
+	}
+	f, err := os.OpenFile(h.procPath(), flag|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open %s: %w", h.path, err)
+	}
+	return f, nil
+}
+
 func checkName(name string) error {
 	if name == "" || name == "." || name == ".." || strings.ContainsAny(name, "/\x00") {
 		return fmt.Errorf("name %q: not a single path element: %w", name, errdefs.ErrInvalidArgument)

@@ -343,3 +343,46 @@ func TestHostUnmountThroughMountDescriptor(t *testing.T) {
 		t.Fatalf("IsMountPoint = %v, %v; want still mounted", ok, err)
 	}
 }
+
+// OpenFile opens what the Handle resolved, not what is at its name now,
+// and only a regular file.
+func TestHandleOpenFile(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "a")
+	if err := os.WriteFile(p, []byte("first"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h, err := OpenPath(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	// The name now holds another file.
+	if err := os.Rename(p, p+".old"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(p, []byte("second"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	f, err := h.OpenFile(os.O_RDWR)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 16)
+	n, _ := f.Read(b)
+	f.Close()
+	if string(b[:n]) != "first" {
+		t.Errorf("OpenFile read %q, want the file the Handle resolved (%q)", b[:n], "first")
+	}
+	d, err := OpenPath(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if f, err := d.OpenFile(os.O_RDONLY); !errors.Is(err, errdefs.ErrInvalidArgument) {
+		if f != nil {
+			f.Close()
+		}
+		t.Errorf("OpenFile of a directory = %v, want ErrInvalidArgument", err)
+	}
+}

@@ -109,6 +109,9 @@ func (h *Handle) Path() string { return h.path }
 // Close does nothing.
 func (h *Handle) Close() error { return nil }
 
+// OpenFile is only supported on Linux.
+func (h *Handle) OpenFile(int) (*os.File, error) { return nil, unsupported("open " + h.path) }
+
 // Stat is only supported on Linux.
 func (h *Handle) Stat() (PathStat, error) { return PathStat{}, unsupported("stat " + h.path) }
 
