@@ -17,12 +17,12 @@ import (
 
 // Preflight checks that the kernel's fabrics interface is there (the
 // nvme-fabrics module is loaded), changing nothing.
-func (g *Target) Preflight(context.Context) error {
-	if g.t.opts.Listener == nil {
-		return fmt.Errorf("attach %s: the transport has no device listener: %w", g.Key(), errdefs.ErrFailedPrecondition)
+func (tg *Target) Preflight(context.Context) error {
+	if tg.t.opts.Listener == nil {
+		return fmt.Errorf("attach %s: the transport has no device listener: %w", tg.Key(), errdefs.ErrFailedPrecondition)
 	}
-	if _, err := os.Stat(g.t.opts.FabricsDevice); errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("attach %s: %s does not exist: the nvme-fabrics module is not loaded (modprobe nvme-tcp, and add it to /etc/modules-load.d): %w", g.Key(), g.t.opts.FabricsDevice, errdefs.ErrUnavailable)
+	if _, err := os.Stat(tg.t.opts.FabricsDevice); errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("attach %s: %s does not exist: the nvme-fabrics module is not loaded (modprobe nvme-tcp, and add it to /etc/modules-load.d): %w", tg.Key(), tg.t.opts.FabricsDevice, errdefs.ErrUnavailable)
 	}
 	return nil
 }
@@ -37,20 +37,20 @@ func (g *Target) RebootClearsAttach() bool { return true }
 // the namespace device and returns it. It succeeds when at least one
 // path is connected and the namespace appears; failed paths show in
 // Health and are retried by the next Attach.
-func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
-	t := g.t
+func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
+	t := tg.t
 	if t.opts.Listener == nil {
-		return nil, fmt.Errorf("attach %s: the transport has no device listener: %w", g.Key(), errdefs.ErrFailedPrecondition)
+		return nil, fmt.Errorf("attach %s: the transport has no device listener: %w", tg.Key(), errdefs.ErrFailedPrecondition)
 	}
 	host, err := t.HostIdentity()
 	if err != nil {
-		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+		return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 	}
 	// Connects and deletes of one subsystem are serialized; the wait
 	// for the namespace below is not.
-	unlock, err := t.locks.lock(ctx, g.vol.NQN)
+	unlock, err := t.locks.lock(ctx, tg.vol.NQN)
 	if err != nil {
-		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+		return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 	}
 	locked := true
 	defer func() {
@@ -59,32 +59,32 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 		}
 	}()
 	t.mu.Lock()
-	delete(t.released, g.Key())
+	delete(t.released, tg.Key())
 	t.mu.Unlock()
 
 	// Subscribe before connecting so that the namespace's uevent cannot
 	// be missed.
-	w := t.opts.Listener.Subscribe(g.matcher())
+	w := t.opts.Listener.Subscribe(tg.matcher())
 	defer w.Close()
 
-	ctrls, err := t.sys.readControllers(g.vol.NQN)
+	ctrls, err := t.sys.readControllers(tg.vol.NQN)
 	if err != nil {
-		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+		return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 	}
 	if err := checkHostConflict(ctrls, host); err != nil {
-		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+		return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 	}
-	if err := g.checkKernelAuth(ctrls); err != nil {
-		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+	if err := tg.checkKernelAuth(ctrls); err != nil {
+		return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 	}
 
-	results := make([]pathResult, len(g.vol.Paths))
+	results := make([]pathResult, len(tg.vol.Paths))
 	var wg sync.WaitGroup
-	for i, p := range g.vol.Paths {
+	for i, p := range tg.vol.Paths {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			results[i] = g.attachPath(ctx, host, ctrls, p)
+			results[i] = tg.attachPath(ctx, host, ctrls, p)
 		}()
 	}
 	wg.Wait()
@@ -112,33 +112,33 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 		defer cancel()
 		if !locked {
-			u, err := t.locks.lock(cctx, g.vol.NQN)
+			u, err := t.locks.lock(cctx, tg.vol.NQN)
 			if err != nil {
-				logctx.From(ctx, t.log).Warn("nvmeof: undo connect", "target", g.Key(), "error", err)
+				logctx.From(ctx, t.log).Warn("nvmeof: undo connect", "target", tg.Key(), "error", err)
 				return
 			}
 			defer u()
 		}
-		keep, err := g.othersNeed(cctx)
+		keep, err := tg.othersNeed(cctx)
 		if err != nil {
-			logctx.From(ctx, t.log).Warn("nvmeof: undo connect", "target", g.Key(), "error", err)
+			logctx.From(ctx, t.log).Warn("nvmeof: undo connect", "target", tg.Key(), "error", err)
 			return
 		}
 		for _, r := range created {
 			if keep(r.ctrl) {
 				continue
 			}
-			is := func(c *Controller) bool { return c.matches(g.vol.NQN, host.NQN, r.rpath) }
-			if err := t.sys.deleteController(g.vol.NQN, r.ctrl, is); err != nil {
+			is := func(c *Controller) bool { return c.matches(tg.vol.NQN, host.NQN, r.rpath) }
+			if err := t.sys.deleteController(tg.vol.NQN, r.ctrl, is); err != nil {
 				logctx.From(ctx, t.log).Warn("nvmeof: undo connect", "controller", r.ctrl, "error", err)
 			}
 		}
 	}()
 	if connected == 0 {
-		return nil, fmt.Errorf("attach %s: no path connected: %w", g.Key(), errors.Join(errs...))
+		return nil, fmt.Errorf("attach %s: no path connected: %w", tg.Key(), errors.Join(errs...))
 	}
 	for _, e := range errs {
-		logctx.From(ctx, t.log).Warn("nvmeof: path not connected", "target", g.Key(), "error", e)
+		logctx.From(ctx, t.log).Warn("nvmeof: path not connected", "target", tg.Key(), "error", e)
 	}
 
 	unlock()
@@ -149,12 +149,12 @@ func (g *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) {
 	if err != nil {
 		if ctx.Err() == nil && wctx.Err() != nil {
 			return nil, fmt.Errorf("attach %s: connected (%d of %d paths) but no namespace appeared within %s: check nsid/uuid/nguid and that the subsystem exports the namespace to this host: %w",
-				g.Key(), connected, len(g.vol.Paths), t.opts.NamespaceTimeout, errdefs.ErrNotFound)
+				tg.Key(), connected, len(tg.vol.Paths), t.opts.NamespaceTimeout, errdefs.ErrNotFound)
 		}
-		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+		return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 	}
-	if err := g.verify(dev); err != nil {
-		return nil, fmt.Errorf("attach %s: %w", g.Key(), err)
+	if err := tg.verify(dev); err != nil {
+		return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 	}
 	return dev, nil
 }
@@ -169,28 +169,28 @@ type pathResult struct {
 }
 
 // verify checks that dev is the namespace the volume names.
-func (g *Target) verify(dev *devices.Device) error {
+func (tg *Target) verify(dev *devices.Device) error {
 	id := dev.ID
 	switch {
 	case id.Kind != devices.KindNVMe:
 		return fmt.Errorf("device %s is not an NVMe namespace: %w", dev, errdefs.ErrFailedPrecondition)
-	case id.NQN != g.vol.NQN:
-		return fmt.Errorf("device %s belongs to subsystem %s, not %s: %w", dev, id.NQN, g.vol.NQN, errdefs.ErrFailedPrecondition)
-	case g.vol.NSID != 0 && id.NSID != g.vol.NSID:
-		return fmt.Errorf("device %s is namespace %d, not %d: %w", dev, id.NSID, g.vol.NSID, errdefs.ErrFailedPrecondition)
-	case g.vol.UUID != "" && normalizeZeroID(id.UUID) != g.vol.UUID:
-		return fmt.Errorf("device %s has UUID %q, not %s: %w", dev, id.UUID, g.vol.UUID, errdefs.ErrFailedPrecondition)
-	case g.vol.NGUID != "" && normalizeZeroID(id.NGUID) != g.vol.NGUID:
-		return fmt.Errorf("device %s has NGUID %q, not %s: %w", dev, id.NGUID, g.vol.NGUID, errdefs.ErrFailedPrecondition)
+	case id.NQN != tg.vol.NQN:
+		return fmt.Errorf("device %s belongs to subsystem %s, not %s: %w", dev, id.NQN, tg.vol.NQN, errdefs.ErrFailedPrecondition)
+	case tg.vol.NSID != 0 && id.NSID != tg.vol.NSID:
+		return fmt.Errorf("device %s is namespace %d, not %d: %w", dev, id.NSID, tg.vol.NSID, errdefs.ErrFailedPrecondition)
+	case tg.vol.UUID != "" && normalizeZeroID(id.UUID) != tg.vol.UUID:
+		return fmt.Errorf("device %s has UUID %q, not %s: %w", dev, id.UUID, tg.vol.UUID, errdefs.ErrFailedPrecondition)
+	case tg.vol.NGUID != "" && normalizeZeroID(id.NGUID) != tg.vol.NGUID:
+		return fmt.Errorf("device %s has NGUID %q, not %s: %w", dev, id.NGUID, tg.vol.NGUID, errdefs.ErrFailedPrecondition)
 	}
 	return dev.Verify()
 }
 
 // attachPath reuses the controller for p or connects a new one.
-func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Controller, p Path) pathResult {
-	t := g.t
+func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Controller, p Path) pathResult {
+	t := tg.t
 	r := pathResult{path: p}
-	rp, err := g.resolve(ctx, p)
+	rp, err := tg.resolve(ctx, p)
 	if err != nil {
 		r.err = err
 		return r
@@ -198,18 +198,18 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 	r.rpath = rp
 	find := func(cs []Controller) string {
 		for i := range cs {
-			if cs[i].matches(g.vol.NQN, host.NQN, rp) {
+			if cs[i].matches(tg.vol.NQN, host.NQN, rp) {
 				return cs[i].Name
 			}
 		}
 		return ""
 	}
 	if c := find(ctrls); c != "" {
-		if err := g.checkReuse(c); err != nil {
+		if err := tg.checkReuse(c); err != nil {
 			r.err = err
 			return r
 		}
-		logctx.From(ctx, t.log).Debug("nvmeof: reusing controller", "target", g.Key(), "path", p.String(), "controller", c)
+		logctx.From(ctx, t.log).Debug("nvmeof: reusing controller", "target", tg.Key(), "path", p.String(), "controller", c)
 		r.ctrl = c
 		return r
 	}
@@ -217,15 +217,15 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 		Transport:  rp.TrType,
 		TrAddr:     rp.TrAddr,
 		TrSvcID:    rp.TrSvcID,
-		NQN:        g.vol.NQN,
+		NQN:        tg.vol.NQN,
 		HostNQN:    host.NQN,
 		HostID:     host.ID,
 		HostTrAddr: rp.HostTrAddr,
 		HostIface:  rp.HostIface,
-		Tunables:   g.vol.Tunables,
+		Tunables:   tg.vol.Tunables,
 	}
-	if g.auth != nil {
-		o.DHCHAPSecret, o.DHCHAPCtrlSecret = g.auth.Host, g.auth.Ctrl
+	if tg.auth != nil {
+		o.DHCHAPSecret, o.DHCHAPCtrlSecret = tg.auth.Host, tg.auth.Ctrl
 	}
 	s, err := o.Encode()
 	if err != nil {
@@ -235,13 +235,13 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 	inst, err := fabricsConnect(ctx, t.opts.FabricsDevice, s)
 	if errors.Is(err, errDuplicate) {
 		// Another connect (nvme-cli, a concurrent berth) won the race.
-		cs, rerr := t.sys.readControllers(g.vol.NQN)
+		cs, rerr := t.sys.readControllers(tg.vol.NQN)
 		if rerr != nil {
 			r.err = rerr
 			return r
 		}
 		if c := find(cs); c != "" {
-			if err := g.checkReuse(c); err != nil {
+			if err := tg.checkReuse(c); err != nil {
 				r.err = err
 				return r
 			}
@@ -251,7 +251,7 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 		r.err = fmt.Errorf("%w, but no such controller is visible in sysfs; retry: %w", err, errdefs.ErrUnavailable)
 		return r
 	}
-	if errors.Is(err, errRefused) && g.authRefused(ctx, rp) {
+	if errors.Is(err, errRefused) && tg.authRefused(ctx, rp) {
 		r.err = errAuthRefused(host.NQN)
 		return r
 	}
@@ -260,7 +260,7 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 		return r
 	}
 	r.ctrl = fmt.Sprintf("nvme%d", inst)
-	if g.auth != nil {
+	if tg.auth != nil {
 		// A kernel without in-band authentication takes the keys and
 		// connects without authenticating when the target asks for
 		// none: such a controller must not serve the volume.
@@ -269,8 +269,8 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 			err = errNoKernelAuth(r.ctrl)
 		}
 		if err != nil {
-			is := func(c *Controller) bool { return c.matches(g.vol.NQN, host.NQN, rp) }
-			if derr := t.sys.deleteController(g.vol.NQN, r.ctrl, is); derr != nil {
+			is := func(c *Controller) bool { return c.matches(tg.vol.NQN, host.NQN, rp) }
+			if derr := t.sys.deleteController(tg.vol.NQN, r.ctrl, is); derr != nil {
 				err = errors.Join(err, derr)
 			}
 			r.err = err
@@ -279,6 +279,6 @@ func (g *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Cont
 	}
 	r.created = true
 	failpoint.Hit("nvmeof.connected")
-	logctx.From(ctx, t.log).Info("nvmeof: connected", "target", g.Key(), "path", p.String(), "controller", r.ctrl)
+	logctx.From(ctx, t.log).Info("nvmeof: connected", "target", tg.Key(), "path", p.String(), "controller", r.ctrl)
 	return r
 }

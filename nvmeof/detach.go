@@ -21,24 +21,24 @@ import (
 // unmount. Controllers that other volumes need stay (see othersNeed): the
 // head then queues on until they reconnect or the other volumes let them
 // go. A head with a live controller is left as it is.
-func (g *Target) StopQueueing(ctx context.Context) (bool, error) {
-	t := g.t
-	unlock, err := t.locks.lock(ctx, g.vol.NQN)
+func (tg *Target) StopQueueing(ctx context.Context) (bool, error) {
+	t := tg.t
+	unlock, err := t.locks.lock(ctx, tg.vol.NQN)
 	if err != nil {
-		return false, fmt.Errorf("%s: %w", g.Key(), err)
+		return false, fmt.Errorf("%s: %w", tg.Key(), err)
 	}
 	defer unlock()
-	h, ok, err := g.head()
+	h, ok, err := tg.head()
 	if err != nil || !ok {
 		return false, err
 	}
-	ctrls, err := t.sys.readControllers(g.vol.NQN)
+	ctrls, err := t.sys.readControllers(tg.vol.NQN)
 	if err != nil {
-		return false, fmt.Errorf("%s: %w", g.Key(), err)
+		return false, fmt.Errorf("%s: %w", tg.Key(), err)
 	}
 	var states []string
 	for _, c := range ctrls {
-		if c.SubsysNQN != g.vol.NQN || c.Deleting() {
+		if c.SubsysNQN != tg.vol.NQN || c.Deleting() {
 			continue
 		}
 		if c.State == StateLive {
@@ -46,14 +46,14 @@ func (g *Target) StopQueueing(ctx context.Context) (bool, error) {
 		}
 		states = append(states, c.Name+" "+c.State)
 	}
-	keep, err := g.othersNeed(ctx)
+	keep, err := tg.othersNeed(ctx)
 	if err != nil {
-		return false, fmt.Errorf("%s: %w", g.Key(), err)
+		return false, fmt.Errorf("%s: %w", tg.Key(), err)
 	}
 	logctx.From(ctx, t.log).Warn("nvmeof: no controller is live; deleting the volume's controllers so that its namespace fails I/O instead of queueing it",
-		"target", g.Key(), "namespace", h.Name, "controllers", strings.Join(states, ", "))
-	if err := g.deleteControllers(ctx, keep); err != nil {
-		return false, fmt.Errorf("%s: %w", g.Key(), err)
+		"target", tg.Key(), "namespace", h.Name, "controllers", strings.Join(states, ", "))
+	if err := tg.deleteControllers(ctx, keep); err != nil {
+		return false, fmt.Errorf("%s: %w", tg.Key(), err)
 	}
 	return true, nil
 }
@@ -62,38 +62,38 @@ func (g *Target) StopQueueing(ctx context.Context) (bool, error) {
 // that no other volume needs (see Options.Staged). It refuses while the
 // namespace itself is still mounted or held open. Controllers that are
 // already gone are success, so Detach can be repeated.
-func (g *Target) Detach(ctx context.Context) error {
-	t := g.t
-	unlock, err := t.locks.lock(ctx, g.vol.NQN)
+func (tg *Target) Detach(ctx context.Context) error {
+	t := tg.t
+	unlock, err := t.locks.lock(ctx, tg.vol.NQN)
 	if err != nil {
-		return fmt.Errorf("detach %s: %w", g.Key(), err)
+		return fmt.Errorf("detach %s: %w", tg.Key(), err)
 	}
 	defer unlock()
 
-	h, ok, err := g.head()
+	h, ok, err := tg.head()
 	if err != nil {
-		return fmt.Errorf("detach %s: %w", g.Key(), err)
+		return fmt.Errorf("detach %s: %w", tg.Key(), err)
 	}
 	if ok {
 		dev := filepath.Join(t.opts.DevRoot, h.Name)
 		if openedExclusively(dev) {
-			return fmt.Errorf("detach %s: %s is still mounted or held open: %w", g.Key(), dev, errdefs.ErrBusy)
+			return fmt.Errorf("detach %s: %s is still mounted or held open: %w", tg.Key(), dev, errdefs.ErrBusy)
 		}
 		if err := flushDevice(dev); err != nil {
-			return fmt.Errorf("detach %s: %w", g.Key(), err)
+			return fmt.Errorf("detach %s: %w", tg.Key(), err)
 		}
 		failpoint.Hit("nvmeof.flushed")
 	}
 	t.mu.Lock()
-	t.released[g.Key()] = true
+	t.released[tg.Key()] = true
 	t.mu.Unlock()
 
-	keep, err := g.othersNeed(ctx)
+	keep, err := tg.othersNeed(ctx)
 	if err != nil {
-		return fmt.Errorf("detach %s: %w", g.Key(), err)
+		return fmt.Errorf("detach %s: %w", tg.Key(), err)
 	}
-	if err := g.deleteControllers(ctx, keep); err != nil {
-		return fmt.Errorf("detach %s: %w", g.Key(), err)
+	if err := tg.deleteControllers(ctx, keep); err != nil {
+		return fmt.Errorf("detach %s: %w", tg.Key(), err)
 	}
 	return nil
 }
@@ -103,18 +103,18 @@ func (g *Target) Detach(ctx context.Context) error {
 // than this one and those this process has released) whose paths it
 // serves, or, when another namespace of the subsystem is mounted or held
 // open, every controller of the subsystem.
-func (g *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error) {
-	t := g.t
-	heads, err := t.sys.readHeads(g.vol.NQN)
+func (tg *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error) {
+	t := tg.t
+	heads, err := t.sys.readHeads(tg.vol.NQN)
 	if err != nil {
 		return nil, err
 	}
 	for _, h := range heads {
-		if h.matches(g.vol) {
+		if h.matches(tg.vol) {
 			continue
 		}
 		if openedExclusively(filepath.Join(t.opts.DevRoot, h.Name)) {
-			logctx.From(ctx, t.log).Debug("nvmeof: subsystem in use", "target", g.Key(), "namespace", h.Name)
+			logctx.From(ctx, t.log).Debug("nvmeof: subsystem in use", "target", tg.Key(), "namespace", h.Name)
 			return func(string) bool { return true }, nil
 		}
 	}
@@ -127,7 +127,7 @@ func (g *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error)
 		t.mu.Lock()
 		for _, vc := range vcs {
 			v, err := ParseVolumeContext(vc)
-			if err != nil || v.NQN != g.vol.NQN || v.Key() == g.Key() || t.released[v.Key()] {
+			if err != nil || v.NQN != tg.vol.NQN || v.Key() == tg.Key() || t.released[v.Key()] {
 				continue
 			}
 			others = append(others, v)
@@ -137,7 +137,7 @@ func (g *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error)
 	if len(others) == 0 {
 		return func(string) bool { return false }, nil
 	}
-	ctrls, err := t.sys.readControllers(g.vol.NQN)
+	ctrls, err := t.sys.readControllers(tg.vol.NQN)
 	if err != nil {
 		return nil, err
 	}
@@ -150,7 +150,7 @@ func (g *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error)
 				return func(string) bool { return true }, nil
 			}
 			for i := range ctrls {
-				if ctrls[i].matches(g.vol.NQN, "", rp) {
+				if ctrls[i].matches(tg.vol.NQN, "", rp) {
 					need[ctrls[i].Name] = true
 				}
 			}
@@ -161,9 +161,9 @@ func (g *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error)
 
 // deleteControllers deletes the controllers of the volume's paths, but
 // those keep names.
-func (g *Target) deleteControllers(ctx context.Context, keep func(ctrl string) bool) error {
-	t := g.t
-	ctrls, err := t.sys.readControllers(g.vol.NQN)
+func (tg *Target) deleteControllers(ctx context.Context, keep func(ctrl string) bool) error {
+	t := tg.t
+	ctrls, err := t.sys.readControllers(tg.vol.NQN)
 	if err != nil {
 		return err
 	}
@@ -172,32 +172,32 @@ func (g *Target) deleteControllers(ctx context.Context, keep func(ctrl string) b
 		host = id.NQN
 	}
 	var errs []error
-	for _, p := range g.vol.Paths {
-		rp, rerr := g.resolve(ctx, p)
+	for _, p := range tg.vol.Paths {
+		rp, rerr := tg.resolve(ctx, p)
 		for i := range ctrls {
 			c := &ctrls[i]
 			var match bool
 			if rerr == nil {
-				match = c.matches(g.vol.NQN, host, rp)
+				match = c.matches(tg.vol.NQN, host, rp)
 			} else {
 				// The name does not resolve now: take every controller
 				// of the subsystem at that port.
-				match = !c.Deleting() && c.SubsysNQN == g.vol.NQN && c.Transport == p.TrType &&
+				match = !c.Deleting() && c.SubsysNQN == tg.vol.NQN && c.Transport == p.TrType &&
 					samePort(c.Address.TrSvcID, p.TrSvcID) && (host == "" || c.HostNQN == host)
 			}
 			if !match {
 				continue
 			}
 			if keep(c.Name) {
-				logctx.From(ctx, t.log).Debug("nvmeof: keeping controller for other volumes", "target", g.Key(), "controller", c.Name)
+				logctx.From(ctx, t.log).Debug("nvmeof: keeping controller for other volumes", "target", tg.Key(), "controller", c.Name)
 				continue
 			}
 			is := func(cur *Controller) bool { return cur.same(c) }
-			if err := t.sys.deleteController(g.vol.NQN, c.Name, is); err != nil {
+			if err := t.sys.deleteController(tg.vol.NQN, c.Name, is); err != nil {
 				errs = append(errs, err)
 				continue
 			}
-			logctx.From(ctx, t.log).Info("nvmeof: disconnected", "target", g.Key(), "path", p.String(), "controller", c.Name)
+			logctx.From(ctx, t.log).Info("nvmeof: disconnected", "target", tg.Key(), "path", p.String(), "controller", c.Name)
 			failpoint.Hit("nvmeof.disconnected")
 		}
 	}

@@ -28,8 +28,8 @@ const expandRescanWait = 10 * time.Second
 // controllers to rescan and returns once the kernel shows the new size.
 // A caller that knows the size it needs should use ExpandTo, which waits
 // for exactly that.
-func (g *Target) Expand(ctx context.Context) (int64, error) {
-	return g.expand(ctx, 0)
+func (tg *Target) Expand(ctx context.Context) (int64, error) {
+	return tg.expand(ctx, 0)
 }
 
 // ExpandTo waits until the namespace reports at least minBytes. Targets
@@ -37,28 +37,28 @@ func (g *Target) Expand(ctx context.Context) (int64, error) {
 // changes the device's size and sends a "change" uevent. ExpandTo
 // subscribes to those events, checks sysfs once, asks live controllers
 // to rescan (for targets that send no AEN), then waits until ctx ends.
-func (g *Target) ExpandTo(ctx context.Context, minBytes int64) (int64, error) {
+func (tg *Target) ExpandTo(ctx context.Context, minBytes int64) (int64, error) {
 	if minBytes <= 0 {
-		return 0, fmt.Errorf("expand %s: required size %d: %w", g.Key(), minBytes, errdefs.ErrInvalidArgument)
+		return 0, fmt.Errorf("expand %s: required size %d: %w", tg.Key(), minBytes, errdefs.ErrInvalidArgument)
 	}
-	return g.expand(ctx, minBytes)
+	return tg.expand(ctx, minBytes)
 }
 
-func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
-	t := g.t
+func (tg *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
+	t := tg.t
 	if t.opts.Listener == nil {
-		return 0, fmt.Errorf("expand %s: the transport has no device listener: %w", g.Key(), errdefs.ErrFailedPrecondition)
+		return 0, fmt.Errorf("expand %s: the transport has no device listener: %w", tg.Key(), errdefs.ErrFailedPrecondition)
 	}
-	h, ok, err := g.head()
+	h, ok, err := tg.head()
 	if err != nil {
-		return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
+		return 0, fmt.Errorf("expand %s: %w", tg.Key(), err)
 	}
 	if !ok {
-		return 0, fmt.Errorf("expand %s: namespace not attached: %w", g.Key(), errdefs.ErrNotFound)
+		return 0, fmt.Errorf("expand %s: namespace not attached: %w", tg.Key(), errdefs.ErrNotFound)
 	}
 	var live []string
 	if paths, err := t.sys.readNamespacePaths(h.Name); err == nil {
-		ctrls, _ := t.sys.readControllers(g.vol.NQN)
+		ctrls, _ := t.sys.readControllers(tg.vol.NQN)
 		for _, p := range paths {
 			for _, c := range ctrls {
 				if c.Name == p.Controller && c.State == StateLive {
@@ -71,10 +71,10 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 	// size now, which the kernel has or takes with the rescan below.
 	reported := false
 	if minBytes <= 0 {
-		if size, err := g.reportedSize(live, h); err == nil {
+		if size, err := tg.reportedSize(live, h); err == nil {
 			minBytes, reported = size, true
 		} else {
-			logctx.From(ctx, t.log).Debug("nvmeof: expand: no controller reported the namespace's size; waiting for a change instead", "target", g.Key(), "error", err)
+			logctx.From(ctx, t.log).Debug("nvmeof: expand: no controller reported the namespace's size; waiting for a change instead", "target", tg.Key(), "error", err)
 		}
 	}
 	sizeOf := func() (int64, error) { return t.sys.readSize(filepath.Join(t.sys.root, "block", h.Name)) }
@@ -84,7 +84,7 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 	defer w.Close()
 	size, err := sizeOf()
 	if err != nil {
-		return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
+		return 0, fmt.Errorf("expand %s: %w", tg.Key(), err)
 	}
 	if minBytes > 0 && size >= minBytes {
 		return size, nil
@@ -102,7 +102,7 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 		if dev, err := w.Wait(wctx); err == nil {
 			return dev.Size, nil
 		} else if ctx.Err() != nil {
-			return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
+			return 0, fmt.Errorf("expand %s: %w", tg.Key(), err)
 		}
 		return sizeOf()
 	}
@@ -114,13 +114,13 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 			return dev.Size, nil
 		}
 		if ctx.Err() != nil {
-			return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
+			return 0, fmt.Errorf("expand %s: %w", tg.Key(), err)
 		}
 		cur, err := sizeOf()
 		if err != nil {
-			return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
+			return 0, fmt.Errorf("expand %s: %w", tg.Key(), err)
 		}
-		logctx.From(ctx, t.log).Warn("nvmeof: expand: the controller reports a size the kernel has not taken after a rescan", "target", g.Key(),
+		logctx.From(ctx, t.log).Warn("nvmeof: expand: the controller reports a size the kernel has not taken after a rescan", "target", tg.Key(),
 			"device", h.Name, "reported_bytes", minBytes, "device_bytes", cur, "waited", time.Since(start).Round(time.Millisecond))
 		return cur, nil
 	}
@@ -129,22 +129,22 @@ func (g *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 		if ctx.Err() != nil {
 			cur, _ := sizeOf()
 			return cur, fmt.Errorf("expand %s: namespace %s still reports %d bytes after %s, want %d; the target has not announced the new size: %w",
-				g.Key(), h.Name, cur, time.Since(start).Round(time.Millisecond), minBytes, errdefs.ErrUnavailable)
+				tg.Key(), h.Name, cur, time.Since(start).Round(time.Millisecond), minBytes, errdefs.ErrUnavailable)
 		}
-		return 0, fmt.Errorf("expand %s: %w", g.Key(), err)
+		return 0, fmt.Errorf("expand %s: %w", tg.Key(), err)
 	}
 	return dev.Size, nil
 }
 
 // reportedSize asks the live controllers ctrls, one after another until
 // one answers, for the size of the namespace h.
-func (g *Target) reportedSize(ctrls []string, h Head) (int64, error) {
+func (tg *Target) reportedSize(ctrls []string, h Head) (int64, error) {
 	if len(ctrls) == 0 {
 		return 0, fmt.Errorf("namespace %s: no live controller", h.Name)
 	}
 	var errs []error
 	for _, c := range ctrls {
-		size, err := identifyNamespaceSize(g.t.opts.DevRoot, c, h.NSID)
+		size, err := identifyNamespaceSize(tg.t.opts.DevRoot, c, h.NSID)
 		if err == nil {
 			return size, nil
 		}

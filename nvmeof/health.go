@@ -9,13 +9,13 @@ import (
 // Health reports the volume abnormal when its namespace is gone or any
 // path it asked for is not live or not ANA-accessible; the message
 // lists every path.
-func (g *Target) Health(ctx context.Context) (abnormal bool, message string) {
-	head, paths, err := g.Status(ctx)
+func (tg *Target) Health(ctx context.Context) (abnormal bool, message string) {
+	head, paths, err := tg.Status(ctx)
 	if err != nil {
 		return true, err.Error()
 	}
 	if head == "" {
-		return true, fmt.Sprintf("namespace of %s not attached: no controller of the subsystem is connected; %s", g.Key(), goneControllerHint)
+		return true, fmt.Sprintf("namespace of %s not attached: no controller of the subsystem is connected; %s", tg.Key(), goneControllerHint)
 	}
 	var parts []string
 	up, want := 0, 0

@@ -51,13 +51,13 @@ func (s PathStatus) String() string {
 
 // Status returns the namespace device name and the state of every path
 // the volume asked for, plus any other path of the namespace.
-func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, err error) {
-	t := g.t
-	h, ok, err := g.head()
+func (tg *Target) Status(ctx context.Context) (head string, paths []PathStatus, err error) {
+	t := tg.t
+	h, ok, err := tg.head()
 	if err != nil {
 		return "", nil, err
 	}
-	ctrls, err := t.sys.readControllers(g.vol.NQN)
+	ctrls, err := t.sys.readControllers(tg.vol.NQN)
 	if err != nil {
 		return "", nil, err
 	}
@@ -77,11 +77,11 @@ func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, e
 		hostNQN = id.NQN
 	}
 	seen := make(map[string]bool)
-	for _, p := range g.vol.Paths {
+	for _, p := range tg.vol.Paths {
 		st := PathStatus{Path: p.String()}
-		if rp, err := g.resolve(ctx, p); err == nil {
+		if rp, err := tg.resolve(ctx, p); err == nil {
 			for i := range ctrls {
-				if c := &ctrls[i]; c.matches(g.vol.NQN, hostNQN, rp) {
+				if c := &ctrls[i]; c.matches(tg.vol.NQN, hostNQN, rp) {
 					np := nsPath[c.Name]
 					st.Controller, st.State, st.Device, st.ANAState = c.Name, c.State, np.Name, np.ANAState
 					if ca, err := t.sys.readCtrlAuth(c.Name); err == nil {
@@ -112,8 +112,8 @@ func (g *Target) Status(ctx context.Context) (head string, paths []PathStatus, e
 // "missing" for a path without a controller, "no-namespace" for a live
 // controller that does not show the namespace, and for a live path whose
 // ANA group is not usable its ANA state ("inaccessible", ...).
-func (g *Target) PathStates(ctx context.Context) (map[string]int, error) {
-	_, paths, err := g.Status(ctx)
+func (tg *Target) PathStates(ctx context.Context) (map[string]int, error) {
+	_, paths, err := tg.Status(ctx)
 	if err != nil {
 		return nil, err
 	}

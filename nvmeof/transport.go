@@ -158,26 +158,26 @@ type Target struct {
 }
 
 // Volume returns the parsed volume_context.
-func (g *Target) Volume() *Volume { return g.vol }
+func (tg *Target) Volume() *Volume { return tg.vol }
 
 // Key is the canonical identity of the namespace (see Volume.Key).
-func (g *Target) Key() string { return g.vol.Key() }
+func (tg *Target) Key() string { return tg.vol.Key() }
 
 // Identity is the namespace's identity before it is attached: its key,
 // subsystem NQN and namespace, which no address changes. (After the
 // attach the agent also compares the device's NQN, NSID, UUID and NGUID.)
-func (g *Target) Identity() (string, error) { return g.vol.Key(), nil }
+func (tg *Target) Identity() (string, error) { return tg.vol.Key(), nil }
 
-func (g *Target) matcher() devices.Matcher {
-	return devices.MatchNVMe(g.vol.NQN, g.vol.NSID, g.vol.UUID, g.vol.NGUID)
+func (tg *Target) matcher() devices.Matcher {
+	return devices.MatchNVMe(tg.vol.NQN, tg.vol.NSID, tg.vol.UUID, tg.vol.NGUID)
 }
 
 // resolve returns p with a host name replaced by its first address.
-func (g *Target) resolve(ctx context.Context, p Path) (Path, error) {
+func (tg *Target) resolve(ctx context.Context, p Path) (Path, error) {
 	if _, err := netip.ParseAddr(p.TrAddr); err == nil {
 		return p, nil
 	}
-	addrs, err := g.t.opts.Resolver.LookupNetIP(ctx, "ip", p.TrAddr)
+	addrs, err := tg.t.opts.Resolver.LookupNetIP(ctx, "ip", p.TrAddr)
 	if err != nil {
 		return p, fmt.Errorf("resolve target %s: %w: %w", p.TrAddr, err, errdefs.ErrUnavailable)
 	}
@@ -189,13 +189,13 @@ func (g *Target) resolve(ctx context.Context, p Path) (Path, error) {
 }
 
 // head returns the namespace device of the volume, or ok false.
-func (g *Target) head() (Head, bool, error) {
-	hs, err := g.t.sys.readHeads(g.vol.NQN)
+func (tg *Target) head() (Head, bool, error) {
+	hs, err := tg.t.sys.readHeads(tg.vol.NQN)
 	if err != nil {
 		return Head{}, false, err
 	}
 	for _, h := range hs {
-		if h.matches(g.vol) {
+		if h.matches(tg.vol) {
 			return h, true, nil
 		}
 	}
