@@ -186,16 +186,11 @@ func (t *Transport) findSession(target string, p path, iface string) (*Session, 
 func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathDevice, retErr error) {
 	start := time.Now()
 	key := p.key(v.IQN, v.Iface)
-	unlock, err := t.locks.lock(ctx, key)
+	held, err := t.locks.Hold(ctx, key)
 	if err != nil {
 		return nil, err
 	}
-	locked := true
-	defer func() {
-		if locked {
-			unlock()
-		}
-	}()
+	defer held.Release()
 
 	sess, err := t.findSession(v.IQN, p, v.Iface)
 	if err != nil {
@@ -223,15 +218,12 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 		if retErr == nil || (!scanned && !loggedIn && !removed) {
 			return
 		}
-		if !locked {
-			// The wait for the disk ran without the path's lock; its
-			// undo takes it again, as a detach would.
-			unlock, err := t.locks.lock(context.WithoutCancel(ctx), key)
-			if err != nil {
-				logctx.From(ctx, t.log).Warn("undo failed attach", "target", v, "portal", p.String(), "error", err)
-				return
-			}
-			defer unlock()
+		// An attach that failed in the wait for the disk, which runs
+		// without the path's lock, takes it again for its undo, as a
+		// detach would.
+		if err := held.Retake(context.WithoutCancel(ctx)); err != nil {
+			logctx.From(ctx, t.log).Warn("undo failed attach", "target", v, "portal", p.String(), "error", err)
+			return
 		}
 		if scanned {
 			// Take out the disk this attach scanned in, so that the
@@ -288,8 +280,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 	// of this session leaves the session logged in: the wait for the
 	// disk (the kernel's sd probe and its uevent) needs no lock, and the
 	// next LUN's scan can start meanwhile.
-	unlock()
-	locked = false
+	held.Release()
 	if t.testHookDiskWait != nil {
 		t.testHookDiskWait(v.LUN)
 	}

@@ -67,11 +67,11 @@ func (t *Transport) stopDiskQueueing(ctx context.Context, v *Volume, pds []*path
 // in and carries no LUN but v's, so that the disk's queued I/O fails now
 // rather than at the replacement timeout.
 func (t *Transport) logoutFailed(ctx context.Context, v *Volume, p path) error {
-	unlock, err := t.locks.lock(ctx, p.key(v.IQN, v.Iface))
+	held, err := t.locks.Hold(ctx, p.key(v.IQN, v.Iface))
 	if err != nil {
 		return err
 	}
-	defer unlock()
+	defer held.Release()
 	sess, err := t.findSession(v.IQN, p, v.Iface)
 	if err != nil || sess == nil || sess.State == "LOGGED_IN" {
 		return err
@@ -158,11 +158,11 @@ func inUse(dm *devices.Device, pds []*pathDevice) error {
 // detachPath removes the LUN's disk from the session through p and logs
 // out when the session has no LUN left. No session: the record is deleted.
 func (t *Transport) detachPath(ctx context.Context, v *Volume, p path) error {
-	unlock, err := t.locks.lock(ctx, p.key(v.IQN, v.Iface))
+	held, err := t.locks.Hold(ctx, p.key(v.IQN, v.Iface))
 	if err != nil {
 		return err
 	}
-	defer unlock()
+	defer held.Release()
 	sess, err := t.findSession(v.IQN, p, v.Iface)
 	if err != nil {
 		return err

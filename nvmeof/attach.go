@@ -48,16 +48,11 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 	}
 	// Connects and deletes of one subsystem are serialized; the wait
 	// for the namespace below is not.
-	unlock, err := t.locks.lock(ctx, tg.vol.NQN)
+	held, err := t.locks.Hold(ctx, tg.vol.NQN)
 	if err != nil {
 		return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 	}
-	locked := true
-	defer func() {
-		if locked {
-			unlock()
-		}
-	}()
+	defer held.Release()
 	t.mu.Lock()
 	delete(t.released, tg.Key())
 	t.mu.Unlock()
@@ -111,13 +106,9 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 		// volume of the subsystem uses them.
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 		defer cancel()
-		if !locked {
-			u, err := t.locks.lock(cctx, tg.vol.NQN)
-			if err != nil {
-				logctx.From(ctx, t.log).Warn("nvmeof: undo connect", "target", tg.Key(), "error", err)
-				return
-			}
-			defer u()
+		if err := held.Retake(cctx); err != nil {
+			logctx.From(ctx, t.log).Warn("nvmeof: undo connect", "target", tg.Key(), "error", err)
+			return
 		}
 		keep, err := tg.othersNeed(cctx)
 		if err != nil {
@@ -141,8 +132,7 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 		logctx.From(ctx, t.log).Warn("nvmeof: path not connected", "target", tg.Key(), "error", e)
 	}
 
-	unlock()
-	locked = false
+	held.Release()
 	wctx, cancel := context.WithTimeout(ctx, t.opts.NamespaceTimeout)
 	defer cancel()
 	dev, err := w.Wait(wctx)

@@ -23,11 +23,11 @@ import (
 // go. A head with a live controller is left as it is.
 func (tg *Target) StopQueueing(ctx context.Context) (bool, error) {
 	t := tg.t
-	unlock, err := t.locks.lock(ctx, tg.vol.NQN)
+	held, err := t.locks.Hold(ctx, tg.vol.NQN)
 	if err != nil {
 		return false, fmt.Errorf("%s: %w", tg.Key(), err)
 	}
-	defer unlock()
+	defer held.Release()
 	h, ok, err := tg.head()
 	if err != nil || !ok {
 		return false, err
@@ -64,11 +64,11 @@ func (tg *Target) StopQueueing(ctx context.Context) (bool, error) {
 // already gone are success, so Detach can be repeated.
 func (tg *Target) Detach(ctx context.Context) error {
 	t := tg.t
-	unlock, err := t.locks.lock(ctx, tg.vol.NQN)
+	held, err := t.locks.Hold(ctx, tg.vol.NQN)
 	if err != nil {
 		return fmt.Errorf("detach %s: %w", tg.Key(), err)
 	}
-	defer unlock()
+	defer held.Release()
 
 	h, ok, err := tg.head()
 	if err != nil {

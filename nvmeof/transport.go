@@ -61,7 +61,7 @@ type Transport struct {
 	hostMu sync.Mutex
 	host   *HostIdentity
 
-	locks keyedMutex
+	locks kmutex.KeyedMutex
 
 	mu sync.Mutex
 	// released holds the keys of volumes this process has detached (and
@@ -200,15 +200,4 @@ func (tg *Target) head() (Head, bool, error) {
 		}
 	}
 	return Head{}, false, nil
-}
-
-// keyedMutex serializes operations per key (a subsystem NQN).
-type keyedMutex struct{ k kmutex.KeyedMutex }
-
-func (m *keyedMutex) lock(ctx context.Context, key string) (func(), error) {
-	unlock, err := m.k.Lock(ctx, key)
-	if err != nil {
-		return nil, fmt.Errorf("wait for another operation on subsystem %s: %w", key, err)
-	}
-	return unlock, nil
 }
