@@ -11,7 +11,7 @@ COMMIT    ?= $(shell git describe --always --dirty --abbrev=40 --exclude='*' 2>/
 LDFLAGS   := -s -w -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 PREFIX    ?= /usr/local
 
-.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test cover reliability vm-image image image-check e2e-deps e2e-build e2e e2e-prebuild e2e-ci bench demo install clean fuzz
+.PHONY: all build deps lint test unit-test sanity-test manifest-test vm-test cover reliability vm-image image image-check e2e-deps e2e-build e2e e2e-prebuild e2e-ci bench demo install clean fuzz fuzz-list
 
 all: build
 
@@ -193,17 +193,22 @@ install: build
 	install -D -m 0644 systemd/berth.service $(DESTDIR)/etc/systemd/system/berth.service
 	install -D -m 0644 systemd/berth.socket $(DESTDIR)/etc/systemd/system/berth.socket
 
-# Each fuzz target for FUZZTIME (go test -fuzz runs one target at a time).
+# Each fuzz target for FUZZTIME (go test -fuzz runs one target at a time):
+# every func Fuzz* of the test files go list names for this module's
+# packages in this build, so that a new target is fuzzed without a list
+# to add it to. make fuzz-list prints them.
 FUZZTIME ?= 30s
-FUZZ_TARGETS := agent:FuzzValidatePath agent:FuzzVolumeContext agent:FuzzStateFileName \
-	agent:FuzzNodeRequests fs:FuzzParseMountOptions nvmeof:FuzzEncode iscsi:FuzzParseVolume \
-	devices:FuzzParseUevent devices:FuzzParseVPD83 devices:FuzzParseMultipathStatus
+FUZZ_TARGETS = $(GO) list -f '{{$$p := .ImportPath}}{{range .TestGoFiles}}{{$$p}} {{$$.Dir}}/{{.}}{{"\n"}}{{end}}{{range .XTestGoFiles}}{{$$p}} {{$$.Dir}}/{{.}}{{"\n"}}{{end}}' ./... | \
+	while read -r pkg file; do sed -n "s|^func \(Fuzz[A-Za-z0-9_]*\)(.*|$$pkg \1|p" "$$file"; done
 fuzz:
-	@set -e; for t in $(FUZZ_TARGETS); do \
-		pkg=$${t%%:*}; fn=$${t#*:}; \
+	@set -e; targets=$$($(FUZZ_TARGETS)); test -n "$$targets" || { echo "fuzz: no fuzz targets found"; exit 1; }; \
+	echo "$$targets" | while read -r pkg fn; do \
 		echo "== $$pkg $$fn ($(FUZZTIME))"; \
-		$(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) ./$$pkg/; \
+		$(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) $$pkg </dev/null; \
 	done
+
+fuzz-list:
+	@$(FUZZ_TARGETS)
 
 clean:
 	rm -rf bin
