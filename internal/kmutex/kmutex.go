@@ -5,6 +5,7 @@ package kmutex
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 )
@@ -56,7 +57,8 @@ func (k *KeyedMutex) Lock(ctx context.Context, key string) (unlock func(), err e
 // Held is one key of a KeyedMutex locked by one call, which may let it
 // go in the middle (while it waits for something that needs no lock) and
 // take it again (to undo its work under the lock). It belongs to the
-// call that took it: it is not for concurrent use.
+// call that took it: it is not for concurrent use. Hold makes it; the
+// zero value holds nothing, and its Retake fails.
 type Held struct {
 	k      *KeyedMutex
 	key    string
@@ -87,6 +89,9 @@ func (h *Held) Release() {
 func (h *Held) Retake(ctx context.Context) error {
 	if h.unlock != nil {
 		return nil
+	}
+	if h.k == nil {
+		return errors.New("retake a key no Hold took")
 	}
 	unlock, err := h.k.Lock(ctx, h.key)
 	if err != nil {

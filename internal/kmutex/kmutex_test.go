@@ -118,4 +118,9 @@ func TestHeldReleaseAndRetake(t *testing.T) {
 	if n := k.len(); n != 0 {
 		t.Fatalf("%d keys left after every release", n)
 	}
+	var zero Held
+	zero.Release()
+	if err := zero.Retake(context.Background()); err == nil {
+		t.Fatal("Retake of a zero Held succeeded")
+	}
 }
