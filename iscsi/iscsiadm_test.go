@@ -220,31 +220,6 @@ func TestParseDiscovery(t *testing.T) {
 	}
 }
 
-func TestKeyedMutex(t *testing.T) {
-	var k keyedMutex
-	unlock, err := k.lock(context.Background(), "a")
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Another key is independent.
-	unlockB, err := k.lock(context.Background(), "b")
-	if err != nil {
-		t.Fatal(err)
-	}
-	unlockB()
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
-	defer cancel()
-	if _, err := k.lock(ctx, "a"); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("second lock of a held key: %v", err)
-	}
-	unlock()
-	unlock2, err := k.lock(context.Background(), "a")
-	if err != nil {
-		t.Fatal(err)
-	}
-	unlock2()
-}
-
 // TestInflightRemoval: a removal that outlives its caller's deadline keeps
 // running once; the caller gets Unavailable at its deadline, and a retry
 // joins the same removal instead of starting another.

@@ -56,7 +56,7 @@ type Transport struct {
 	devs  devices.Roots
 	db    recordDB
 	run   runner
-	locks keyedMutex
+	locks kmutex.KeyedMutex
 	// removals are the disk deletions in flight.
 	removals inflight
 	// testHookDiskWait, when set, runs before an attach waits for the
@@ -144,17 +144,6 @@ func (tg *Target) Identity() (string, error) { return tg.v.Identity(), nil }
 
 // Volume returns the parsed volume.
 func (tg *Target) Volume() *Volume { return tg.v }
-
-// keyedMutex serializes work per key, honouring the context while waiting.
-type keyedMutex struct{ k kmutex.KeyedMutex }
-
-func (m *keyedMutex) lock(ctx context.Context, key string) (func(), error) {
-	unlock, err := m.k.Lock(ctx, key)
-	if err != nil {
-		return nil, fmt.Errorf("wait for another operation on %s: %w", key, err)
-	}
-	return unlock, nil
-}
 
 // path is one portal of a volume, resolved.
 type path struct {

@@ -97,37 +97,37 @@ func errNoKernelAuth(ctrl string) error {
 // re-authenticate every volume of the subsystem on it); new keys take
 // effect at the next connect, once no volume of the subsystem on this
 // node uses the controller.
-func (g *Target) checkReuse(name string) error {
-	c, err := g.t.sys.readCtrlAuth(name)
+func (tg *Target) checkReuse(name string) error {
+	c, err := tg.t.sys.readCtrlAuth(name)
 	if err != nil {
 		return err
 	}
-	if g.auth != nil && !c.supported {
+	if tg.auth != nil && !c.supported {
 		return errNoKernelAuth(name)
 	}
-	if g.auth.matches(c) {
+	if tg.auth.matches(c) {
 		return nil
 	}
-	want := g.auth.String()
-	if c.supported && c.host != "" && g.auth != nil {
+	want := tg.auth.String()
+	if c.supported && c.host != "" && tg.auth != nil {
 		want = "other DH-HMAC-CHAP keys"
 	}
 	return fmt.Errorf("controller %s of subsystem %s is connected with %s, and this volume names %s: berth does not reuse it, nor change the keys of a connected controller; stage the volume with the keys the controller was connected with, or unstage every volume of the subsystem on this node so that the next stage connects with the new keys: %w",
-		name, g.vol.NQN, c.describe(), want, errdefs.ErrFailedPrecondition)
+		name, tg.vol.NQN, c.describe(), want, errdefs.ErrFailedPrecondition)
 }
 
 // checkKernelAuth refuses a volume with keys before anything is
 // connected when a fabrics controller shows that the kernel lacks
 // in-band authentication.
-func (g *Target) checkKernelAuth(ctrls []Controller) error {
-	if g.auth == nil {
+func (tg *Target) checkKernelAuth(ctrls []Controller) error {
+	if tg.auth == nil {
 		return nil
 	}
 	for _, c := range ctrls {
 		if c.Transport == "pcie" || c.Deleting() {
 			continue
 		}
-		ca, err := g.t.sys.readCtrlAuth(c.Name)
+		ca, err := tg.t.sys.readCtrlAuth(c.Name)
 		if err != nil {
 			continue
 		}
@@ -146,8 +146,8 @@ const authRefusedDialTimeout = 2 * time.Second
 // connect with keys answered ECONNREFUSED (the errno of both on kernels
 // before 6.7): when the target's port accepts a TCP connection now, the
 // target refused the keys.
-func (g *Target) authRefused(ctx context.Context, p Path) bool {
-	if g.auth == nil || p.TrType != TransportTCP {
+func (tg *Target) authRefused(ctx context.Context, p Path) bool {
+	if tg.auth == nil || p.TrType != TransportTCP {
 		return false
 	}
 	ctx, cancel := context.WithTimeout(ctx, authRefusedDialTimeout)

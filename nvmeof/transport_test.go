@@ -8,7 +8,6 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -99,37 +98,6 @@ func TestSizeMatcher(t *testing.T) {
 	if atLeast.Match(nil) {
 		t.Error("nil device matched")
 	}
-}
-
-func TestKeyedMutex(t *testing.T) {
-	var k keyedMutex
-	ctx := context.Background()
-	unlockA, err := k.lock(ctx, "a")
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Another key is independent.
-	unlockB, err := k.lock(ctx, "b")
-	if err != nil {
-		t.Fatal(err)
-	}
-	unlockB()
-	// The same key waits, and gives up with the context.
-	short, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
-	defer cancel()
-	if _, err := k.lock(short, "a"); !errors.Is(err, context.DeadlineExceeded) {
-		t.Errorf("second lock of a: %v", err)
-	}
-	got := make(chan struct{})
-	go func() {
-		u, err := k.lock(ctx, "a")
-		if err == nil {
-			u()
-		}
-		close(got)
-	}()
-	unlockA()
-	<-got
 }
 
 func TestDetachKeepsControllersOthersNeed(t *testing.T) {

@@ -48,6 +48,7 @@ func freeLoopbackPort(t *testing.T) string {
 // TestBerthSocketActivated runs the real berth binary the way berth.service
 // does: socket-activated, Type=notify, with a watchdog and metrics.
 func TestBerthSocketActivated(t *testing.T) {
+	requireRoot(t)
 	if _, err := exec.LookPath("systemd-socket-activate"); err != nil {
 		requireTool(t, err, "systemd-socket-activate")
 	}

@@ -34,6 +34,19 @@ func requireTool(t *testing.T, err error, what string) {
 	t.Skipf("%s: %v", what, err)
 }
 
+// requireRoot skips a test that runs berth serve, which refuses to start
+// without root, except in CI, which runs as root.
+func requireRoot(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() == 0 {
+		return
+	}
+	if os.Getenv("BERTH_CI") == "1" {
+		t.Fatal("needs root: berth serve refuses to start without it; BERTH_CI=1 forbids skipping")
+	}
+	t.Skip("needs root: berth serve refuses to start without it")
+}
+
 type sendLog struct {
 	mu   sync.Mutex
 	msgs []string

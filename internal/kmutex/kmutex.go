@@ -5,6 +5,8 @@ package kmutex
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"sync"
 )
 
@@ -50,4 +52,51 @@ func (k *KeyedMutex) Lock(ctx context.Context, key string) (unlock func(), err e
 		release()
 		return nil, ctx.Err()
 	}
+}
+
+// Held is one key of a KeyedMutex locked by one call, which may let it
+// go in the middle (while it waits for something that needs no lock) and
+// take it again (to undo its work under the lock). It belongs to the
+// call that took it: it is not for concurrent use. Hold makes it; the
+// zero value holds nothing, and its Retake fails.
+type Held struct {
+	k      *KeyedMutex
+	key    string
+	unlock func() // nil while released
+}
+
+// Hold locks key as Lock does and returns it held. A wait that ctx ends
+// first fails with an error that says what it waited for.
+func (k *KeyedMutex) Hold(ctx context.Context, key string) (*Held, error) {
+	h := &Held{k: k, key: key}
+	if err := h.Retake(ctx); err != nil {
+		return nil, err
+	}
+	return h, nil
+}
+
+// Release unlocks the key if it is held; releasing a released key does
+// nothing, so that a deferred Release follows one made mid-call.
+func (h *Held) Release() {
+	if h.unlock != nil {
+		h.unlock()
+		h.unlock = nil
+	}
+}
+
+// Retake locks the key again if Release let it go, waiting as Hold does;
+// a key still held is left as it is.
+func (h *Held) Retake(ctx context.Context) error {
+	if h.unlock != nil {
+		return nil
+	}
+	if h.k == nil {
+		return errors.New("retake a key no Hold took")
+	}
+	unlock, err := h.k.Lock(ctx, h.key)
+	if err != nil {
+		return fmt.Errorf("wait for another operation on %s: %w", h.key, err)
+	}
+	h.unlock = unlock
+	return nil
 }

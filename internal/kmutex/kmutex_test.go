@@ -3,6 +3,7 @@ package kmutex
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -87,4 +88,39 @@ func (k *KeyedMutex) len() int {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	return len(k.m)
+}
+
+func TestHeldReleaseAndRetake(t *testing.T) {
+	var k KeyedMutex
+	h, err := k.Hold(context.Background(), "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Retake(context.Background()); err != nil {
+		t.Fatalf("Retake of a held key: %v", err)
+	}
+	h.Release()
+	h.Release() // a deferred Release after one made mid-call
+	other, err := k.Hold(context.Background(), "a")
+	if err != nil {
+		t.Fatalf("key still locked after Release: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	if err := h.Retake(ctx); !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "wait for another operation on a") {
+		t.Fatalf("Retake of a key another holds, with an ending context: %v", err)
+	}
+	other.Release()
+	if err := h.Retake(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	h.Release()
+	if n := k.len(); n != 0 {
+		t.Fatalf("%d keys left after every release", n)
+	}
+	var zero Held
+	zero.Release()
+	if err := zero.Retake(context.Background()); err == nil {
+		t.Fatal("Retake of a zero Held succeeded")
+	}
 }
