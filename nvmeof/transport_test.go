@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -335,7 +336,7 @@ func TestDetachFlushEndsWithContext(t *testing.T) {
 	}
 	short, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
-	unlock, err := tr.locks.lock(short, subA)
+	unlock, err := tr.locks.Lock(short, subA)
 	if err != nil {
 		t.Fatalf("the subsystem's lock is still held after Detach returned: %v", err)
 	}
