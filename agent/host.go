@@ -41,6 +41,9 @@ type hostFS interface {
 	// crash or a failed mkfs left unfinished.
 	Format(ctx context.Context, devPath, fsType string) error
 	Fsck(ctx context.Context, devPath, fsType string) error
+	// FilesystemUUID reads the UUID of the fsType filesystem on a
+	// device from its superblock.
+	FilesystemUUID(devPath, fsType string) (string, error)
 	// Mount, BindMount, Unmount and MountInfo act on paths already
 	// opened (fs.Handle: resolved once, no symlinks), never on names,
 	// so that a path swapped after it was checked cannot redirect them.

@@ -118,8 +118,10 @@ func (n *nodeServer) validatePublish(req *csi.NodePublishVolumeRequest) (publish
 // and the target path: no other volume's, not inside a staging path.
 func (n *nodeServer) checkPublish(p publishRequest, tp *heldPath) (*volumeRecord, error) {
 	id := p.id
-	rec, ok := n.a.state.get(id)
+	rec, ok, err := n.a.state.lookup(id)
 	switch {
+	case err != nil:
+		return nil, err
 	case !ok || !rec.Staged:
 		return nil, precondition("volume %q: not staged on this node; NodeStageVolume first", id)
 	case rec.StagingPath != p.staging:

@@ -21,7 +21,10 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	defer func() { unlock() }() // a step left blocked in the kernel takes it over
 	took := newStepTimer()
 
-	rec, ok := n.a.state.get(id)
+	rec, ok, err := n.a.state.lookup(id)
+	if err != nil {
+		return nil, err
+	}
 	_, published := rec.publishes()[target]
 	tp, err := holdTarget(target, &unlock)
 	if err != nil {

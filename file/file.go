@@ -168,10 +168,6 @@ func (f *Target) PathStates(context.Context) (map[string]int, error) { return ni
 // symbolic links.
 func (f *Target) Preflight(context.Context) error { return f.check() }
 
-// RebootClearsAttach reports true: a loop device goes with a reboot and
-// its attach writes nothing to disk.
-func (f *Target) RebootClearsAttach() bool { return true }
-
 // Attach attaches the image to a loop device, or returns the loop device
 // that already backs it.
 func (f *Target) Attach(ctx context.Context) (*devices.Device, error) {

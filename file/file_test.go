@@ -147,12 +147,3 @@ func FuzzParse(f *testing.F) {
 		}
 	})
 }
-
-// A loop device goes with a reboot: the agent need not sync a file
-// volume's first record (agent.RebootClearsAttach).
-func TestTargetRebootClearsAttach(t *testing.T) {
-	rc, ok := any(&Target{}).(interface{ RebootClearsAttach() bool })
-	if !ok || !rc.RebootClearsAttach() {
-		t.Fatal("the file Target does not say that a reboot clears its attach")
-	}
-}

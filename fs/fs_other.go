@@ -143,3 +143,8 @@ func BindMountAt(source, target *Handle, readOnly bool, flags uintptr) error {
 func UnmountAt(dir *Handle, name string, check func(PathStat) error) error {
 	return unsupported("unmount " + name)
 }
+
+// FilesystemUUID is not supported on this OS.
+func FilesystemUUID(devPath, fsType string) (string, error) {
+	return "", unsupported("read filesystem UUID of " + devPath)
+}

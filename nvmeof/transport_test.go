@@ -312,13 +312,3 @@ func TestAddressesReadOnlyOfTheVolumesSubsystem(t *testing.T) {
 		t.Errorf("nvme4 of another subsystem deleted (%q)", got)
 	}
 }
-
-// A controller goes with a reboot and a connect writes nothing to disk:
-// the agent need not sync an NVMe/TCP volume's first record
-// (agent.RebootClearsAttach).
-func TestTargetRebootClearsAttach(t *testing.T) {
-	rc, ok := any(&Target{}).(interface{ RebootClearsAttach() bool })
-	if !ok || !rc.RebootClearsAttach() {
-		t.Fatal("the NVMe/TCP Target does not say that a reboot clears its attach")
-	}
-}
