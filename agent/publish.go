@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"slices"
 
@@ -214,6 +215,16 @@ func (n *nodeServer) recordPublishIntent(rec *volumeRecord, p publishRequest, tp
 	case !errors.Is(err, errdefs.ErrNotFound):
 		return false, err
 	}
+	// What is there before the publish is not berth's to remove.
+	h, err := tp.open()
+	switch {
+	case err == nil:
+		h.Close()
+	case errors.Is(err, errdefs.ErrNotFound):
+		want.TargetMade = true
+	case !errors.Is(err, errdefs.ErrInvalidArgument): // a symlink: prepareTarget refuses it
+		return false, fmt.Errorf("target_path %q: %w", target, err)
+	}
 	rec.Publishes[target] = want
 	return false, n.a.state.put(rec)
 }
@@ -224,7 +235,7 @@ func (n *nodeServer) recordPublishIntent(rec *volumeRecord, p publishRequest, tp
 func (n *nodeServer) undoPublish(ctx context.Context, rec *volumeRecord, target string, tp *heldPath, created bool, dev *devices.Device) {
 	var errs []error
 	if created {
-		errs = append(errs, removeTarget(tp))
+		errs = append(errs, removeTarget(ctx, logFrom(ctx, n.a.log), tp))
 	}
 	if errors.Join(errs...) == nil {
 		delete(rec.Publishes, target)

@@ -58,6 +58,11 @@ type publishRecord struct {
 	ReadOnly   bool     `json:"readOnly"`
 	Mode       string   `json:"mode"`
 	MountFlags []string `json:"mountFlags,omitempty"`
+	// TargetMade is set when the target did not exist when the publish
+	// was recorded: berth creates it, and removes it at unpublish. A
+	// target that was there before (the CO's) is left, and so is the
+	// target of a record of an earlier version, which has no field.
+	TargetMade bool `json:"targetMade,omitempty"`
 }
 
 // volumeRecord is the persisted state of one volume on this node. It is

@@ -177,7 +177,10 @@ func (n *nodeServer) dropStalePublish(ctx context.Context, rec *volumeRecord, ta
 		case !errors.Is(err, errdefs.ErrNotFound):
 			return fmt.Errorf("check publish target %q: %w", target, err)
 		}
-		if err := removeTarget(tp); err != nil {
+		if !rec.Publishes[target].TargetMade {
+			break // the CO's target: left
+		}
+		if err := removeTarget(ctx, logFrom(ctx, n.a.log), tp); err != nil {
 			// A stale record must not block the unstage the CO asks
 			// for; the path is left for the operator.
 			logFrom(ctx, n.a.log).WarnContext(ctx, "stale publish target not removed", slog.String("target_path", target), slog.String("error", err.Error()))

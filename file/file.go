@@ -36,6 +36,12 @@ const Name = "file"
 // KeyFile is the volume_context key that names the image file.
 const KeyFile = "file"
 
+// Linux's limits on a file name and on a path (with its NUL).
+const (
+	nameMax = 255
+	pathMax = 4096
+)
+
 // TransportKeys returns the volume_context keys that select the file
 // transport when volume_context has no "transport".
 func TransportKeys() []string { return []string{KeyFile} }
@@ -91,8 +97,11 @@ func (t *Transport) resolve(v string) (string, error) {
 		return "", invalid("volume_context[%q]: contains control characters", KeyFile)
 	}
 	for _, elem := range strings.Split(v, "/") {
-		if elem == ".." {
+		switch {
+		case elem == "..":
 			return "", invalid("volume_context[%q] %q: contains \"..\"", KeyFile, v)
+		case len(elem) > nameMax:
+			return "", invalid("volume_context[%q] %q: a name of %d bytes, longer than NAME_MAX (%d)", KeyFile, v, len(elem), nameMax)
 		}
 	}
 	p := v
@@ -102,6 +111,9 @@ func (t *Transport) resolve(v string) (string, error) {
 	p = filepath.Clean(p)
 	if !strings.HasPrefix(p, t.root+"/") {
 		return "", invalid("volume_context[%q] %q: not below the file root %s", KeyFile, v, t.root)
+	}
+	if len(p) >= pathMax {
+		return "", invalid("volume_context[%q] %q: the image's path is %d bytes, longer than PATH_MAX", KeyFile, v, len(p))
 	}
 	return p, nil
 }

@@ -62,6 +62,10 @@ func TestParse(t *testing.T) {
 		{root + "x/a.img", ""},
 		{"", ""},
 		{"a\nb", ""},
+		{strings.Repeat("n", 255), root + "/" + strings.Repeat("n", 255)},
+		{strings.Repeat("n", 256), ""},
+		{"dir/" + strings.Repeat("n", 256) + "/a.img", ""},
+		{strings.Repeat("d/", 2100) + "a.img", ""},
 	} {
 		tg, err := ft.Parse(map[string]string{KeyFile: tc.file}, nil)
 		if tc.want == "" {

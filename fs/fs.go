@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 	"unicode/utf8"
@@ -26,6 +27,10 @@ func checkFsType(fsType string) error {
 	return fmt.Errorf("filesystem type %q: not supported (supported: %s): %w",
 		fsType, strings.Join(SupportedFsTypes(), ", "), errdefs.ErrInvalidArgument)
 }
+
+// ErrReadOnly marks a change refused because the filesystem that holds
+// the path is read-only (EROFS).
+var ErrReadOnly = errors.New("read-only filesystem")
 
 // Signature is what Probe found on a device. Type is "" when the device is
 // blank.

@@ -126,6 +126,9 @@ func (h *Handle) CreateAt(name string, mode uint32) error { return unsupported("
 // RemoveAt is only supported on Linux.
 func (h *Handle) RemoveAt(name string) error { return unsupported("remove " + name) }
 
+// Size is only supported on Linux.
+func (h *Handle) Size() (int64, error) { return 0, unsupported("stat " + h.path) }
+
 // Empty is only supported on Linux.
 func (h *Handle) Empty() (bool, error) { return false, unsupported("read " + h.path) }
 
