@@ -78,7 +78,7 @@ func removeTarget(ctx context.Context, log *slog.Logger, p *heldPath) error {
 	case err == nil, errors.Is(err, iofs.ErrNotExist):
 		return nil
 	case errors.Is(err, fs.ErrReadOnly):
-		log.WarnContext(ctx, "publish target left: its filesystem is read-only", slog.String("target_path", p.path), slog.String("error", err.Error()))
+		log.WarnContext(ctx, "publish target left: its filesystem is read-only", slog.String("error", err.Error()))
 		return nil
 	case errors.Is(err, errdefs.ErrFailedPrecondition):
 		// Files below an unmounted target were written into the
