@@ -44,7 +44,9 @@ type Config struct {
 	Version string
 	// NodeID is reported by NodeGetInfo. Required.
 	NodeID string
-	// StateDir holds the per-volume records (StateDir/volumes). Required.
+	// StateDir holds the per-volume records (StateDir/volumes) and the
+	// marks of the filesystems berth staged (StateDir/filesystems).
+	// Required.
 	StateDir string
 	// MaxVolumes is the number of volumes this node may have staged;
 	// 0 means no limit.
@@ -90,6 +92,7 @@ type Agent struct {
 	host        hostFS
 	crypt       cryptHost
 	state       *store
+	marks       *fsMarks
 	locks       *inflight
 	transports  map[string]Transport
 	implied     map[string]string // volume_context key -> transport it selects
@@ -190,9 +193,13 @@ func New(cfg Config) (_ *Agent, retErr error) {
 		return nil, err
 	}
 	a.state = st
-	for _, name := range st.cleared {
-		a.log.Warn("removed an empty state file: the first record of a volume, written before an attach that a reboot undoes, did not reach the disk before the node lost power",
-			slog.String("file", filepath.Join(cfg.StateDir, "volumes", name)))
+	if a.marks, err = openFSMarks(filepath.Join(cfg.StateDir, "filesystems")); err != nil {
+		return nil, err
+	}
+	damaged := st.damagedFiles()
+	for _, p := range slices.Sorted(maps.Keys(damaged)) {
+		a.log.Error("a volume's state file cannot be read: it is kept, and the volume's calls are refused until it is restored or moved aside (check the node for the volume's mounts and device first)",
+			slog.String("file", p), slog.String("error", damaged[p]))
 	}
 	if a.listener == nil {
 		l, err := devices.NewListener()

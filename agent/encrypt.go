@@ -258,6 +258,13 @@ func (n *nodeServer) openEncrypted(ctx context.Context, rec *volumeRecord, dev *
 		case !sig.Blank():
 			return nil, false, precondition("volume %q: device %s holds %s, not a LUKS header; refusing to luksFormat a device that may hold data (check the volume: was it written unencrypted?)", id, dev.Path, sig)
 		}
+		// A blank device of a volume whose filesystem berth staged
+		// before has lost its LUKS header and what it held.
+		if mark, err := n.a.marks.get(id); err != nil {
+			return nil, false, err
+		} else if mark != nil {
+			return nil, false, n.a.marks.filesystemGone(mark, dev.Path)
+		}
 		c.Formatting = deviceRecordOf(dev)
 		if err := n.a.state.put(rec); err != nil {
 			return nil, false, err

@@ -28,6 +28,11 @@ type fakeFS struct {
 	// content is what each device holds: "" when blank, a filesystem
 	// type, fakePartial, or any other name of foreign data.
 	content map[string]string
+	// uuids is the UUID of the filesystem each device holds, set by
+	// each format; a filesystem put in content by a test has
+	// "uuid-of-<device>".
+	uuids map[string]string
+	nMkfs int
 	// mkfsHang, when set, makes a format write fakePartial and then wait
 	// for it to close: a node that dies while mkfs runs. mkfsStarted
 	// hears of each such format.
@@ -61,7 +66,7 @@ const fakeRootIno = 2
 
 func newFakeFS() *fakeFS {
 	return &fakeFS{mounts: make(map[string]mountEntry), nMount: make(map[string]int), ro: make(map[string]bool),
-		content: make(map[string]string), mkfsStarted: make(chan string, 10)}
+		content: make(map[string]string), uuids: make(map[string]string), mkfsStarted: make(chan string, 10)}
 }
 
 func (f *fakeFS) SupportedFsTypes() []string { return []string{"ext4", "xfs"} }
@@ -115,8 +120,22 @@ func (f *fakeFS) mkfs(devPath, fsType string) error {
 		return f.mkfsErr
 	}
 	f.content[devPath] = fsType
+	f.nMkfs++
+	f.uuids[devPath] = fmt.Sprintf("uuid-%d", f.nMkfs)
 	f.mu.Unlock()
 	return nil
+}
+
+func (f *fakeFS) FilesystemUUID(devPath, fsType string) (string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.content[devPath] != fsType {
+		return "", fmt.Errorf("read filesystem UUID of %s: no %s superblock", devPath, fsType)
+	}
+	if u, ok := f.uuids[devPath]; ok {
+		return u, nil
+	}
+	return "uuid-of-" + devPath, nil
 }
 
 func (f *fakeFS) Fsck(context.Context, string, string) error {
@@ -273,8 +292,6 @@ type fakeTransport struct {
 	replaced map[string]string
 	// replaceAtExpand, when set, is the WWID an Expand (a rescan) finds.
 	replaceAtExpand string
-	// rebootClears is what its targets' RebootClearsAttach says.
-	rebootClears bool
 }
 
 // replacedWWID is the WWID the storage behind key has now, "" while it
@@ -351,8 +368,6 @@ func (t *fakeTarget) Attach(ctx context.Context) (*devices.Device, error) {
 	return d, nil
 }
 
-func (t *fakeTarget) RebootClearsAttach() bool { return t.ft.rebootClears }
-
 func (t *fakeTarget) Preflight(context.Context) error { return nil }
 func (t *fakeTarget) PathStates(context.Context) (map[string]int, error) {
 	return nil, nil
@@ -403,6 +418,10 @@ func newFakeAgent(t *testing.T) (*Agent, *fakeFS, *fakeTransport) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	marks, err := openFSMarks(filepath.Join(t.TempDir(), "filesystems"))
+	if err != nil {
+		t.Fatal(err)
+	}
 	host, tr := newFakeFS(), newFakeTransport()
 	tr.host = host
 	host.devDir = t.TempDir()
@@ -411,6 +430,7 @@ func newFakeAgent(t *testing.T) (*Agent, *fakeFS, *fakeTransport) {
 		log:        slog.New(slog.NewTextHandler(testWriter{t}, nil)),
 		host:       host,
 		state:      st,
+		marks:      marks,
 		locks:      newInflight(),
 		transports: map[string]Transport{"fake": tr},
 		verify:     func(*devices.Device) error { return nil },

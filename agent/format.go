@@ -56,11 +56,12 @@ func (r *deviceRecord) storageChange(d *devices.Device) string {
 // filesystem was never given to anyone, since the stage did not finish,
 // and a retry that finds it mounted at the staging path (a crash after
 // the mount) does not come here. Any other device holding data is
-// refused.
+// refused. A device found blank is refused too when mark says berth
+// staged a filesystem on the volume before (see fsMark).
 //
 // took marks the end of the probe when the device is formatted (the
 // format step is then the mark's write, mkfs and its check).
-func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, dev *devices.Device, fsType string, params fs.MkfsParams, took *stepTimer) (formatted bool, err error) {
+func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, dev *devices.Device, fsType string, params fs.MkfsParams, mark *fsMark, took *stepTimer) (formatted bool, err error) {
 	if rec.Formatting != nil && rec.Formatting.identifies(dev) {
 		logFrom(ctx, n.a.log).WarnContext(ctx, "finishing a format that was interrupted: berth found the device blank and started mkfs before",
 			slog.String("device", dev.Path), slog.String("fs_type", fsType))
@@ -77,6 +78,9 @@ func (n *nodeServer) ensureFilesystem(ctx context.Context, rec *volumeRecord, de
 		}
 		formatted, err = n.a.host.EnsureFilesystem(ctx, dev.Path, fsType, params, image, func() error {
 			took.mark("probe")
+			if mark != nil {
+				return n.a.marks.filesystemGone(mark, dev.Path)
+			}
 			rec.Formatting = deviceRecordOf(dev)
 			return n.a.state.put(rec)
 		})

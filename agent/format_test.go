@@ -26,7 +26,7 @@ func restart(t *testing.T, a *Agent) *Agent {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &Agent{cfg: a.cfg, log: a.log, host: a.host, state: st, locks: newInflight(),
+	return &Agent{cfg: a.cfg, log: a.log, host: a.host, state: st, marks: a.marks, locks: newInflight(),
 		transports: a.transports, verify: a.verify, lookup: a.lookup}
 }
 

@@ -47,6 +47,9 @@ type hostFS interface {
 	// geometry, from the stage's volume_context, for both.
 	Format(ctx context.Context, devPath, fsType string, p fs.MkfsParams) error
 	Fsck(ctx context.Context, devPath, fsType string) error
+	// FilesystemUUID reads the UUID of the fsType filesystem on a
+	// device from its superblock.
+	FilesystemUUID(devPath, fsType string) (string, error)
 	// Mount, BindMount, Unmount and MountInfo act on paths already
 	// opened (fs.Handle: resolved once, no symlinks), never on names,
 	// so that a path swapped after it was checked cannot redirect them.

@@ -34,6 +34,10 @@ func (realFS) Fsck(ctx context.Context, devPath, fsType string) error {
 	return fs.Fsck(ctx, devPath, fsType)
 }
 
+func (realFS) FilesystemUUID(devPath, fsType string) (string, error) {
+	return fs.FilesystemUUID(devPath, fsType)
+}
+
 func (realFS) Mount(source string, target *fs.Handle, fsType string, flags uintptr, data string) error {
 	return fs.MountAt(source, target, fsType, flags, data)
 }

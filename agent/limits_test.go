@@ -218,6 +218,9 @@ type fsckBlocks struct{ *fakeFS }
 func (fsckBlocks) EnsureFilesystem(context.Context, string, string, fs.MkfsParams, func() (*os.File, int64, error), func() error) (bool, error) {
 	return false, nil
 }
+func (fsckBlocks) FilesystemUUID(devPath, _ string) (string, error) {
+	return "uuid-of-" + devPath, nil
+}
 func (fsckBlocks) Fsck(ctx context.Context, _, _ string) error {
 	<-ctx.Done()
 	return ctx.Err()

@@ -124,7 +124,10 @@ func (n *nodeServer) blocking(ctx context.Context, what string, unlock *func(), 
 // ever looked at, so a request cannot make berth stat or resize
 // elsewhere.
 func (n *nodeServer) volumePathOf(id, p string) (*volumeRecord, error) {
-	rec, ok := n.a.state.get(id)
+	rec, ok, err := n.a.state.lookup(id)
+	if err != nil {
+		return nil, err
+	}
 	if !ok {
 		return nil, notFound("volume %q: not staged on this node", id)
 	}

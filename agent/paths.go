@@ -1,9 +1,11 @@
 package agent
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	iofs "io/fs"
+	"log/slog"
 	"strings"
 
 	"github.com/berth-csi/berth/fs"
@@ -66,11 +68,17 @@ func (a *Agent) mountAt(p *heldPath) (mountEntry, error) {
 }
 
 // removeTarget removes a publish target berth created: an empty directory
-// or a file. A missing name is fine.
-func removeTarget(p *heldPath) error {
+// or a file. A missing name is fine. A target on a filesystem that is
+// read-only now is left, with a warning: nothing can remove it until the
+// filesystem is writable, and what was published there is gone, so
+// failing would only make the CO retry for ever.
+func removeTarget(ctx context.Context, log *slog.Logger, p *heldPath) error {
 	err := p.dir.RemoveAt(p.name)
 	switch {
 	case err == nil, errors.Is(err, iofs.ErrNotExist):
+		return nil
+	case errors.Is(err, fs.ErrReadOnly):
+		log.WarnContext(ctx, "publish target left: its filesystem is read-only", slog.String("error", err.Error()))
 		return nil
 	case errors.Is(err, errdefs.ErrFailedPrecondition):
 		// Files below an unmounted target were written into the
@@ -83,11 +91,9 @@ func removeTarget(p *heldPath) error {
 
 // prepareTarget makes or opens the target of a publish: a directory for a
 // mount volume, a regular file for a raw block one. An existing target
-// must be of that kind, not a mount point, and, as a directory, empty:
-// a bind over files would hide them from the node while the pod runs,
-// and the unpublish after it could never remove the directory (it holds
-// files berth did not make), so it would fail forever. Refusing is
-// clearer than either.
+// must be of that kind, not a mount point, and empty (a directory
+// without entries, a file of no bytes): a bind over it would hide what
+// it holds from the node while the pod runs. Refusing is clearer.
 func prepareTarget(p *heldPath, block bool) (h *fs.Handle, created bool, err error) {
 	kind := "directory"
 	if block {
@@ -129,13 +135,21 @@ func prepareTarget(p *heldPath, block bool) (h *fs.Handle, created bool, err err
 		return nil, false, alreadyExists("target_path %q: exists and is not a regular file", p.path)
 	case !block && !st.Dir:
 		return nil, false, alreadyExists("target_path %q: exists and is not a directory", p.path)
-	case !block:
+	case block:
+		size, err := h.Size()
+		if err != nil {
+			return nil, false, fmt.Errorf("target_path %q: %w", p.path, err)
+		}
+		if size > 0 {
+			return nil, false, precondition("target_path %q: an existing file of %d bytes; a raw block publish there would hide its content; empty or remove it", p.path, size)
+		}
+	default:
 		empty, err := h.Empty()
 		if err != nil {
 			return nil, false, fmt.Errorf("target_path %q: %w", p.path, err)
 		}
 		if !empty {
-			return nil, false, precondition("target_path %q: an existing directory that is not empty; a publish there would hide its files and could not be undone by NodeUnpublishVolume; empty or remove it", p.path)
+			return nil, false, precondition("target_path %q: an existing directory that is not empty; a publish there would hide its files; empty or remove it", p.path)
 		}
 	}
 	return h, false, nil

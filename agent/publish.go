@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"slices"
 
@@ -118,8 +119,10 @@ func (n *nodeServer) validatePublish(req *csi.NodePublishVolumeRequest) (publish
 // and the target path: no other volume's, not inside a staging path.
 func (n *nodeServer) checkPublish(p publishRequest, tp *heldPath) (*volumeRecord, error) {
 	id := p.id
-	rec, ok := n.a.state.get(id)
+	rec, ok, err := n.a.state.lookup(id)
 	switch {
+	case err != nil:
+		return nil, err
 	case !ok || !rec.Staged:
 		return nil, precondition("volume %q: not staged on this node; NodeStageVolume first", id)
 	case rec.StagingPath != p.staging:
@@ -212,6 +215,16 @@ func (n *nodeServer) recordPublishIntent(rec *volumeRecord, p publishRequest, tp
 	case !errors.Is(err, errdefs.ErrNotFound):
 		return false, err
 	}
+	// What is there before the publish is not berth's to remove.
+	h, err := tp.open()
+	switch {
+	case err == nil:
+		h.Close()
+	case errors.Is(err, errdefs.ErrNotFound):
+		want.TargetMade = true
+	case !errors.Is(err, errdefs.ErrInvalidArgument): // a symlink: prepareTarget refuses it
+		return false, fmt.Errorf("target_path %q: %w", target, err)
+	}
 	rec.Publishes[target] = want
 	return false, n.a.state.put(rec)
 }
@@ -222,7 +235,7 @@ func (n *nodeServer) recordPublishIntent(rec *volumeRecord, p publishRequest, tp
 func (n *nodeServer) undoPublish(ctx context.Context, rec *volumeRecord, target string, tp *heldPath, created bool, dev *devices.Device) {
 	var errs []error
 	if created {
-		errs = append(errs, removeTarget(tp))
+		errs = append(errs, removeTarget(ctx, logFrom(ctx, n.a.log), tp))
 	}
 	if errors.Join(errs...) == nil {
 		delete(rec.Publishes, target)

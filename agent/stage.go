@@ -210,7 +210,10 @@ func (s *stageRequest) locks() []string {
 // repeated stage against its record, the staging path and the storage
 // against other volumes. A refusal here changes nothing.
 func (n *nodeServer) checkStage(ctx context.Context, s *stageRun) error {
-	s.rec, s.known = n.a.state.get(s.id)
+	var err error
+	if s.rec, s.known, err = n.a.state.lookup(s.id); err != nil {
+		return err
+	}
 	if !s.known || !s.rec.Staged {
 		// Before the intent record: a node that cannot attach the
 		// target at all keeps nothing that would need unstaging.
@@ -254,9 +257,7 @@ func (n *nodeServer) checkStage(ctx context.Context, s *stageRun) error {
 
 // recordStageIntent writes the record of a volume not known yet, before
 // anything is attached: a crash after Attach leaves a record that
-// NodeUnstageVolume (or a retried stage) finishes from. For a target
-// whose attach a reboot undoes the record is not waited onto the disk
-// (store.putVisible); the stage's next record is.
+// NodeUnstageVolume (or a retried stage) finishes from.
 func (n *nodeServer) recordStageIntent(s *stageRun) error {
 	if !s.known {
 		s.rec = &volumeRecord{
@@ -274,11 +275,7 @@ func (n *nodeServer) recordStageIntent(s *stageRun) error {
 		if s.enc != nil {
 			s.rec.Crypt = &cryptRecord{Name: mappingName(s.id)}
 		}
-		put := n.a.state.put
-		if rc, ok := s.target.(RebootClearsAttach); ok && rc.RebootClearsAttach() {
-			put = n.a.state.putVisible
-		}
-		if err := put(s.rec); err != nil {
+		if err := n.a.state.put(s.rec); err != nil {
 			return err
 		}
 	}
@@ -484,8 +481,16 @@ func (n *nodeServer) mountStaging(ctx context.Context, s *stageRun) error {
 
 // prepareFilesystem makes the volume's filesystem on a blank device (or a
 // new LUKS mapping) or checks the one that is there.
+//
+// A volume whose filesystem berth staged before (its fsMark) is never
+// formatted again: a device found blank is refused, and so is one that
+// holds a filesystem with another UUID than the one berth staged.
 func (n *nodeServer) prepareFilesystem(ctx context.Context, s *stageRun) error {
 	rec, vcap, vdev := s.rec, s.vcap, s.vdev
+	mark, err := n.a.marks.get(s.id)
+	if err != nil {
+		return err
+	}
 	var formatted bool
 	if s.freshFS {
 		// A new LUKS device: its mapping reads as noise, which no
@@ -500,8 +505,7 @@ func (n *nodeServer) prepareFilesystem(ctx context.Context, s *stageRun) error {
 		}
 		formatted = true
 	} else {
-		var err error
-		if formatted, err = n.ensureFilesystem(ctx, rec, vdev, vcap.FsType, s.mkfs, s.took); err != nil {
+		if formatted, err = n.ensureFilesystem(ctx, rec, vdev, vcap.FsType, s.mkfs, mark, s.took); err != nil {
 			if errors.Is(err, berthfs.ErrLUKSDevice) && s.enc == nil {
 				err = fmt.Errorf("volume %q: %w; it is staged only as an encrypted volume: volume_context %s=\"true\" and its passphrase in node_stage_secrets %q",
 					s.id, err, ContextEncrypted, SecretEncryptionPassphrase)
@@ -509,12 +513,30 @@ func (n *nodeServer) prepareFilesystem(ctx context.Context, s *stageRun) error {
 			return err
 		}
 	}
+	uuid, err := n.a.host.FilesystemUUID(vdev.Path, vcap.FsType)
+	if err != nil {
+		return fmt.Errorf("volume %q: %w", s.id, err)
+	}
 	if formatted {
 		s.madeFS = true
+		// Before the mount: a filesystem given to a pod is marked.
+		if err := n.a.marks.put(&fsMark{VolumeID: s.id, FsType: vcap.FsType, UUID: uuid, Made: true}); err != nil {
+			return err
+		}
 		s.took.mark("format")
-		s.log.InfoContext(ctx, "created filesystem", slog.String("fs_type", vcap.FsType))
+		s.log.InfoContext(ctx, "created filesystem", slog.String("fs_type", vcap.FsType), slog.String("fs_uuid", uuid))
 	} else {
 		s.took.mark("probe")
+		switch {
+		case mark == nil:
+			// Staged by berth for the first time, or by a berth
+			// that kept no marks.
+			if err := n.a.marks.put(&fsMark{VolumeID: s.id, FsType: vcap.FsType, UUID: uuid}); err != nil {
+				return err
+			}
+		case mark.FsType != vcap.FsType || mark.UUID != uuid:
+			return n.a.marks.otherFilesystem(mark, vdev.Path, vcap.FsType, uuid)
+		}
 		if !s.mkfs.IsZero() {
 			s.log.InfoContext(ctx, "the volume already has a filesystem: it is mounted as it is, without the mkfs parameters of its volume_context",
 				slog.String("fs_type", vcap.FsType))

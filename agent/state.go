@@ -74,6 +74,11 @@ type publishRecord struct {
 	ReadOnly   bool     `json:"readOnly"`
 	Mode       string   `json:"mode"`
 	MountFlags []string `json:"mountFlags,omitempty"`
+	// TargetMade is set when the target did not exist when the publish
+	// was recorded: berth creates it, and removes it at unpublish. A
+	// target that was there before (the CO's) is left, and so is the
+	// target of a record of an earlier version, which has no field.
+	TargetMade bool `json:"targetMade,omitempty"`
 }
 
 // volumeRecord is the persisted state of one volume on this node. It is
@@ -208,8 +213,7 @@ func (r *volumeRecord) clone() *volumeRecord {
 // store keeps one JSON file per volume under dir. Volume IDs are chosen
 // by the CO and are never used as file names: a record lives in
 // sha256(volume_id).json and holds the ID, so "../../etc" stays inside.
-// Writes are crash-safe: temporary file, fsync, rename, fsync of dir
-// (putVisible leaves out the two fsyncs, for a volume's first record).
+// Writes are crash-safe: temporary file, fsync, rename, fsync of dir.
 type store struct {
 	dir  string
 	mu   sync.RWMutex
@@ -218,8 +222,9 @@ type store struct {
 	// looked at it (see noteIdentity); a record's TargetID may come from
 	// an earlier boot, when an image's device number may have differed.
 	seen map[string]string
-	// cleared names the empty record files openStore removed.
-	cleared []string
+	// damaged maps the name of each record file openStore could not
+	// read to why (see lookup).
+	damaged map[string]string
 }
 
 func stateFileName(volumeID string) string {
@@ -228,13 +233,18 @@ func stateFileName(volumeID string) string {
 }
 
 // openStore creates dir if needed and loads every record in it. A record
-// that cannot be read is an error: forgetting a staged volume would leak
-// its device and mounts, so the operator has to look.
+// that cannot be read (empty, zeros, not JSON: a disk or filesystem that
+// lost what was written) is kept as it is and listed in damaged: it is
+// the only link between its volume and the mounts and device berth made
+// for it, and the volume's ID is not known without it, so nothing says
+// that the volume is gone from the node. The volume's RPCs are refused
+// until the operator restores the file or moves it aside (see lookup).
+// A record under another volume's file name stops the store.
 func openStore(dir string) (*store, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create state directory: %w", err)
 	}
-	s := &store{dir: dir, vols: make(map[string]*volumeRecord)}
+	s := &store{dir: dir, vols: make(map[string]*volumeRecord), damaged: make(map[string]string)}
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, fmt.Errorf("read state directory: %w", err)
@@ -250,36 +260,81 @@ func openStore(dir string) (*store, error) {
 		if !strings.HasSuffix(name, ".json") {
 			continue
 		}
-		b, err := os.ReadFile(filepath.Join(dir, name))
+		r, err := readRecord(filepath.Join(dir, name))
 		if err != nil {
-			return nil, fmt.Errorf("read state file %s: %w", name, err)
-		}
-		if len(bytes.Trim(b, "\x00")) == 0 {
-			// A first record written without waiting for the disk
-			// (putVisible), whose data the node's power loss took:
-			// an empty file, or one of its size whose blocks were
-			// never written (zeros). A durable write never renames
-			// such a file into place. What it was written for went
-			// with the power.
-			if err := os.Remove(filepath.Join(dir, name)); err != nil {
-				return nil, fmt.Errorf("remove empty state file %s: %w", name, err)
-			}
-			s.cleared = append(s.cleared, name)
+			s.damaged[name] = err.Error()
 			continue
-		}
-		var r volumeRecord
-		if err := json.Unmarshal(b, &r); err != nil {
-			return nil, fmt.Errorf("parse state file %s: %w", filepath.Join(dir, name), err)
 		}
 		if stateFileName(r.VolumeID) != name {
 			return nil, fmt.Errorf("state file %s holds volume %q, whose record belongs in %s", filepath.Join(dir, name), r.VolumeID, stateFileName(r.VolumeID))
 		}
-		if r.Publishes == nil {
-			r.Publishes = make(map[string]publishRecord)
-		}
-		s.vols[r.VolumeID] = &r
+		s.vols[r.VolumeID] = r
 	}
 	return s, nil
+}
+
+// readRecord reads and parses the record file p.
+func readRecord(p string) (*volumeRecord, error) {
+	b, err := os.ReadFile(p)
+	if err != nil {
+		return nil, err
+	}
+	if len(bytes.Trim(b, "\x00")) == 0 {
+		return nil, fmt.Errorf("%d bytes, all zero", len(b))
+	}
+	var r volumeRecord
+	if err := json.Unmarshal(b, &r); err != nil {
+		return nil, fmt.Errorf("parse: %w", err)
+	}
+	if r.Publishes == nil {
+		r.Publishes = make(map[string]publishRecord)
+	}
+	return &r, nil
+}
+
+// damagedFiles returns the paths of the record files openStore could not
+// read and are still so, each with why.
+func (s *store) damagedFiles() map[string]string {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	out := make(map[string]string, len(s.damaged))
+	for name, why := range s.damaged {
+		out[filepath.Join(s.dir, name)] = why
+	}
+	return out
+}
+
+// lookup is get for an RPC about volume id, which holds the volume's
+// lock. A record of the volume that openStore could not read is read
+// again, in case the operator restored it or moved it aside; still
+// unreadable, it is an error (errdefs.ErrFailedPrecondition) that says
+// what to check: berth does not know what it staged for the volume.
+func (s *store) lookup(id string) (*volumeRecord, bool, error) {
+	name := stateFileName(id)
+	s.mu.RLock()
+	_, damaged := s.damaged[name]
+	s.mu.RUnlock()
+	if damaged {
+		p := filepath.Join(s.dir, name)
+		r, err := readRecord(p)
+		switch {
+		case errors.Is(err, fs.ErrNotExist):
+			s.mu.Lock()
+			delete(s.damaged, name)
+			s.mu.Unlock()
+		case err != nil:
+			return nil, false, precondition("volume %q: its state file %s cannot be read (%v); berth does not know what it staged or published for the volume, and changes nothing of it: check the node for the volume's mounts (its staging and target paths) and its device, and restore the file, or unmount and detach them by hand and move the file out of %s", id, p, err, s.dir)
+		case r.VolumeID != id:
+			return nil, false, precondition("volume %q: its state file %s holds volume %q; move it out of %s", id, p, r.VolumeID, s.dir)
+		default:
+			s.mu.Lock()
+			delete(s.damaged, name)
+			s.vols[id] = r
+			s.mu.Unlock()
+		}
+	}
+	r, ok := s.get(id)
+	return r, ok, nil
 }
 
 // get returns a copy of the record of a volume.
@@ -325,10 +380,12 @@ func (s *store) identity(id string) (string, bool) {
 	return ident, ok
 }
 
+// count is the number of volumes on the node: those recorded, and
+// those whose record cannot be read.
 func (s *store) count() int {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	return len(s.vols)
+	return len(s.vols) + len(s.damaged)
 }
 
 // pathOwner returns the volume whose staging path or publish target is p.
@@ -347,22 +404,7 @@ func (s *store) pathOwner(p string) (string, bool) {
 }
 
 // put writes a record durably, then makes it visible.
-func (s *store) put(r *volumeRecord) error { return s.write(r, true) }
-
-// putVisible writes the first record of a volume without waiting for the
-// disk: a restarted agent reads it, but power loss may take it (no file,
-// or an empty one, which openStore clears). It is for a record whose loss
-// with the node's power loses nothing (see RebootClearsAttach). A volume
-// that already has a record gets put: a record on disk is only ever
-// replaced by one on disk.
-func (s *store) putVisible(r *volumeRecord) error {
-	s.mu.RLock()
-	_, known := s.vols[r.VolumeID]
-	s.mu.RUnlock()
-	return s.write(r, known)
-}
-
-func (s *store) write(r *volumeRecord, durable bool) error {
+func (s *store) put(r *volumeRecord) error {
 	r.Version = stateVersion
 	if r.Publishes == nil {
 		r.Publishes = make(map[string]publishRecord)
@@ -371,7 +413,7 @@ func (s *store) write(r *volumeRecord, durable bool) error {
 	if err != nil {
 		return fmt.Errorf("encode state of volume %q: %w", r.VolumeID, err)
 	}
-	if err := writeFileAtomic(s.dir, stateFileName(r.VolumeID), b, durable); err != nil {
+	if err := writeFileAtomic(s.dir, stateFileName(r.VolumeID), b); err != nil {
 		return fmt.Errorf("save state of volume %q: %w", r.VolumeID, err)
 	}
 	s.mu.Lock()
@@ -402,9 +444,8 @@ func (s *store) remove(id string) error {
 }
 
 // writeFileAtomic replaces dir/name with a file holding b: a temporary
-// file renamed over it. With durable, the file is synced before the
-// rename and the directory after it.
-func writeFileAtomic(dir, name string, b []byte, durable bool) (retErr error) {
+// file, synced, renamed over it, and the directory synced.
+func writeFileAtomic(dir, name string, b []byte) (retErr error) {
 	f, err := os.CreateTemp(dir, ".tmp-"+name+"-")
 	if err != nil {
 		return err
@@ -418,10 +459,8 @@ func writeFileAtomic(dir, name string, b []byte, durable bool) (retErr error) {
 	if _, err := f.Write(b); err != nil {
 		return err
 	}
-	if durable {
-		if err := syncFile(f); err != nil {
-			return err
-		}
+	if err := syncFile(f); err != nil {
+		return err
 	}
 	if err := f.Close(); err != nil {
 		return err
@@ -429,9 +468,6 @@ func writeFileAtomic(dir, name string, b []byte, durable bool) (retErr error) {
 	failpoint.Hit("state.written")
 	if err := os.Rename(f.Name(), filepath.Join(dir, name)); err != nil {
 		return err
-	}
-	if !durable {
-		return nil
 	}
 	return syncDir(dir)
 }

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -10,6 +11,8 @@ import (
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // countSyncs counts the store's fsyncs until the test ends.
@@ -25,95 +28,87 @@ func countSyncs(t *testing.T) *atomic.Int64 {
 	return &n
 }
 
-// putVisible writes a volume's first record without fsyncs, and every
-// later one with both; a record whose data the disk never got (an empty
-// file, or zeros) is cleared when the store opens, while any other
-// unreadable record still stops it.
-func TestStatePutVisible(t *testing.T) {
+// Every record is written with two fsyncs (file and directory). A record
+// that cannot be read (an empty file, zeros, torn JSON) is kept at open
+// and refuses its volume until it is restored or moved aside.
+func TestStateUnreadableRecordKept(t *testing.T) {
 	syncs := countSyncs(t)
 	dir := filepath.Join(t.TempDir(), "volumes")
 	s, err := openStore(dir)
 	must(t, "openStore", err)
-	rec := &volumeRecord{VolumeID: "v1", Transport: "file", StagingPath: "/s/1"}
-
-	must(t, "putVisible", s.putVisible(rec))
-	if n := syncs.Swap(0); n != 0 {
-		t.Fatalf("first record: %d fsyncs, want 0", n)
-	}
-	s2, err := openStore(dir)
-	must(t, "reopen", err)
-	if r, ok := s2.get("v1"); !ok || r.StagingPath != "/s/1" {
-		t.Fatalf("record written without fsync not seen on reopen: %+v %t", r, ok)
-	}
-
-	rec.Staged = true
-	must(t, "putVisible of a known volume", s.putVisible(rec))
+	must(t, "put", s.put(&volumeRecord{VolumeID: "v1", Transport: "file", StagingPath: "/s/1"}))
 	if n := syncs.Swap(0); n != 2 {
-		t.Fatalf("record replacing one on disk: %d fsyncs, want 2 (file and directory)", n)
+		t.Fatalf("first record: %d fsyncs, want 2 (file and directory)", n)
 	}
-	must(t, "put", s.put(&volumeRecord{VolumeID: "v2", Transport: "file"}))
-	if n := syncs.Swap(0); n != 2 {
-		t.Fatalf("put: %d fsyncs, want 2", n)
+	good, err := os.ReadFile(filepath.Join(dir, stateFileName("v1")))
+	must(t, "read", err)
+
+	p := filepath.Join(dir, stateFileName("v3"))
+	for _, damaged := range [][]byte{nil, make([]byte, 300), []byte("{")} {
+		must(t, "write damaged", os.WriteFile(p, damaged, 0o600))
+		s2, err := openStore(dir)
+		if err != nil {
+			t.Fatalf("open with the unreadable record %q: %v", damaged, err)
+		}
+		if b, err := os.ReadFile(p); err != nil || string(b) != string(damaged) {
+			t.Fatalf("unreadable record %q not kept: %q, %v", damaged, b, err)
+		}
+		if _, ok := s2.damagedFiles()[p]; !ok || s2.count() != 2 {
+			t.Fatalf("unreadable record %q: damaged %v, count %d", damaged, s2.damagedFiles(), s2.count())
+		}
+		_, _, err = s2.lookup("v3")
+		if !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), p) {
+			t.Fatalf("lookup of the volume of the unreadable record %q: %v", damaged, err)
+		}
+		if _, ok, err := s2.lookup("v1"); !ok || err != nil {
+			t.Fatalf("lookup of another volume: %t, %v", ok, err)
+		}
 	}
 
-	empty := filepath.Join(dir, stateFileName("v3"))
-	must(t, "write empty", os.WriteFile(empty, nil, 0o600))
+	// Restored, the record is read again; moved aside, the volume is
+	// unknown.
 	s3, err := openStore(dir)
-	must(t, "open with an empty record", err)
-	if _, err := os.Stat(empty); !os.IsNotExist(err) {
-		t.Fatalf("empty record not removed: %v", err)
+	must(t, "open", err)
+	restored := strings.Replace(string(good), `"v1"`, `"v3"`, 1)
+	must(t, "restore", os.WriteFile(p, []byte(restored), 0o600))
+	if r, ok, err := s3.lookup("v3"); err != nil || !ok || r.StagingPath != "/s/1" {
+		t.Fatalf("lookup of a restored record: %+v, %t, %v", r, ok, err)
 	}
-	if len(s3.cleared) != 1 || s3.cleared[0] != stateFileName("v3") {
-		t.Fatalf("cleared %q", s3.cleared)
+	must(t, "damage again", os.WriteFile(p, nil, 0o600))
+	s4, err := openStore(dir)
+	must(t, "open", err)
+	must(t, "move aside", os.Rename(p, p+".damaged"))
+	if _, ok, err := s4.lookup("v3"); err != nil || ok {
+		t.Fatalf("lookup of a record moved aside: %t, %v", ok, err)
 	}
-	if s3.count() != 2 {
-		t.Fatalf("%d records, want 2", s3.count())
-	}
-	must(t, "write zeros", os.WriteFile(empty, make([]byte, 300), 0o600))
-	if _, err := openStore(dir); err != nil {
-		t.Fatalf("open with a record of zeros: %v", err)
-	}
-	if _, err := os.Stat(empty); !os.IsNotExist(err) {
-		t.Fatalf("record of zeros not removed: %v", err)
-	}
-	must(t, "write torn", os.WriteFile(empty, []byte("{"), 0o600))
-	if _, err := openStore(dir); err == nil {
-		t.Fatal("a record that does not parse was loaded or dropped")
+	if len(s4.damagedFiles()) != 0 {
+		t.Fatalf("damaged after the file was moved aside: %v", s4.damagedFiles())
 	}
 }
 
-// A new volume's first record is fsynced before the attach unless its
-// target says a reboot undoes the attach; the records after it always
-// are.
+// A stage that formats writes four records, each with two fsyncs: the
+// intent before the attach, the formatting mark, the filesystem's mark
+// and the finished stage.
 func TestStageIntentSync(t *testing.T) {
-	for _, tc := range []struct {
-		rebootClears bool
-		want         int64
-	}{
-		{false, 6}, // intent, formatting mark, staged: file and directory each
-		{true, 4},
-	} {
-		a, _, ft := newFakeAgent(t)
-		ft.rebootClears = tc.rebootClears
-		ns := &nodeServer{a: a}
-		staging := filepath.Join(t.TempDir(), "v1")
-		must(t, "mkdir", os.Mkdir(staging, 0o750))
-		syncs := countSyncs(t)
-		if _, err := ns.NodeStageVolume(context.Background(), &csi.NodeStageVolumeRequest{
-			VolumeId: "v1", StagingTargetPath: staging,
-			VolumeContext:    map[string]string{"transport": "fake", "fake": "7"},
-			VolumeCapability: mountCap("ext4", snw),
-		}); err != nil {
-			t.Fatal(err)
-		}
-		if n := syncs.Load(); n != tc.want {
-			t.Errorf("reboot clears attach %t: %d fsyncs in a stage that formats, want %d", tc.rebootClears, n, tc.want)
-		}
-		s, err := openStore(a.state.dir)
-		must(t, "reopen", err)
-		if r, ok := s.get("v1"); !ok || !r.Staged || r.Formatting != nil {
-			t.Errorf("reboot clears attach %t: record on reopen %+v %t", tc.rebootClears, r, ok)
-		}
+	a, _, _ := newFakeAgent(t)
+	ns := &nodeServer{a: a}
+	staging := filepath.Join(t.TempDir(), "v1")
+	must(t, "mkdir", os.Mkdir(staging, 0o750))
+	syncs := countSyncs(t)
+	if _, err := ns.NodeStageVolume(context.Background(), &csi.NodeStageVolumeRequest{
+		VolumeId: "v1", StagingTargetPath: staging,
+		VolumeContext:    map[string]string{"transport": "fake", "fake": "7"},
+		VolumeCapability: mountCap("ext4", snw),
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if n := syncs.Load(); n != 8 {
+		t.Errorf("%d fsyncs in a stage that formats, want 8", n)
+	}
+	s, err := openStore(a.state.dir)
+	must(t, "reopen", err)
+	if r, ok := s.get("v1"); !ok || !r.Staged || r.Formatting != nil {
+		t.Errorf("record on reopen %+v %t", r, ok)
 	}
 }
 

@@ -93,19 +93,6 @@ type Target interface {
 	Health(ctx context.Context) (abnormal bool, message string)
 }
 
-// RebootClearsAttach is implemented by a Target whose Attach leaves
-// nothing on the node that outlives a reboot: no file written, no
-// configuration saved (a loop device, an NVMe/TCP controller). The record
-// NodeStageVolume writes before the first attach of such a target must be
-// seen by a restarted agent, but need not survive power loss, which takes
-// the attach with it: it is written without waiting for the disk. A
-// Target without the method, or whose method returns false (iSCSI: its
-// node record holds the CHAP secrets and stays in open-iscsi's
-// directory), has that record on disk before it attaches.
-type RebootClearsAttach interface {
-	RebootClearsAttach() bool
-}
-
 // LoopDetacher is implemented by a Target attached as a loop device over
 // a file named by a path (the file transport), where the name may lead
 // elsewhere by the time the volume is unstaged: the image renamed, or

@@ -21,7 +21,10 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 	defer func() { unlock() }() // a step left blocked in the kernel takes it over
 	took := newStepTimer()
 
-	rec, ok := n.a.state.get(id)
+	rec, ok, err := n.a.state.lookup(id)
+	if err != nil {
+		return nil, err
+	}
 	_, published := rec.publishes()[target]
 	tp, err := holdTarget(target, &unlock)
 	if err != nil {
@@ -34,7 +37,7 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		return &csi.NodeUnpublishVolumeResponse{}, nil
 	}
 	if tp != nil {
-		if err := n.unmountTarget(ctx, id, target, tp, &unlock, took); err != nil {
+		if err := n.unmountTarget(ctx, id, target, rec.Publishes[target].TargetMade, tp, &unlock, took); err != nil {
 			return nil, err
 		}
 	}
@@ -89,10 +92,10 @@ func (n *nodeServer) unpublishedAlready(rec *volumeRecord, id, target string, tp
 }
 
 // unmountTarget unmounts what is mounted at a recorded target and
-// removes the target. What is mounted there is berth's bind, even a
-// wrong one (made while the staging mount was lost), and is unmounted;
-// never a mount of another volume berth knows.
-func (n *nodeServer) unmountTarget(ctx context.Context, id, target string, tp *heldPath, unlock *func(), took *stepTimer) error {
+// removes the target if berth made it (made). What is mounted there is
+// berth's bind, even a wrong one (made while the staging mount was
+// lost), and is unmounted; never a mount of another volume berth knows.
+func (n *nodeServer) unmountTarget(ctx context.Context, id, target string, made bool, tp *heldPath, unlock *func(), took *stepTimer) error {
 	err := n.blocking(ctx, "unmount "+target, unlock, func() error {
 		return n.a.host.Unmount(tp.dir, tp.name, func(m mountEntry) error {
 			if owner, ok := n.a.mountOwner(m, id); ok {
@@ -105,7 +108,10 @@ func (n *nodeServer) unmountTarget(ctx context.Context, id, target string, tp *h
 		return err
 	}
 	took.mark("unmount")
-	if err := removeTarget(tp); err != nil {
+	if !made {
+		return nil
+	}
+	if err := removeTarget(ctx, logFrom(ctx, n.a.log), tp); err != nil {
 		return err
 	}
 	took.mark("remove")

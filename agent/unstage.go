@@ -24,7 +24,10 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	log := logFrom(ctx, n.a.log)
 	took := newStepTimer()
 
-	rec, ok := n.a.state.get(id)
+	rec, ok, err := n.a.state.lookup(id)
+	if err != nil {
+		return nil, err
+	}
 	if !ok {
 		// Not staged (or already unstaged): the CSI answer is OK.
 		return &csi.NodeUnstageVolumeResponse{}, nil
@@ -51,6 +54,14 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 		return nil, err
 	}
 	took.mark("detach")
+	// A format that did not finish (see volumeRecord.Formatting) was
+	// never given to a pod: the mark it may have written names a
+	// filesystem that a retry may have made again since.
+	if rec.Formatting != nil {
+		if err := n.a.marks.remove(id); err != nil {
+			return nil, err
+		}
+	}
 	if err := n.a.state.remove(id); err != nil {
 		return nil, err
 	}
@@ -174,7 +185,10 @@ func (n *nodeServer) dropStalePublish(ctx context.Context, rec *volumeRecord, ta
 		case !errors.Is(err, errdefs.ErrNotFound):
 			return fmt.Errorf("check publish target %q: %w", target, err)
 		}
-		if err := removeTarget(tp); err != nil {
+		if !rec.Publishes[target].TargetMade {
+			break // the CO's target: left
+		}
+		if err := removeTarget(ctx, logFrom(ctx, n.a.log), tp); err != nil {
 			// A stale record must not block the unstage the CO asks
 			// for; the path is left for the operator.
 			logFrom(ctx, n.a.log).WarnContext(ctx, "stale publish target not removed", slog.String("target_path", target), slog.String("error", err.Error()))

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"slices"
+	"strings"
 	"unicode/utf8"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -16,6 +17,8 @@ const (
 	maxIDLen = 128
 	// maxPathLen is PATH_MAX including the terminating NUL.
 	maxPathLen = 4095
+	// maxNameLen is NAME_MAX, the longest name of one path element.
+	maxNameLen = 255
 	// maxContextLen bounds one volume_context or publish_context value.
 	maxContextLen = 4096
 	// defaultFsType is used when a mount capability leaves fs_type empty.
@@ -122,6 +125,11 @@ func validatePath(field, p string) error {
 		return invalid("%s %q: not a clean path (want %q)", field, p, filepath.Clean(p))
 	case p == "/":
 		return invalid("%s: the root directory cannot be used", field)
+	}
+	for _, elem := range strings.Split(p, "/") {
+		if len(elem) > maxNameLen {
+			return invalid("%s %q: a name of %d bytes, longer than NAME_MAX (%d)", field, p, len(elem), maxNameLen)
+		}
 	}
 	return nil
 }

@@ -29,6 +29,8 @@ func TestValidatePath(t *testing.T) {
 		{"/a\x1b[31mb", false},
 		{"/a\xffb", false},
 		{"/" + strings.Repeat("a", 5000), false},
+		{"/a/" + strings.Repeat("n", 255), true},
+		{"/a/" + strings.Repeat("n", 256) + "/b", false},
 	} {
 		err := validatePath("target_path", tc.p)
 		if (err == nil) != tc.ok {

@@ -36,6 +36,12 @@ const Name = "file"
 // KeyFile is the volume_context key that names the image file.
 const KeyFile = "file"
 
+// Linux's limits on a file name and on a path (with its NUL).
+const (
+	nameMax = 255
+	pathMax = 4096
+)
+
 // TransportKeys returns the volume_context keys that select the file
 // transport when volume_context has no "transport".
 func TransportKeys() []string { return []string{KeyFile} }
@@ -91,8 +97,11 @@ func (t *Transport) resolve(v string) (string, error) {
 		return "", invalid("volume_context[%q]: contains control characters", KeyFile)
 	}
 	for _, elem := range strings.Split(v, "/") {
-		if elem == ".." {
+		switch {
+		case elem == "..":
 			return "", invalid("volume_context[%q] %q: contains \"..\"", KeyFile, v)
+		case len(elem) > nameMax:
+			return "", invalid("volume_context[%q] %q: a name of %d bytes, longer than NAME_MAX (%d)", KeyFile, v, len(elem), nameMax)
 		}
 	}
 	p := v
@@ -102,6 +111,9 @@ func (t *Transport) resolve(v string) (string, error) {
 	p = filepath.Clean(p)
 	if !strings.HasPrefix(p, t.root+"/") {
 		return "", invalid("volume_context[%q] %q: not below the file root %s", KeyFile, v, t.root)
+	}
+	if len(p) >= pathMax {
+		return "", invalid("volume_context[%q] %q: the image's path is %d bytes, longer than PATH_MAX", KeyFile, v, len(p))
 	}
 	return p, nil
 }
@@ -165,10 +177,6 @@ func (f *Target) PathStates(context.Context) (map[string]int, error) { return ni
 // Preflight checks that the image is there and reached without
 // symbolic links.
 func (f *Target) Preflight(context.Context) error { return f.check() }
-
-// RebootClearsAttach reports true: a loop device goes with a reboot and
-// its attach writes nothing to disk.
-func (f *Target) RebootClearsAttach() bool { return true }
 
 // Attach attaches the image to a loop device, or returns the loop device
 // that already backs it. The image is opened once, following no symbolic

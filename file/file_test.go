@@ -64,6 +64,10 @@ func TestParse(t *testing.T) {
 		{root + "x/a.img", ""},
 		{"", ""},
 		{"a\nb", ""},
+		{strings.Repeat("n", 255), root + "/" + strings.Repeat("n", 255)},
+		{strings.Repeat("n", 256), ""},
+		{"dir/" + strings.Repeat("n", 256) + "/a.img", ""},
+		{strings.Repeat("d/", 2100) + "a.img", ""},
 	} {
 		tg, err := ft.Parse(map[string]string{KeyFile: tc.file}, nil)
 		if tc.want == "" {
@@ -148,15 +152,6 @@ func FuzzParse(f *testing.F) {
 			t.Fatalf("Parse(%q) names %q, outside the root %s", v, key, ft.root)
 		}
 	})
-}
-
-// A loop device goes with a reboot: the agent need not sync a file
-// volume's first record (agent.RebootClearsAttach).
-func TestTargetRebootClearsAttach(t *testing.T) {
-	rc, ok := any(&Target{}).(interface{ RebootClearsAttach() bool })
-	if !ok || !rc.RebootClearsAttach() {
-		t.Fatal("the file Target does not say that a reboot clears its attach")
-	}
 }
 
 // Attach opens the image without following a symbolic link anywhere on

@@ -303,7 +303,8 @@ func (h *Handle) CreateAt(name string, mode uint32) error {
 // RemoveAt removes name in h: an empty directory or any other file. A
 // symbolic link is removed, never followed. A directory that is not empty
 // and a mount point are left, with an error wrapping
-// errdefs.ErrFailedPrecondition.
+// errdefs.ErrFailedPrecondition; a name on a read-only filesystem with
+// one wrapping ErrReadOnly.
 func (h *Handle) RemoveAt(name string) error {
 	if err := checkName(name); err != nil {
 		return err
@@ -314,12 +315,24 @@ func (h *Handle) RemoveAt(name string) error {
 	}
 	if err != nil {
 		perr := &os.PathError{Op: "remove", Path: h.child(name), Err: err}
-		if errors.Is(err, unix.ENOTEMPTY) || errors.Is(err, unix.EBUSY) {
+		switch {
+		case errors.Is(err, unix.ENOTEMPTY) || errors.Is(err, unix.EBUSY):
 			return fmt.Errorf("%w: %w", perr, errdefs.ErrFailedPrecondition)
+		case errors.Is(err, unix.EROFS):
+			return fmt.Errorf("%w: %w", perr, ErrReadOnly)
 		}
 		return perr
 	}
 	return nil
+}
+
+// Size is the size in bytes of the file h is open at.
+func (h *Handle) Size() (int64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(h.fd, &st); err != nil {
+		return 0, &os.PathError{Op: "stat", Path: h.path, Err: err}
+	}
+	return st.Size, nil
 }
 
 // Empty reports whether the directory h holds no entries.

@@ -29,6 +29,10 @@ func checkFsType(fsType string) error {
 		fsType, strings.Join(SupportedFsTypes(), ", "), errdefs.ErrInvalidArgument)
 }
 
+// ErrReadOnly marks a change refused because the filesystem that holds
+// the path is read-only (EROFS).
+var ErrReadOnly = errors.New("read-only filesystem")
+
 // Signature is what Probe found on a device. Type is "" when the device is
 // blank.
 type Signature struct {

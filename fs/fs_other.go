@@ -130,6 +130,9 @@ func (h *Handle) CreateAt(name string, mode uint32) error { return unsupported("
 // RemoveAt is only supported on Linux.
 func (h *Handle) RemoveAt(name string) error { return unsupported("remove " + name) }
 
+// Size is only supported on Linux.
+func (h *Handle) Size() (int64, error) { return 0, unsupported("stat " + h.path) }
+
 // Empty is only supported on Linux.
 func (h *Handle) Empty() (bool, error) { return false, unsupported("read " + h.path) }
 
@@ -146,4 +149,9 @@ func BindMountAt(source, target *Handle, readOnly bool, flags uintptr) error {
 // UnmountAt is only supported on Linux.
 func UnmountAt(dir *Handle, name string, check func(PathStat) error) error {
 	return unsupported("unmount " + name)
+}
+
+// FilesystemUUID is not supported on this OS.
+func FilesystemUUID(devPath, fsType string) (string, error) {
+	return "", unsupported("read filesystem UUID of " + devPath)
 }

@@ -278,12 +278,3 @@ func TestCreateNodeRecord(t *testing.T) {
 		}
 	}
 }
-
-// An attach writes a node record, CHAP secrets included, which outlives
-// a reboot: the agent syncs a volume's first record before it only if
-// Target does not say that a reboot clears its attach.
-func TestTargetAttachOutlivesReboot(t *testing.T) {
-	if rc, ok := any(&Target{}).(interface{ RebootClearsAttach() bool }); ok && rc.RebootClearsAttach() {
-		t.Fatal("the iSCSI Target says a reboot clears its attach; its node record stays in open-iscsi's directory")
-	}
-}

@@ -27,11 +27,6 @@ func (tg *Target) Preflight(context.Context) error {
 	return nil
 }
 
-// RebootClearsAttach reports true: a connect writes nothing to disk (the
-// host identity is the node's, kept in /etc/nvme whatever the volumes),
-// and a reboot leaves no controller.
-func (g *Target) RebootClearsAttach() bool { return true }
-
 // Attach connects every path of the volume that has no live (or
 // reconnecting) controller yet, reusing existing ones, then waits for
 // the namespace device and returns it. It succeeds when at least one

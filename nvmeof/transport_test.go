@@ -283,16 +283,6 @@ func TestAddressesReadOnlyOfTheVolumesSubsystem(t *testing.T) {
 	}
 }
 
-// A controller goes with a reboot and a connect writes nothing to disk:
-// the agent need not sync an NVMe/TCP volume's first record
-// (agent.RebootClearsAttach).
-func TestTargetRebootClearsAttach(t *testing.T) {
-	rc, ok := any(&Target{}).(interface{ RebootClearsAttach() bool })
-	if !ok || !rc.RebootClearsAttach() {
-		t.Fatal("the NVMe/TCP Target does not say that a reboot clears its attach")
-	}
-}
-
 // A namespace whose flush does not return (its I/O queued while the
 // controllers reconnect) holds Detach only until the request's deadline:
 // the subsystem's lock goes with it, nothing is deleted, a retry waits
