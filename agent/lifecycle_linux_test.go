@@ -410,6 +410,11 @@ func TestForeignDataIsRefused(t *testing.T) {
 
 	err = h.stage(v)
 	wantCode(t, "stage over foreign data", err, codes.FailedPrecondition)
+	// The refusal names what the operator can check: the volume and its
+	// image, not the loop device the failed stage detached.
+	if msg := err.Error(); !strings.Contains(msg, `volume "`+v.id+`" (file `+img+`)`) {
+		t.Errorf("refusal %q does not name the volume and its image", msg)
+	}
 	after, err := os.ReadFile(img)
 	must(t, "read image", err)
 	if !bytes.Equal(before, after) {

@@ -506,9 +506,15 @@ func (n *nodeServer) prepareFilesystem(ctx context.Context, s *stageRun) error {
 		formatted = true
 	} else {
 		if formatted, err = n.ensureFilesystem(ctx, rec, vdev, vcap.FsType, s.mkfs, mark, s.took); err != nil {
-			if errors.Is(err, berthfs.ErrLUKSDevice) && s.enc == nil {
+			switch {
+			case errors.Is(err, berthfs.ErrLUKSDevice) && s.enc == nil:
 				err = fmt.Errorf("volume %q: %w; it is staged only as an encrypted volume: volume_context %s=\"true\" and its passphrase in node_stage_secrets %q",
 					s.id, err, ContextEncrypted, SecretEncryptionPassphrase)
+			case errors.Is(err, errdefs.ErrFailedPrecondition):
+				// The device's name (/dev/loopN, /dev/sdX) is gone once
+				// the failed stage detached it: name what the operator
+				// can look at, and wipe if it must.
+				err = fmt.Errorf("volume %q (%s %s): %w", s.id, s.tr.Name(), s.target.Key(), err)
 			}
 			return err
 		}

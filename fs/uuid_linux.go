@@ -2,6 +2,7 @@ package fs
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 
@@ -23,7 +24,7 @@ func FilesystemUUID(devPath, fsType string) (string, error) {
 		return "", fmt.Errorf("read filesystem UUID of %s: %w", devPath, err)
 	}
 	defer unix.Munmap(buf)
-	n, err := readAtFull(f, buf, 0)
+	n, err := readAtFull(context.Background(), f, buf, 0)
 	if err != nil {
 		return "", fmt.Errorf("read filesystem UUID of %s: %w", devPath, err)
 	}
