@@ -6,6 +6,7 @@ set -euo pipefail
 pkgs=()
 need() { for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || pkgs+=("$p"); done; }
 
+need git make curl unzip ca-certificates # the quick start: clone, make, fetch Go
 need e2fsprogs xfsprogs util-linux mount
 need fdisk # sfdisk: fs host tests write partition tables
 need qemu-system-x86 qemu-utils busybox-static cpio mmdebstrap kmod zstd
@@ -37,5 +38,30 @@ if [ ${#pkgs[@]} -gt 0 ]; then
 	status=0
 	apt-get install -y -qq --no-install-recommends "${pkgs[@]}" || status=$?
 	[ -z "$nostart" ] || rm -f /usr/sbin/policy-rc.d
-	exit $status
+	[ "$status" = 0 ] || exit $status
 fi
+
+# The Go toolchain go.mod asks for, in /usr/local/go: Debian's golang
+# package is older. It comes from the Go module proxy (the module
+# golang.org/toolchain, which Go's own GOTOOLCHAIN=auto fetches), over HTTPS.
+want=$(sed -n 's/^go \([0-9.]*\)$/\1/p' "$(dirname "$0")/../go.mod")
+have=$(/usr/local/go/bin/go env GOVERSION 2>/dev/null | sed 's/^go//') || have=
+if [ "$(printf '%s\n%s\n' "$want" "${have:-0}" | sort -V | head -1)" != "$want" ]; then
+	arch=$(dpkg --print-architecture)
+	proxy=${GOPROXY:-https://proxy.golang.org}
+	proxy=${proxy%%,*}
+	zip=$(mktemp --suffix=.zip)
+	trap 'rm -f "$zip"' EXIT
+	echo "install-deps: Go $want into /usr/local/go (found: ${have:-none}), from $proxy"
+	curl -fsSL -o "$zip" "$proxy/golang.org/toolchain/@v/v0.0.1-go$want.linux-$arch.zip"
+	tmp=$(mktemp -d)
+	unzip -q "$zip" -d "$tmp"
+	rm -rf /usr/local/go
+	mv "$tmp/golang.org/toolchain@v0.0.1-go$want.linux-$arch" /usr/local/go
+	rm -rf "$tmp"
+	/usr/local/go/bin/go version
+fi
+case ":$PATH:" in
+*:/usr/local/go/bin:*) ;;
+*) echo "install-deps: add Go to your PATH: export PATH=/usr/local/go/bin:\$PATH" ;;
+esac
