@@ -36,11 +36,6 @@ func (l *Listener) Close() error {
 // Verify is only supported on Linux.
 func (d *Device) Verify() error { return errUnsupported }
 
-// AttachLoop is only supported on Linux.
-func AttachLoop(context.Context, *Listener, string, bool) (*Device, error) {
-	return nil, errUnsupported
-}
-
 // AttachLoopFile is only supported on Linux.
 func AttachLoopFile(context.Context, *Listener, *os.File, string, bool) (*Device, error) {
 	return nil, errUnsupported

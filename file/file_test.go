@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -230,11 +231,14 @@ func TestExpandFollowsNoSymlink(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = devices.DetachLoop(ours) })
-	theirs, err := devices.AttachLoop(ctx, l, outside, false)
+	// Someone else's loop device of the other file.
+	out, err := exec.Command("losetup", "--find", "--show", "--", outside).Output()
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = devices.DetachLoop(theirs) })
+	theirs := &devices.Device{Path: strings.TrimSpace(string(out))}
+	theirs.Name = filepath.Base(theirs.Path)
+	t.Cleanup(func() { _ = exec.Command("losetup", "--detach", theirs.Path).Run() })
 	if err := os.Truncate(outside, 2<<20); err != nil {
 		t.Fatal(err)
 	}
