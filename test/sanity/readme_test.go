@@ -92,22 +92,29 @@ func readmeSections(text string) (run []readmeSection, skipped []string, err err
 }
 
 // readmePrelude runs before a section's commands, inside a mount namespace
-// of their own: /srv, /mnt, /run, /var/lib and /tmp are empty tmpfs there,
-// so the commands use the paths as written (mktemp -d included) without
-// touching the host's. On exit it stops what the commands left running,
-// unmounts what they left mounted and detaches loop devices over their
-// image files, so that a failed step leaves nothing behind.
+// of their own: /srv, /mnt, /run and /var/lib are empty tmpfs there, and
+// TMPDIR an empty directory of the test's (a tmpfs of its own too), so
+// the commands use the paths as written (mktemp -d included) without
+// touching the host's. /tmp itself is left alone: the checkout, berth's
+// binary or Go's caches may be below it. A checkout below one of the
+// other four would be hidden, and is refused. On exit it stops what the
+// commands left running, unmounts what they left mounted and detaches
+// loop devices over their image files, so that a failed step leaves
+// nothing behind.
 const readmePrelude = `set -euo pipefail
-for d in /srv /mnt /run /var/lib /tmp; do mount -t tmpfs readme-test "$d"; done
+for d in /srv /mnt /run /var/lib; do
+	case "$PWD/" in "$d"/*) echo "README test: the checkout $PWD is below $d, which the test hides: clone it elsewhere" >&2; exit 1 ;; esac
+done
+for d in /srv /mnt /run /var/lib "$TMPDIR"; do mount -t tmpfs readme-test "$d"; done
 cleanup() {
 	rc=$?
 	set +e
 	jobs -p | xargs -r kill 2>/dev/null
 	wait
-	for d in /mnt /srv /tmp; do
+	for d in /mnt /srv "$TMPDIR"; do
 		findmnt -rn -R -o TARGET --mountpoint "$d" | tail -n +2 | sort -r | xargs -r -n1 umount
 	done
-	find /srv /tmp -type f | while read -r f; do
+	find /srv "$TMPDIR" -type f | while read -r f; do
 		losetup -j "$f" -n -O NAME | xargs -r -n1 losetup -d
 	done
 	exit $rc
@@ -199,7 +206,14 @@ func runReadmeSection(t *testing.T, repo string, sec readmeSection) {
 	defer cancel()
 	cmd := exec.CommandContext(ctx, "unshare", "--mount", "--propagation", "private", "--", "bash", "-c", script)
 	cmd.Dir = repo
-	env := os.Environ()
+	// A short name: the commands put unix sockets below it (108 bytes
+	// at most), which t.TempDir's long names would not fit.
+	tmp, err := os.MkdirTemp("", "readme")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(tmp) })
+	env := append(os.Environ(), "TMPDIR="+tmp)
 	if _, err := exec.LookPath("go"); err != nil {
 		// The README builds csc with go: the toolchain running this test.
 		env = append(env, "PATH="+filepath.Join(runtime.GOROOT(), "bin")+string(os.PathListSeparator)+os.Getenv("PATH"))
