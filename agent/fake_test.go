@@ -216,6 +216,18 @@ func (f *fakeFS) OpenDeviceNode(path string, _, _ uint32) (*fs.Handle, error) {
 	return fs.OpenPath(p)
 }
 
+func (f *fakeFS) MountPoints(major, minor uint32) ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out []string
+	for p, m := range f.mounts {
+		if uint32(m.Major) == major && uint32(m.Minor) == minor {
+			out = append(out, p)
+		}
+	}
+	return out, nil
+}
+
 func (f *fakeFS) MountInfo(h *fs.Handle) (mountEntry, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -285,6 +297,9 @@ type fakeTransport struct {
 	// host's events.
 	unreachable map[string]bool
 	stopped     map[string]int
+	// pathsDown keys report their paths down in PathStates (an outage);
+	// without it a target counts no paths.
+	pathsDown map[string]bool
 	host        *fakeFS
 	// replaced maps a key to the WWID of the storage now behind it (a
 	// LUN replaced on the target): Attach returns a device with it, and
@@ -306,7 +321,7 @@ var _ Transport = (*fakeTransport)(nil)
 
 func newFakeTransport() *fakeTransport {
 	return &fakeTransport{gates: make(map[string]chan struct{}), entered: make(chan string, 100), attached: make(map[string]int), detached: make(map[string]int),
-		unreachable: make(map[string]bool), stopped: make(map[string]int), replaced: make(map[string]string)}
+		unreachable: make(map[string]bool), stopped: make(map[string]int), pathsDown: make(map[string]bool), replaced: make(map[string]string)}
 }
 
 func (ft *fakeTransport) Name() string { return "fake" }
@@ -370,7 +385,16 @@ func (t *fakeTarget) Attach(ctx context.Context) (*devices.Device, error) {
 
 func (t *fakeTarget) Preflight(context.Context) error { return nil }
 func (t *fakeTarget) PathStates(context.Context) (map[string]int, error) {
-	return nil, nil
+	t.ft.mu.Lock()
+	defer t.ft.mu.Unlock()
+	down, counted := t.ft.pathsDown[t.key]
+	switch {
+	case !counted:
+		return nil, nil
+	case down:
+		return map[string]int{"connecting": 2}, nil
+	}
+	return map[string]int{"live": 2}, nil
 }
 func (t *fakeTarget) StopQueueing(context.Context) (bool, error) {
 	t.ft.mu.Lock()

@@ -67,6 +67,9 @@ type hostFS interface {
 	// MountInfo describes the mount whose root h is;
 	// errdefs.ErrNotFound if h is not the root of a mount.
 	MountInfo(h *fs.Handle) (mountEntry, error)
+	// MountPoints lists where the filesystem of device major:minor is
+	// mounted in this mount namespace (the mount table, filtered).
+	MountPoints(major, minor uint32) ([]string, error)
 	Resize(ctx context.Context, devPath, mountPath, fsType string) error
 	Stats(path string) (fsStats, error)
 	BlockDeviceSize(devPath string) (int64, error)

@@ -71,6 +71,10 @@ func (realFS) OpenDeviceNode(path string, major, minor uint32) (*fs.Handle, erro
 	return h, nil
 }
 
+func (realFS) MountPoints(major, minor uint32) ([]string, error) {
+	return fs.MountPointsOf(major, minor)
+}
+
 func (realFS) MountInfo(h *fs.Handle) (mountEntry, error) {
 	st, err := h.Stat()
 	if err != nil {

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
@@ -111,9 +113,22 @@ func (n *nodeServer) unstageTarget(rec *volumeRecord) (Transport, Target, error)
 
 // stopQueueing makes a device none of whose paths works fail I/O, rather
 // than queue it until one comes back, so that the unmount's writeback and
-// the flush at unstage end. What they could not write is lost either
-// way. It reports whether the storage is unreachable.
+// the flush at unstage end. It reports whether the storage is unreachable.
+//
+// What the device could not write is lost once it fails I/O, so that is
+// the last resort. A target whose paths are all down at the first look
+// (a switch failing over, a target restarting) is given pathGrace to get
+// one back first, with the device still queueing. And a filesystem that
+// is mounted anywhere but the staging path (a bind of it that leaked into
+// another mount) has a live user: the unstage answers ABORTED naming the
+// mounts, and the device keeps queueing.
 func (n *nodeServer) stopQueueing(ctx context.Context, rec *volumeRecord, target Target, unlock *func()) (bool, error) {
+	if n.awaitPath(ctx, target) {
+		return false, nil
+	}
+	if err := n.checkNoOtherMounts(rec); err != nil {
+		return false, err
+	}
 	var unreachable bool
 	err := n.blocking(ctx, "stop queueing I/O of the volume's device", unlock, func() error {
 		u, err := target.StopQueueing(ctx)
@@ -225,4 +240,94 @@ func (n *nodeServer) unmountStaging(rec *volumeRecord) error {
 		}
 		return nil
 	})
+}
+
+// pathGrace bounds how long an unstage waits for a path to come back
+// before it makes a device without one fail I/O; at most half the
+// request's remaining time is spent so, so that the unmount and detach
+// that follow still fit in it.
+var pathGrace = 30 * time.Second
+
+// pathPoll is how often awaitPath looks at the paths again.
+var pathPoll = 250 * time.Millisecond
+
+// awaitPath reports whether the target has a working path, waiting up to
+// pathGrace (or half of ctx's remaining time) for one when none works now.
+// A target that does not count its paths (an image file), or whose count
+// fails, is not waited for: StopQueueing decides for it as before.
+func (n *nodeServer) awaitPath(ctx context.Context, target Target) bool {
+	// counted is false where waiting cannot help: no count, or no path
+	// that can come back by itself (every controller or session gone,
+	// as after an earlier attempt made the device fail I/O).
+	live := func() (ok, counted bool) {
+		states, err := target.PathStates(ctx)
+		if err != nil {
+			return false, false
+		}
+		waiting := 0
+		for st, n := range states {
+			switch st {
+			case "live":
+				return true, true
+			case "missing", "no-lun", "no-namespace":
+			default:
+				waiting += n
+			}
+		}
+		return false, waiting > 0
+	}
+	ok, counted := live()
+	if ok || !counted {
+		return ok
+	}
+	grace := pathGrace
+	if dl, has := ctx.Deadline(); has {
+		grace = min(grace, time.Until(dl)/2)
+	}
+	log := logFrom(ctx, n.a.log)
+	log.WarnContext(ctx, "no path to the storage works: waiting for one to come back before the device is made to fail I/O", slog.Duration("up_to", grace))
+	t := time.NewTimer(grace)
+	defer t.Stop()
+	tick := time.NewTicker(pathPoll)
+	defer tick.Stop()
+	start := time.Now()
+	for {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-t.C:
+			return false
+		case <-tick.C:
+			if ok, _ := live(); ok {
+				log.InfoContext(ctx, "a path to the storage works again: unstaging with the device queueing as before", slog.Duration("after", time.Since(start).Round(time.Millisecond)))
+				return true
+			}
+		}
+	}
+}
+
+// checkNoOtherMounts refuses (errdefs.ErrBusy) while the volume's
+// filesystem is mounted somewhere other than its staging path in this
+// mount namespace: a bind of the staging path that leaked into another
+// mount, whose user would lose the disk if its device failed I/O.
+func (n *nodeServer) checkNoOtherMounts(rec *volumeRecord) error {
+	d := rec.volumeDevice()
+	if rec.AccessType == "block" || d == nil {
+		return nil
+	}
+	points, err := n.a.host.MountPoints(d.Major, d.Minor)
+	if err != nil {
+		return fmt.Errorf("volume %q: list the mounts of its device: %w", rec.VolumeID, err)
+	}
+	var others []string
+	for _, p := range points {
+		if p != rec.StagingPath {
+			others = append(others, p)
+		}
+	}
+	if len(others) > 0 {
+		return fmt.Errorf("volume %q: no path to its storage works, and its filesystem is still mounted at %s besides the staging path: unmount those first; berth does not make the device fail I/O under a live user: %w",
+			rec.VolumeID, strings.Join(others, ", "), errdefs.ErrBusy)
+	}
+	return nil
 }

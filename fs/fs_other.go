@@ -155,3 +155,8 @@ func UnmountAt(dir *Handle, name string, check func(PathStat) error) error {
 func FilesystemUUID(devPath, fsType string) (string, error) {
 	return "", unsupported("read filesystem UUID of " + devPath)
 }
+
+// MountPointsOf is only supported on Linux.
+func MountPointsOf(major, minor uint32) ([]string, error) {
+	return nil, unsupported("mount table")
+}

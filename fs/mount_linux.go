@@ -260,3 +260,19 @@ func getMounts(f mountinfo.FilterFunc) ([]*mountinfo.Info, error) {
 	mountTableReads.Add(1)
 	return mountinfo.GetMounts(f)
 }
+
+// MountPointsOf lists the mount points of the filesystem on device
+// major:minor in this mount namespace, from its mount table.
+func MountPointsOf(major, minor uint32) ([]string, error) {
+	mounts, err := mountinfo.GetMounts(func(i *mountinfo.Info) (skip, stop bool) {
+		return uint32(i.Major) != major || uint32(i.Minor) != minor, false
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read the mount table: %w", err)
+	}
+	points := make([]string, len(mounts))
+	for i, m := range mounts {
+		points[i] = m.Mountpoint
+	}
+	return points, nil
+}
