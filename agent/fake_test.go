@@ -300,7 +300,7 @@ type fakeTransport struct {
 	// pathsDown keys report their paths down in PathStates (an outage);
 	// without it a target counts no paths.
 	pathsDown map[string]bool
-	host        *fakeFS
+	host      *fakeFS
 	// replaced maps a key to the WWID of the storage now behind it (a
 	// LUN replaced on the target): Attach returns a device with it, and
 	// so does the agent's lookup once the kernel has read it again.
