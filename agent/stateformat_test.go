@@ -21,6 +21,7 @@ const v010Record = `{
     "file": "vol.img"
   },
   "targetKey": "file:vol.img",
+  "targetID": "file:2049:131",
   "accessType": "mount",
   "fsType": "ext4",
   "mode": "SINGLE_NODE_WRITER",
