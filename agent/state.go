@@ -23,11 +23,11 @@ import (
 // record and filesystem mark. It reads every format berth has written
 // (see upgradeRecord) and refuses a newer one (see newerFormatError):
 //
-//  1. v0.1.0. A record whose version is absent is read as format 1.
-//  2. The publish's targetMade, the loop device's backingDev and
-//     backingIno, crypt, and the filesystem marks. A v0.1.0 reads a
-//     format 2 record without noticing what it does not know (see the
-//     README's rollback rule).
+//  1. v0.1.0's records. A record or mark without a version is format 1
+//     (the marks were written so before there were formats).
+//  2. Adds the publish's targetMade, the loop device's backingDev and
+//     backingIno, crypt, and the marks' version. What v0.1.0 makes of
+//     it: the README's rollback rule.
 const stateVersion = 2
 
 // newerFormatError is a record or mark that a newer berth wrote, in a
@@ -296,9 +296,9 @@ func stateFileName(volumeID string) string {
 // openStore creates dir if needed and loads every record in it. A record
 // that cannot be read (empty, zeros, not JSON: a disk or filesystem that
 // lost what was written; or in a newer format) is kept as it is and
-// listed in damaged: it is
-// the only link between its volume and the mounts and device berth made
-// for it, and the volume's ID is not known without it, so nothing says
+// listed in damaged: it is the only link between its volume and the
+// mounts and device berth made for it, and the volume's ID is not known
+// without it, so nothing says
 // that the volume is gone from the node. The volume's RPCs are refused
 // until the operator restores the file or moves it aside (see lookup).
 // A record under another volume's file name stops the store.
