@@ -298,9 +298,9 @@ func stateFileName(volumeID string) string {
 // lost what was written; or in a newer format) is kept as it is and
 // listed in damaged: it is the only link between its volume and the
 // mounts and device berth made for it, and the volume's ID is not known
-// without it, so nothing says
-// that the volume is gone from the node. The volume's RPCs are refused
-// until the operator restores the file or moves it aside (see lookup).
+// without it, so nothing says that the volume is gone from the node.
+// The volume's RPCs are refused until the operator restores the file or
+// moves it aside, or a berth that reads its format runs (see lookup).
 // A record under another volume's file name stops the store.
 func openStore(dir string) (*store, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
