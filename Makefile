@@ -67,8 +67,10 @@ test: deps e2e-prebuild lint unit-test sanity-test manifest-test vm-test reliabi
 test: export BERTH_ENCRYPTED_CRASH_LIFECYCLES ?= ext4-luks
 
 # Unit tests and host tests on loop devices, with internal/archtest's
-# import rule. VM entry tests are named TestVM*; the host crash suite runs in
-# reliability.
+# import rule, and test/upgrade, which builds v0.1.0 from this clone's
+# history (a shallow clone fails it) and runs it and this berth on the
+# same state (about 30 s). VM entry tests are named TestVM*; the host crash
+# suite runs in reliability.
 unit-test: build
 	BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m -skip '^TestVM|^TestCrashAtEveryStep$$' ./...
 

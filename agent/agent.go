@@ -198,8 +198,13 @@ func New(cfg Config) (_ *Agent, retErr error) {
 	}
 	damaged := st.damagedFiles()
 	for _, p := range slices.Sorted(maps.Keys(damaged)) {
+		if newer := (*newerFormatError)(nil); errors.As(damaged[p], &newer) {
+			a.log.Error("a volume's state file was written by a newer berth: it is kept as it is, and the volume's calls are refused (FAILED_PRECONDITION) until a berth that reads its format runs",
+				slog.String("file", p), slog.String("error", damaged[p].Error()))
+			continue
+		}
 		a.log.Error("a volume's state file cannot be read: it is kept, and the volume's calls are refused until it is restored or moved aside (check the node for the volume's mounts and device first)",
-			slog.String("file", p), slog.String("error", damaged[p]))
+			slog.String("file", p), slog.String("error", damaged[p].Error()))
 	}
 	if a.listener == nil {
 		l, err := devices.NewListener()

@@ -18,6 +18,9 @@ import (
 // the node says that a volume was deleted, and a volume ID is only
 // reused when the CO deletes a volume and creates one with the same ID.
 type fsMark struct {
+	// Version is the state format (stateVersion); marks of format 1
+	// have none.
+	Version  int    `json:"version,omitempty"`
 	VolumeID string `json:"volumeID"`
 	FsType   string `json:"fsType"`
 	UUID     string `json:"uuid"`
@@ -52,15 +55,30 @@ func (m *fsMarks) get(id string) (*fsMark, error) {
 	if err != nil {
 		return nil, fmt.Errorf("volume %q: read its filesystem mark: %w", id, err)
 	}
+	version, err := formatVersion(m.path(id), b)
+	if newer := (*newerFormatError)(nil); errors.As(err, &newer) {
+		return nil, m.newer(id, newer)
+	}
 	var mk fsMark
-	if err := json.Unmarshal(b, &mk); err != nil || mk.VolumeID != id {
+	if err == nil {
+		err = json.Unmarshal(b, &mk)
+	}
+	if err != nil || mk.VolumeID != id {
 		return nil, fmt.Errorf("volume %q: filesystem mark %s cannot be read (%v); berth does not stage the volume without it: check the volume, then remove the file", id, m.path(id), err)
 	}
+	mk.Version = version
 	return &mk, nil
 }
 
-// put writes a mark durably.
+// newer is the refusal of a call that finds volume id's mark in a newer
+// format.
+func (m *fsMarks) newer(id string, err *newerFormatError) error {
+	return precondition("volume %q: its filesystem mark %v; berth changes nothing of the volume: run a berth that reads format %d for it, or the one that wrote it", id, err, err.version)
+}
+
+// put writes a mark durably, in today's format.
 func (m *fsMarks) put(mk *fsMark) error {
+	mk.Version = stateVersion
 	b, err := json.Marshal(mk)
 	if err != nil {
 		return fmt.Errorf("encode filesystem mark of volume %q: %w", mk.VolumeID, err)
@@ -71,8 +89,16 @@ func (m *fsMarks) put(mk *fsMark) error {
 	return nil
 }
 
-// remove deletes the mark of volume id; a missing mark is not an error.
+// remove deletes the mark of volume id; a missing mark is not an error,
+// and one in a newer format is refused.
 func (m *fsMarks) remove(id string) error {
+	if b, err := os.ReadFile(m.path(id)); err == nil {
+		if _, err := formatVersion(m.path(id), b); err != nil {
+			if newer := (*newerFormatError)(nil); errors.As(err, &newer) {
+				return m.newer(id, newer)
+			}
+		}
+	}
 	err := os.Remove(m.path(id))
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("remove filesystem mark of volume %q: %w", id, err)

@@ -19,8 +19,69 @@ import (
 	"github.com/berth-csi/berth/internal/failpoint"
 )
 
-// stateVersion is written into every record; a newer agent can migrate.
-const stateVersion = 1
+// stateVersion is the state format this berth writes into every volume
+// record and filesystem mark. It reads every format berth has written
+// (see upgradeRecord) and refuses a newer one (see newerFormatError):
+//
+//  1. v0.1.0's records. A record or mark without a version is format 1
+//     (the marks were written so before there were formats).
+//  2. Adds the publish's targetMade, the loop device's backingDev and
+//     backingIno, crypt, and the marks' version. What v0.1.0 makes of
+//     it: the README's rollback rule.
+const stateVersion = 2
+
+// newerFormatError is a record or mark that a newer berth wrote, in a
+// format this one cannot read. It is kept as it is, never rewritten, and
+// its volume's calls are refused.
+type newerFormatError struct {
+	file    string
+	version int
+}
+
+func (e *newerFormatError) Error() string {
+	return fmt.Sprintf("%s is in state format %d, written by a newer berth; this berth writes format %d and reads formats 1 to %d", e.file, e.version, stateVersion, stateVersion)
+}
+
+// formatVersion reads the format version of a record or mark file's
+// contents b, before anything else of it: a newer format may mean its
+// other fields differently. An absent version is format 1.
+func formatVersion(file string, b []byte) (int, error) {
+	var v struct {
+		Version *int `json:"version"`
+	}
+	if err := json.Unmarshal(b, &v); err != nil {
+		return 0, fmt.Errorf("parse: %w", err)
+	}
+	switch {
+	case v.Version == nil:
+		return 1, nil
+	case *v.Version < 1:
+		return 0, fmt.Errorf("parse: state format %d", *v.Version)
+	case *v.Version > stateVersion:
+		return 0, &newerFormatError{file: file, version: *v.Version}
+	}
+	return *v.Version, nil
+}
+
+// upgradeRecord makes a record read in format version mean what it meant
+// to the berth that wrote it. The record on disk keeps its format until
+// it is written again (put), in today's.
+//
+// Format 1 (v0.1.0) had no targetMade: v0.1.0 removed every publish
+// target at unpublish (an empty directory or a file; it had made it, or
+// taken an empty one the CO made), so its publishes are unpublished as
+// berth's own targets. Its loop devices have no backing file numbers and
+// are found again by their image (LoopDetacher with a nil reference); it
+// had no crypt and no filesystem marks.
+func upgradeRecord(r *volumeRecord, version int) {
+	if version == 1 {
+		for p, pub := range r.Publishes {
+			pub.TargetMade = true
+			r.Publishes[p] = pub
+		}
+	}
+	r.Version = version
+}
 
 // deviceRecord is what berth remembers about the block device of a staged
 // volume: enough to check after a restart that the node still has the
@@ -223,8 +284,8 @@ type store struct {
 	// an earlier boot, when an image's device number may have differed.
 	seen map[string]string
 	// damaged maps the name of each record file openStore could not
-	// read to why (see lookup).
-	damaged map[string]string
+	// read (or that a newer berth wrote) to why (see lookup).
+	damaged map[string]error
 }
 
 func stateFileName(volumeID string) string {
@@ -234,17 +295,18 @@ func stateFileName(volumeID string) string {
 
 // openStore creates dir if needed and loads every record in it. A record
 // that cannot be read (empty, zeros, not JSON: a disk or filesystem that
-// lost what was written) is kept as it is and listed in damaged: it is
-// the only link between its volume and the mounts and device berth made
-// for it, and the volume's ID is not known without it, so nothing says
-// that the volume is gone from the node. The volume's RPCs are refused
-// until the operator restores the file or moves it aside (see lookup).
+// lost what was written; or in a newer format) is kept as it is and
+// listed in damaged: it is the only link between its volume and the
+// mounts and device berth made for it, and the volume's ID is not known
+// without it, so nothing says that the volume is gone from the node.
+// The volume's RPCs are refused until the operator restores the file or
+// moves it aside, or a berth that reads its format runs (see lookup).
 // A record under another volume's file name stops the store.
 func openStore(dir string) (*store, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create state directory: %w", err)
 	}
-	s := &store{dir: dir, vols: make(map[string]*volumeRecord), damaged: make(map[string]string)}
+	s := &store{dir: dir, vols: make(map[string]*volumeRecord), damaged: make(map[string]error)}
 	entries, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, fmt.Errorf("read state directory: %w", err)
@@ -262,7 +324,7 @@ func openStore(dir string) (*store, error) {
 		}
 		r, err := readRecord(filepath.Join(dir, name))
 		if err != nil {
-			s.damaged[name] = err.Error()
+			s.damaged[name] = err
 			continue
 		}
 		if stateFileName(r.VolumeID) != name {
@@ -282,6 +344,10 @@ func readRecord(p string) (*volumeRecord, error) {
 	if len(bytes.Trim(b, "\x00")) == 0 {
 		return nil, fmt.Errorf("%d bytes, all zero", len(b))
 	}
+	version, err := formatVersion(p, b)
+	if err != nil {
+		return nil, err
+	}
 	var r volumeRecord
 	if err := json.Unmarshal(b, &r); err != nil {
 		return nil, fmt.Errorf("parse: %w", err)
@@ -289,15 +355,16 @@ func readRecord(p string) (*volumeRecord, error) {
 	if r.Publishes == nil {
 		r.Publishes = make(map[string]publishRecord)
 	}
+	upgradeRecord(&r, version)
 	return &r, nil
 }
 
 // damagedFiles returns the paths of the record files openStore could not
 // read and are still so, each with why.
-func (s *store) damagedFiles() map[string]string {
+func (s *store) damagedFiles() map[string]error {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	out := make(map[string]string, len(s.damaged))
+	out := make(map[string]error, len(s.damaged))
 	for name, why := range s.damaged {
 		out[filepath.Join(s.dir, name)] = why
 	}
@@ -317,7 +384,10 @@ func (s *store) lookup(id string) (*volumeRecord, bool, error) {
 	if damaged {
 		p := filepath.Join(s.dir, name)
 		r, err := readRecord(p)
+		var newer *newerFormatError
 		switch {
+		case errors.As(err, &newer):
+			return nil, false, precondition("volume %q: its state file %v; berth changes nothing of the volume: run a berth that reads format %d for it, or the one that wrote it", id, err, newer.version)
 		case errors.Is(err, fs.ErrNotExist):
 			s.mu.Lock()
 			delete(s.damaged, name)
