@@ -226,6 +226,8 @@ func (f *fakeFS) MountInfo(h *fs.Handle) (mountEntry, error) {
 	return m, nil
 }
 
+func (f *fakeFS) Trim(context.Context, *fs.Handle) (uint64, error) { return 0, nil }
+
 // mounted reports whether the fake has a mount at p.
 func (f *fakeFS) mounted(p string) bool {
 	f.mu.Lock()

@@ -67,6 +67,9 @@ type hostFS interface {
 	// MountInfo describes the mount whose root h is;
 	// errdefs.ErrNotFound if h is not the root of a mount.
 	MountInfo(h *fs.Handle) (mountEntry, error)
+	// Trim discards the unused blocks of the filesystem whose mount
+	// root h is (fs.Trim) and returns the bytes trimmed.
+	Trim(ctx context.Context, h *fs.Handle) (uint64, error)
 	Resize(ctx context.Context, devPath, mountPath, fsType string) error
 	Stats(path string) (fsStats, error)
 	BlockDeviceSize(devPath string) (int64, error)

@@ -155,3 +155,6 @@ func UnmountAt(dir *Handle, name string, check func(PathStat) error) error {
 func FilesystemUUID(devPath, fsType string) (string, error) {
 	return "", unsupported("read filesystem UUID of " + devPath)
 }
+
+// Trim is only supported on Linux.
+func Trim(ctx context.Context, h *Handle) (uint64, error) { return 0, unsupported("trim " + h.path) }
