@@ -25,9 +25,9 @@ const fitrim = 0xc0185879
 // Trim discards the blocks the filesystem whose mount root h is does not
 // use (FITRIM over the whole filesystem), so that thin storage below it
 // can give them back, and returns what the filesystem reports as
-// trimmed (the range's length after the call: ext4 and xfs count the
-// free space they sent discards for, which a trim repeated soon after
-// may report again). The ioctl is made on a descriptor opened through h,
+// trimmed: the range's length after the call, which ext4 sets to the
+// free space it sent discards for and xfs leaves at the range it went
+// over (the filesystem's size). The ioctl is made on a descriptor opened through h,
 // never on a name looked up again. A filesystem or device that cannot
 // discard wraps errdefs.ErrUnsupported; h not a mount root wraps
 // errdefs.ErrInvalidArgument. FITRIM cannot be interrupted: ctx is only
