@@ -416,11 +416,12 @@ func (t *fakeTarget) Health(context.Context) (bool, string) { return false, "" }
 // newFakeAgent returns an agent on fakes: no root, no kernel.
 func newFakeAgent(t *testing.T) (*Agent, *fakeFS, *fakeTransport) {
 	t.Helper()
-	st, err := openStore(filepath.Join(t.TempDir(), "volumes"))
+	stateDir := t.TempDir()
+	st, err := openStore(filepath.Join(stateDir, "volumes"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	marks, err := openFSMarks(filepath.Join(t.TempDir(), "filesystems"))
+	marks, err := openFSMarks(filepath.Join(stateDir, "filesystems"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -428,7 +429,7 @@ func newFakeAgent(t *testing.T) (*Agent, *fakeFS, *fakeTransport) {
 	tr.host = host
 	host.devDir = t.TempDir()
 	a := &Agent{
-		cfg:        Config{NodeID: "fake-node", DriverName: DefaultDriverName},
+		cfg:        Config{NodeID: "fake-node", DriverName: DefaultDriverName, StateDir: stateDir},
 		log:        slog.New(slog.NewTextHandler(testWriter{t}, nil)),
 		host:       host,
 		state:      st,
