@@ -44,9 +44,9 @@ type Config struct {
 	Version string
 	// NodeID is reported by NodeGetInfo. Required.
 	NodeID string
-	// StateDir holds the per-volume records (StateDir/volumes) and the
-	// marks of the filesystems berth staged (StateDir/filesystems).
-	// Required.
+	// StateDir holds the per-volume records (StateDir/volumes), the
+	// marks of the filesystems berth staged (StateDir/filesystems) and
+	// the volumes' trim locks (StateDir/trim). Required.
 	StateDir string
 	// MaxVolumes is the number of volumes this node may have staged;
 	// 0 means no limit.

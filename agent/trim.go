@@ -215,7 +215,9 @@ func nextTrim(id string, now time.Time, interval time.Duration) time.Time {
 
 // trimLoop trims each staged volume once per interval, at its offset,
 // until ctx ends. A volume with an RPC in progress (a stage, an unstage)
-// is not waited for: it is trimmed at its next turn.
+// is not waited for: it is trimmed at its next turn. Volumes that are
+// never trimmed (raw block, read-only: see trimSkip) get no turn, and so
+// no result in the metrics.
 func (a *Agent) trimLoop(ctx context.Context, interval time.Duration) {
 	due := make(map[string]time.Time)
 	// Volumes staged meanwhile are seen at the next wake-up.
@@ -226,6 +228,9 @@ func (a *Agent) trimLoop(ctx context.Context, interval time.Duration) {
 		seen := make(map[string]bool, len(recs))
 		wake := now.Add(min(interval, maxSleep))
 		for _, rec := range recs {
+			if trimSkip(rec) != "" {
+				continue
+			}
 			id := rec.VolumeID
 			seen[id] = true
 			t, ok := due[id]

@@ -178,3 +178,24 @@ func TestPeriodicTrim(t *testing.T) {
 		time.Sleep(50 * time.Millisecond)
 	}
 }
+
+// The periodic trim gives raw block and read-only volumes no turn: they
+// are never trimmed, and count in no metric.
+func TestPeriodicTrimLeavesIneligible(t *testing.T) {
+	results := make(chan TrimResult, 16)
+	h := newHarness(t, func(c *Config) {
+		c.TrimInterval = 200 * time.Millisecond
+		c.OnTrim = func(r TrimResult) { results <- r }
+	})
+	blk := h.newVol("blk", 64*mib, blockCap(snw))
+	must(t, "stage block", h.stage(blk))
+	ro := h.newVol("ro", 64*mib, mountCap("ext4", csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY))
+	must(t, "stage reader-only", h.stage(ro))
+	select {
+	case r := <-results:
+		t.Fatalf("a periodic trim of an ineligible volume: %+v", r)
+	case <-time.After(time.Second):
+	}
+	must(t, "unstage block", h.unstage(blk))
+	must(t, "unstage reader-only", h.unstage(ro))
+}

@@ -74,7 +74,7 @@ func New(driver string, volumes VolumeLister) *Metrics {
 		// time) go with their volume. The logs name each volume's trim.
 		trims: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "berth_trims_total",
-			Help: "Periodic trims (berth serve --trim-interval) of staged volumes, by result: trimmed, skipped (raw block, read-only, a trim or call in progress) or failed.",
+			Help: "Periodic trims (berth serve --trim-interval) of staged mount volumes, by result: trimmed, skipped (a trim or another call on the volume in progress) or failed.",
 		}, []string{"result"}),
 		trimmed: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "berth_trimmed_bytes_total",
