@@ -150,6 +150,8 @@ func TrimVolumes(ctx context.Context, stateDir string, ids []string) ([]TrimResu
 		return nil, fmt.Errorf("state directory %q: want an absolute path", stateDir)
 	}
 	vdir := filepath.Join(stateDir, "volumes")
+	// Not New: the running berth holds the state directory's lock. A
+	// trim needs only the host and the directory.
 	a := &Agent{cfg: Config{StateDir: stateDir}, host: newHostFS()}
 	var out []TrimResult
 	if len(ids) == 0 {
@@ -163,11 +165,16 @@ func TrimVolumes(ctx context.Context, stateDir string, ids []string) ([]TrimResu
 			}
 			p := filepath.Join(vdir, e.Name())
 			rec, err := readRecord(p)
-			if err != nil {
+			switch {
+			case errors.Is(err, fs.ErrNotExist):
+				continue // unstaged meanwhile
+			case err != nil:
 				out = append(out, TrimResult{Err: fmt.Errorf("state file %s cannot be read: %w", p, err)})
-				continue
+			case stateFileName(rec.VolumeID) != e.Name():
+				out = append(out, TrimResult{VolumeID: rec.VolumeID, Err: fmt.Errorf("state file %s holds volume %q, whose record belongs in %s", p, rec.VolumeID, stateFileName(rec.VolumeID))})
+			default:
+				out = append(out, a.trimRecord(ctx, rec))
 			}
-			out = append(out, a.trimRecord(ctx, rec))
 		}
 		return out, nil
 	}
