@@ -50,6 +50,7 @@ func main() {
 		EnableBashCompletion: true,
 		Commands: []*cli.Command{
 			serveCommand(),
+			trimCommand(),
 			doctor.Command(),
 			versionCommand(),
 			completionCommand(),
@@ -160,6 +161,7 @@ func serveCommand() *cli.Command {
 			&cli.IntFlag{Name: "iscsi-login-timeout", Value: -1, EnvVars: []string{"BERTH_ISCSI_LOGIN_TIMEOUT"}, Usage: "node.conn[0].timeo.login_timeout for new iSCSI sessions, seconds (-1: open-iscsi's default)"},
 			&cli.IntFlag{Name: "iscsi-login-retry-max", Value: -1, EnvVars: []string{"BERTH_ISCSI_LOGIN_RETRY_MAX"}, Usage: "node.session.initial_login_retry_max for new iSCSI sessions (-1: open-iscsi's default)"},
 			&cli.DurationFlag{Name: "shutdown-timeout", Value: 30 * time.Second, EnvVars: []string{"BERTH_SHUTDOWN_TIMEOUT"}, Usage: "how long calls in flight may take to finish on SIGTERM"},
+			&cli.DurationFlag{Name: "trim-interval", EnvVars: []string{"BERTH_TRIM_INTERVAL"}, Usage: "trim the filesystem of every staged mount volume once per interval, each at its own offset into it (such as 24h; 0: never; see berth trim)"},
 		},
 		Action: serve,
 	}
@@ -297,6 +299,7 @@ func newServer(c *cli.Context) (_ *server, retErr error) {
 		Topology:        topo,
 		Logger:          log,
 		ShutdownTimeout: c.Duration("shutdown-timeout"),
+		TrimInterval:    c.Duration("trim-interval"),
 		OnReady: func() {
 			if err := systemd.Ready(); err != nil {
 				log.Warn("notify systemd", slog.String("error", err.Error()))
@@ -327,6 +330,7 @@ func newServer(c *cli.Context) (_ *server, retErr error) {
 			return out
 		})
 		cfg.Interceptors = append(cfg.Interceptors, s.metrics.UnaryServerInterceptor())
+		cfg.OnTrim = func(r agent.TrimResult) { s.metrics.ObserveTrim(trimMetricResult(r), r.Trimmed) }
 	}
 
 	// One uevent listener serves the agent and every transport.

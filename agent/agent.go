@@ -44,9 +44,9 @@ type Config struct {
 	Version string
 	// NodeID is reported by NodeGetInfo. Required.
 	NodeID string
-	// StateDir holds the per-volume records (StateDir/volumes) and the
-	// marks of the filesystems berth staged (StateDir/filesystems).
-	// Required.
+	// StateDir holds the per-volume records (StateDir/volumes), the
+	// marks of the filesystems berth staged (StateDir/filesystems) and
+	// the volumes' trim locks (StateDir/trim). Required.
 	StateDir string
 	// MaxVolumes is the number of volumes this node may have staged;
 	// 0 means no limit.
@@ -82,6 +82,12 @@ type Config struct {
 	// ShutdownTimeout bounds how long Serve waits for RPCs in flight
 	// when ctx ends; default 30s. Then the remaining ones are cut.
 	ShutdownTimeout time.Duration
+	// TrimInterval, if positive, makes Serve trim the filesystem of every
+	// staged mount volume once per interval (see trimLoop); 0: never.
+	TrimInterval time.Duration
+	// OnTrim, if set, is called with the result of each periodic trim
+	// (metrics).
+	OnTrim func(TrimResult)
 }
 
 // Agent is a configured CSI node plugin. Create it with New, run it with
@@ -168,6 +174,9 @@ func New(cfg Config) (_ *Agent, retErr error) {
 	}
 	if cfg.ShutdownTimeout <= 0 {
 		cfg.ShutdownTimeout = 30 * time.Second
+	}
+	if cfg.TrimInterval < 0 {
+		return nil, fmt.Errorf("trim interval %v: negative", cfg.TrimInterval)
 	}
 	a := &Agent{
 		cfg:        cfg,
@@ -284,6 +293,20 @@ func (a *Agent) Serve(ctx context.Context, lis net.Listener) error {
 	s := a.Server()
 	errc := make(chan error, 1)
 	go func() { errc <- s.Serve(lis) }()
+	trimDone := make(chan struct{})
+	if a.cfg.TrimInterval > 0 {
+		tctx, cancel := context.WithCancel(ctx)
+		defer func() {
+			cancel()
+			<-trimDone // a FITRIM under way is not interrupted
+		}()
+		go func() {
+			defer close(trimDone)
+			a.trimLoop(tctx, a.cfg.TrimInterval)
+		}()
+	} else {
+		close(trimDone)
+	}
 	a.ready.Store(true)
 	a.log.Info("serving", slog.String("endpoint", lis.Addr().String()), slog.String("driver", a.cfg.DriverName), slog.String("node_id", a.cfg.NodeID), slog.String("version", a.cfg.Version))
 	if a.cfg.OnReady != nil {

@@ -28,6 +28,10 @@ const (
 	ContextEncryptionPBKDF           = "encryptionPBKDF"
 	ContextEncryptionPBKDFMemory     = "encryptionPBKDFMemory"
 	ContextEncryptionPBKDFIterations = "encryptionPBKDFIterations"
+	// ContextEncryptionAllowDiscards "true" opens the mapping with
+	// discards allowed, so that a trim reaches the storage (see
+	// docs/volume-context.md for what it reveals).
+	ContextEncryptionAllowDiscards = "encryptionAllowDiscards"
 	// SecretEncryptionPassphrase is the node_stage_secrets key (and
 	// node_expand_secrets key) of the LUKS passphrase.
 	SecretEncryptionPassphrase = "encryptionPassphrase"
@@ -36,7 +40,8 @@ const (
 // encryptionOptionKeys are the volume_context keys that only an
 // encrypted volume may have.
 var encryptionOptionKeys = []string{ContextEncryptionCipher, ContextEncryptionSectorSize,
-	ContextEncryptionPBKDF, ContextEncryptionPBKDFMemory, ContextEncryptionPBKDFIterations}
+	ContextEncryptionPBKDF, ContextEncryptionPBKDFMemory, ContextEncryptionPBKDFIterations,
+	ContextEncryptionAllowDiscards}
 
 // parseEncryption reads the encryption settings of a volume_context:
 // nil when the volume is not encrypted. Every value is checked here,
@@ -65,6 +70,13 @@ func parseEncryption(vctx map[string]string) (*fs.LUKSOptions, error) {
 	}
 	if _, ok := vctx[ContextEncryptionPBKDF]; ok && o.PBKDF == "" {
 		return nil, invalid("volume_context[%q]: empty", ContextEncryptionPBKDF)
+	}
+	switch d, ok := vctx[ContextEncryptionAllowDiscards]; {
+	case !ok || d == "false":
+	case d == "true":
+		o.AllowDiscards = true
+	default:
+		return nil, invalid("volume_context[%q] %q: want \"true\" or \"false\"", ContextEncryptionAllowDiscards, d)
 	}
 	for _, f := range []struct {
 		key string
@@ -121,7 +133,7 @@ type cryptHost interface {
 	Check() error
 	Probe(ctx context.Context, devPath string) (fs.Signature, error)
 	Format(ctx context.Context, devPath string, passphrase []byte, o fs.LUKSOptions) error
-	Open(ctx context.Context, devPath, name string, passphrase []byte) error
+	Open(ctx context.Context, devPath, name string, passphrase []byte, allowDiscards bool) error
 	TestPassphrase(ctx context.Context, devPath string, passphrase []byte) error
 	Close(ctx context.Context, name string) error
 	Resize(ctx context.Context, name string, passphrase []byte) error
@@ -148,8 +160,8 @@ func (realCrypt) Format(ctx context.Context, devPath string, passphrase []byte, 
 	return fs.LUKSFormat(ctx, devPath, passphrase, o)
 }
 
-func (realCrypt) Open(ctx context.Context, devPath, name string, passphrase []byte) error {
-	return fs.LUKSOpen(ctx, devPath, name, passphrase)
+func (realCrypt) Open(ctx context.Context, devPath, name string, passphrase []byte, allowDiscards bool) error {
+	return fs.LUKSOpen(ctx, devPath, name, passphrase, allowDiscards)
 }
 
 func (realCrypt) TestPassphrase(ctx context.Context, devPath string, passphrase []byte) error {
@@ -250,7 +262,7 @@ func (n *nodeServer) openEncrypted(ctx context.Context, rec *volumeRecord, dev *
 		}
 		switch {
 		case sig.Type == fs.TypeLUKS:
-			if err := n.a.crypt.Open(ctx, dev.Path, c.Name, passphrase); err != nil {
+			if err := n.a.crypt.Open(ctx, dev.Path, c.Name, passphrase, o.AllowDiscards); err != nil {
 				return nil, false, n.openError(rec, dev, err)
 			}
 			m, err := n.openedMapping(rec, dev)
@@ -280,7 +292,7 @@ func (n *nodeServer) openEncrypted(ctx context.Context, rec *volumeRecord, dev *
 		return nil, false, fmt.Errorf("volume %q: %w", id, err)
 	}
 	log.InfoContext(ctx, "created LUKS2 header", slog.String("cipher", cmp(o.Cipher, fs.DefaultLUKSCipher)))
-	if err := n.a.crypt.Open(ctx, dev.Path, c.Name, passphrase); err != nil {
+	if err := n.a.crypt.Open(ctx, dev.Path, c.Name, passphrase, o.AllowDiscards); err != nil {
 		return nil, false, n.openError(rec, dev, err)
 	}
 	m, err := n.openedMapping(rec, dev)

@@ -99,6 +99,8 @@ func TestStageEncryptionBadRequests(t *testing.T) {
 		{"pbkdf2 memory", map[string]string{"encrypted": "true", "encryptionPBKDF": "pbkdf2", "encryptionPBKDFMemory": "65536"}, good},
 		{"argon2 memory too small", map[string]string{"encrypted": "true", "encryptionPBKDFMemory": "8"}, good},
 		{"argon2 iterations too few", map[string]string{"encrypted": "true", "encryptionPBKDFIterations": "2"}, good},
+		{"allow discards not a bool", map[string]string{"encrypted": "true", "encryptionAllowDiscards": "yes"}, good},
+		{"allow discards without encrypted", map[string]string{"encryptionAllowDiscards": "true"}, good},
 		{"options without encrypted", map[string]string{"encryptionCipher": "aes-xts-plain64"}, good},
 		{"options with encrypted false", map[string]string{"encrypted": "false", "encryptionSectorSize": "4096"}, good},
 	} {

@@ -53,6 +53,21 @@ func TestParseEncryption(t *testing.T) {
 	if err != nil || *o != want {
 		t.Fatalf("all options: %+v, %v; want %+v", o, err, want)
 	}
+	o, err = parseEncryption(map[string]string{"encrypted": "true", "encryptionAllowDiscards": "true"})
+	if err != nil || !o.AllowDiscards {
+		t.Fatalf("allow discards: %+v, %v", o, err)
+	}
+	if o, err := parseEncryption(map[string]string{"encrypted": "true", "encryptionAllowDiscards": "false"}); err != nil || o.AllowDiscards {
+		t.Fatalf("discards not allowed: %+v, %v", o, err)
+	}
+	for _, bad := range []string{"yes", "True", "1", ""} {
+		if _, err := parseEncryption(map[string]string{"encrypted": "true", "encryptionAllowDiscards": bad}); err == nil {
+			t.Errorf("encryptionAllowDiscards %q accepted", bad)
+		}
+	}
+	if _, err := parseEncryption(map[string]string{"encryptionAllowDiscards": "true"}); err == nil {
+		t.Error("encryptionAllowDiscards accepted without encrypted")
+	}
 	for _, bad := range []string{"+4096", "04096", "-1", "0", "4096 ", "99999999999"} {
 		if _, err := parseEncryption(map[string]string{"encrypted": "true", "encryptionSectorSize": bad}); err == nil {
 			t.Errorf("sector size %q accepted", bad)

@@ -238,6 +238,8 @@ func (f *fakeFS) MountInfo(h *fs.Handle) (mountEntry, error) {
 	return m, nil
 }
 
+func (f *fakeFS) Trim(context.Context, *fs.Handle) (uint64, error) { return 0, nil }
+
 // mounted reports whether the fake has a mount at p.
 func (f *fakeFS) mounted(p string) bool {
 	f.mu.Lock()
@@ -438,11 +440,12 @@ func (t *fakeTarget) Health(context.Context) (bool, string) { return false, "" }
 // newFakeAgent returns an agent on fakes: no root, no kernel.
 func newFakeAgent(t *testing.T) (*Agent, *fakeFS, *fakeTransport) {
 	t.Helper()
-	st, err := openStore(filepath.Join(t.TempDir(), "volumes"))
+	stateDir := t.TempDir()
+	st, err := openStore(filepath.Join(stateDir, "volumes"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	marks, err := openFSMarks(filepath.Join(t.TempDir(), "filesystems"))
+	marks, err := openFSMarks(filepath.Join(stateDir, "filesystems"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -450,7 +453,7 @@ func newFakeAgent(t *testing.T) (*Agent, *fakeFS, *fakeTransport) {
 	tr.host = host
 	host.devDir = t.TempDir()
 	a := &Agent{
-		cfg:        Config{NodeID: "fake-node", DriverName: DefaultDriverName},
+		cfg:        Config{NodeID: "fake-node", DriverName: DefaultDriverName, StateDir: stateDir},
 		log:        slog.New(slog.NewTextHandler(testWriter{t}, nil)),
 		host:       host,
 		state:      st,

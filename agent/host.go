@@ -70,6 +70,9 @@ type hostFS interface {
 	// MountPoints lists where the filesystem of device major:minor is
 	// mounted in this mount namespace (the mount table, filtered).
 	MountPoints(major, minor uint32) ([]string, error)
+	// Trim discards the unused blocks of the filesystem whose mount
+	// root h is (fs.Trim) and returns the bytes trimmed.
+	Trim(ctx context.Context, h *fs.Handle) (uint64, error)
 	Resize(ctx context.Context, devPath, mountPath, fsType string) error
 	Stats(path string) (fsStats, error)
 	BlockDeviceSize(devPath string) (int64, error)

@@ -86,6 +86,8 @@ func (realFS) MountInfo(h *fs.Handle) (mountEntry, error) {
 	return mountEntryOf(st), nil
 }
 
+func (realFS) Trim(ctx context.Context, h *fs.Handle) (uint64, error) { return fs.Trim(ctx, h) }
+
 func mountEntryOf(st fs.PathStat) mountEntry {
 	return mountEntry{
 		Major: int(st.Major), Minor: int(st.Minor),

@@ -38,6 +38,11 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 		log.WarnContext(ctx, "volume is staged at another path; nothing to do here", slog.String("recorded_staging_path", rec.StagingPath))
 		return &csi.NodeUnstageVolumeResponse{}, nil
 	}
+	tl, err := n.a.lockTrimForUnstage(id)
+	if err != nil {
+		return nil, err
+	}
+	defer tl.Close()
 	if err := n.dropStalePublishes(ctx, rec, took); err != nil {
 		return nil, err
 	}
@@ -66,6 +71,9 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	}
 	if err := n.a.state.remove(id); err != nil {
 		return nil, err
+	}
+	if err := tl.remove(); err != nil {
+		log.WarnContext(ctx, "remove the volume's trim lock file", slog.String("error", err.Error()))
 	}
 	took.mark("record")
 	if rec.Device != nil {

@@ -160,3 +160,6 @@ func FilesystemUUID(devPath, fsType string) (string, error) {
 func MountPointsOf(major, minor uint32) ([]string, error) {
 	return nil, unsupported("mount table")
 }
+
+// Trim is only supported on Linux.
+func Trim(ctx context.Context, h *Handle) (uint64, error) { return 0, unsupported("trim " + h.path) }

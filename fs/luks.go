@@ -63,6 +63,9 @@ type LUKSOptions struct {
 	// PBKDFIterations fixes the iteration count and skips the
 	// benchmark; 0: cryptsetup's benchmark picks it for a 2 s unlock.
 	PBKDFIterations int
+	// AllowDiscards opens the mapping with discards passed down (see
+	// openArgs); not a setting of luksFormat.
+	AllowDiscards bool
 }
 
 // Validate checks the options; an error wraps errdefs.ErrInvalidArgument.
@@ -116,6 +119,18 @@ func (o LUKSOptions) formatArgs(devPath string, sectorSize int) []string {
 		}
 	}
 	return append(args, "--", devPath)
+}
+
+// openArgs returns cryptsetup's arguments for opening devPath as the
+// mapping name. --allow-discards is given for this open only, never
+// stored in the header (--persistent): it is the volume's setting, read
+// at each stage.
+func openArgs(devPath, name string, allowDiscards bool) []string {
+	args := []string{"open", "--type", "luks2", "--key-file=-"}
+	if allowDiscards {
+		args = append(args, "--allow-discards")
+	}
+	return append(args, "--", devPath, name)
 }
 
 // luksSectorSize is the encryption sector size for a device with the

@@ -53,16 +53,17 @@ func LUKSFormat(ctx context.Context, devPath string, passphrase []byte, o LUKSOp
 	return cryptsetup(ctx, passphrase, o.formatArgs(devPath, sector)...)
 }
 
-// LUKSOpen opens the LUKS2 device devPath as the dm-crypt mapping name.
-// A passphrase no key slot takes gives an error wrapping
+// LUKSOpen opens the LUKS2 device devPath as the dm-crypt mapping name,
+// passing discards down to the device when allowDiscards is set (see
+// openArgs). A passphrase no key slot takes gives an error wrapping
 // errdefs.ErrPermissionDenied, with nothing opened.
-func LUKSOpen(ctx context.Context, devPath, name string, passphrase []byte) error {
+func LUKSOpen(ctx context.Context, devPath, name string, passphrase []byte, allowDiscards bool) error {
 	release, err := acquireHeavy(ctx, "open "+devPath)
 	if err != nil {
 		return err
 	}
 	defer release()
-	return cryptsetup(ctx, passphrase, "open", "--type", "luks2", "--key-file=-", "--", devPath, name)
+	return cryptsetup(ctx, passphrase, openArgs(devPath, name, allowDiscards)...)
 }
 
 // LUKSTestPassphrase checks that passphrase opens a key slot of the

@@ -10,7 +10,7 @@ func LUKSFormat(ctx context.Context, devPath string, passphrase []byte, o LUKSOp
 }
 
 // LUKSOpen is only supported on Linux.
-func LUKSOpen(ctx context.Context, devPath, name string, passphrase []byte) error {
+func LUKSOpen(ctx context.Context, devPath, name string, passphrase []byte, allowDiscards bool) error {
 	return unsupported("open " + devPath)
 }
 

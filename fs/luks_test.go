@@ -26,6 +26,15 @@ func TestLUKSFormatArgs(t *testing.T) {
 	}
 }
 
+func TestLUKSOpenArgs(t *testing.T) {
+	if got, want := strings.Join(openArgs("/dev/loop0", "berth-v", false), " "), "open --type luks2 --key-file=- -- /dev/loop0 berth-v"; got != want {
+		t.Errorf("without discards:\n got %s\nwant %s", got, want)
+	}
+	if got, want := strings.Join(openArgs("/dev/loop0", "berth-v", true), " "), "open --type luks2 --key-file=- --allow-discards -- /dev/loop0 berth-v"; got != want {
+		t.Errorf("with discards:\n got %s\nwant %s", got, want)
+	}
+}
+
 func TestLUKSSectorSize(t *testing.T) {
 	for _, tc := range []struct {
 		want, logical int

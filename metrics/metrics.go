@@ -1,7 +1,8 @@
 // Package metrics exposes berth's Prometheus metrics: the latency of every
 // CSI call, in the same histogram the Kubernetes CSI sidecars use, the
-// state of each staged volume and its paths, read when scraped, and how
-// often berth read the node's mount table.
+// state of each staged volume and its paths, read when scraped, how
+// often berth read the node's mount table, and what the periodic trim
+// gave back.
 package metrics
 
 import (
@@ -46,6 +47,8 @@ type Metrics struct {
 	ops      *prometheus.HistogramVec
 	inflight *prometheus.GaugeVec
 	volumes  *volumeCollector
+	trims    *prometheus.CounterVec
+	trimmed  prometheus.Counter
 }
 
 // New returns the metrics of the CSI driver named driver. volumes may be
@@ -66,8 +69,22 @@ func New(driver string, volumes VolumeLister) *Metrics {
 			Help: "CSI calls being served now, by method; a value that stays up points at a stuck mount, mkfs or login.",
 		}, []string{"method_name"}),
 		volumes: &volumeCollector{list: volumes},
+		// No volume_id label: counters of volumes long unstaged would
+		// stay in every scrape, where the volume series (read at scrape
+		// time) go with their volume. The logs name each volume's trim.
+		trims: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "berth_trims_total",
+			Help: "Periodic trims (berth serve --trim-interval) of staged mount volumes, by result: trimmed, skipped (a trim or another call on the volume in progress) or failed.",
+		}, []string{"result"}),
+		trimmed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "berth_trimmed_bytes_total",
+			Help: "Bytes the periodic trims reported trimmed (FITRIM), summed over the node's volumes; a filesystem reports its free space trimmed again after a remount.",
+		}),
 	}
-	m.reg.MustRegister(m.ops, m.inflight, m.volumes, mountTableReads,
+	for _, r := range []string{TrimTrimmed, TrimSkipped, TrimFailed} {
+		m.trims.WithLabelValues(r)
+	}
+	m.reg.MustRegister(m.ops, m.inflight, m.volumes, mountTableReads, m.trims, m.trimmed,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
@@ -85,6 +102,20 @@ func (m *Metrics) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 		m.ops.WithLabelValues(m.driver, info.FullMethod, status.Code(err).String()).Observe(time.Since(start).Seconds())
 		return resp, err
 	}
+}
+
+// Results of a trim, the result label of berth_trims_total.
+const (
+	TrimTrimmed = "trimmed"
+	TrimSkipped = "skipped"
+	TrimFailed  = "failed"
+)
+
+// ObserveTrim counts one trim with its result (TrimTrimmed, TrimSkipped,
+// TrimFailed) and the bytes it trimmed.
+func (m *Metrics) ObserveTrim(result string, bytes uint64) {
+	m.trims.WithLabelValues(result).Inc()
+	m.trimmed.Add(float64(bytes))
 }
 
 // Handler serves the registry in the Prometheus exposition formats.

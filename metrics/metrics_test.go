@@ -174,3 +174,41 @@ func TestListenChecksAddress(t *testing.T) {
 		t.Errorf("Listen on the busy %s accepted", l.Addr())
 	}
 }
+
+// Each periodic trim moves its result's count and the bytes trimmed;
+// every result is exported from the start, at 0.
+func TestObserveTrim(t *testing.T) {
+	m := New("berth.test", nil)
+	hl, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan error, 1)
+	go func() { served <- m.Serve(ctx, hl) }()
+	defer func() {
+		cancel()
+		if err := <-served; err != nil {
+			t.Errorf("Serve: %v", err)
+		}
+	}()
+	url := "http://" + hl.Addr().String() + "/metrics"
+	body := scrape(t, url)
+	for _, w := range []string{`berth_trims_total{result="trimmed"} 0`, `berth_trims_total{result="failed"} 0`, `berth_trims_total{result="skipped"} 0`, "berth_trimmed_bytes_total 0"} {
+		if !strings.Contains(body, w+"\n") {
+			t.Errorf("before any trim: missing %s", w)
+		}
+	}
+	m.ObserveTrim(TrimTrimmed, 3<<20)
+	m.ObserveTrim(TrimTrimmed, 1<<20)
+	m.ObserveTrim(TrimFailed, 0)
+	body = scrape(t, url)
+	for _, w := range []string{`berth_trims_total{result="trimmed"} 2`, `berth_trims_total{result="failed"} 1`, `berth_trims_total{result="skipped"} 0`, "berth_trimmed_bytes_total 4.194304e+06"} {
+		if !strings.Contains(body, w+"\n") {
+			t.Errorf("after three trims: missing %s", w)
+		}
+	}
+	if t.Failed() {
+		t.Logf("scraped:\n%s", body)
+	}
+}

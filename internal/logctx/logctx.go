@@ -17,6 +17,8 @@
 //	device               a block device path
 //	error                the error of a failed step
 //	duration             how long a step took, in seconds
+//	bytes                bytes a trim reported trimmed
+//	reason               why a step was skipped
 package logctx
 
 import (
