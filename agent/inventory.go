@@ -126,9 +126,9 @@ type InventoryMount struct {
 	Mounted bool   `json:"mounted"`
 	Device  string `json:"device,omitempty"`
 	FSType  string `json:"fsType,omitempty"`
-	// Volume is set when the path shows the volume: the root of its
+	// ShowsVolume is set when the path shows the volume: the root of its
 	// filesystem (a mount volume) or its device node (raw block).
-	Volume bool `json:"volume"`
+	ShowsVolume bool `json:"showsVolume"`
 }
 
 // InventoryUsage is the statfs of a mount volume's staging mount, or the
@@ -199,6 +199,9 @@ func Inventory(ctx context.Context, cfg InventoryConfig) (*NodeInventory, error)
 	}
 	inv := a.inventoryOf(ctx, recs, mounts, loops)
 	inv.StateDir = cfg.StateDir
+	for i := range inv.Volumes {
+		inv.Volumes[i].RecordFile = filepath.Join(dir, stateFileName(inv.Volumes[i].VolumeID))
+	}
 	for _, p := range slices.Sorted(maps.Keys(damaged)) {
 		inv.UnreadableRecords = append(inv.UnreadableRecords, InventoryRecordFile{Path: filepath.Join(dir, p), Error: damaged[p]})
 	}
@@ -276,6 +279,7 @@ func (a *Agent) inventoryOf(ctx context.Context, recs []*volumeRecord, mounts []
 		}
 		inv.UnrecordedLoops = append(inv.UnrecordedLoops, il)
 	}
+	slices.SortFunc(inv.UnrecordedLoops, func(a, b InventoryLoop) int { return int(a.Minor) - int(b.Minor) })
 	return inv
 }
 
@@ -375,7 +379,7 @@ func (a *Agent) inventoryVolume(ctx context.Context, r *volumeRecord, mounts []*
 		case u != nil:
 			problem("%s", u.Message)
 		default:
-			v.Staging.Volume = true
+			v.Staging.ShowsVolume = true
 			if st, err := a.host.Stats(r.StagingPath); err != nil {
 				problem("statfs of staging path: %v", err)
 			} else {
@@ -397,7 +401,7 @@ func (a *Agent) inventoryVolume(ctx context.Context, r *volumeRecord, mounts []*
 		case !mounted:
 			problem("target path %s is not mounted", p)
 		default:
-			m.Volume = true
+			m.ShowsVolume = true
 		}
 		v.Publishes = append(v.Publishes, m)
 	}

@@ -151,10 +151,10 @@ func TestInventory(t *testing.T) {
 	if m.Device == nil || !m.Device.Present || m.Device.Kind != devices.KindLoop || m.Device.Identity != m.TargetKey {
 		t.Errorf("mounted volume's device: %+v", m.Device)
 	}
-	if !m.Staging.Mounted || !m.Staging.Volume || m.Staging.FSType != "ext4" {
+	if !m.Staging.Mounted || !m.Staging.ShowsVolume || m.Staging.FSType != "ext4" {
 		t.Errorf("mounted volume's staging: %+v", m.Staging)
 	}
-	if len(m.Publishes) != 1 || m.Publishes[0].Path != n.mounted.target || !m.Publishes[0].Mounted || !m.Publishes[0].Volume {
+	if len(m.Publishes) != 1 || m.Publishes[0].Path != n.mounted.target || !m.Publishes[0].Mounted || !m.Publishes[0].ShowsVolume {
 		t.Errorf("mounted volume's publishes: %+v", m.Publishes)
 	}
 	if m.Usage == nil || m.Usage.TotalBytes <= 0 || m.Usage.TotalBytes > 64*mib || m.Usage.TotalInodes == 0 {
@@ -168,7 +168,7 @@ func TestInventory(t *testing.T) {
 	if b.AccessType != "block" || b.Device == nil || !b.Device.Present || b.Usage == nil || b.Usage.TotalBytes != 32*mib {
 		t.Errorf("block volume: %+v, device %+v, usage %+v", b, b.Device, b.Usage)
 	}
-	if len(b.Publishes) != 1 || !b.Publishes[0].Mounted || !b.Publishes[0].Volume || b.Staging.Mounted {
+	if len(b.Publishes) != 1 || !b.Publishes[0].Mounted || !b.Publishes[0].ShowsVolume || b.Staging.Mounted {
 		t.Errorf("block volume's mounts: staging %+v, publishes %+v", b.Staging, b.Publishes)
 	}
 	if b.Abnormal || len(b.Problems) > 0 {
