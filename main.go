@@ -51,6 +51,7 @@ func main() {
 		Commands: []*cli.Command{
 			serveCommand(),
 			doctor.Command(),
+			volumesCommand(),
 			versionCommand(),
 			completionCommand(),
 		},
@@ -142,9 +143,9 @@ func serveCommand() *cli.Command {
 			&cli.StringFlag{Name: "endpoint", Value: doctor.DefaultEndpoint, EnvVars: []string{"BERTH_ENDPOINT", "CSI_ENDPOINT"}, Usage: "CSI endpoint (unix socket); the default is where the kubelet looks for the driver berth.csi.io"},
 			&cli.StringFlag{Name: "node-id", Value: defaultNodeID(), EnvVars: []string{"BERTH_NODE_ID"}, Usage: "node ID reported to the CO: must be the kubelet's node name (default: the host name in lower case, as the kubelet names its node without --hostname-override)"},
 			&cli.StringFlag{Name: "driver-name", Value: agent.DefaultDriverName, EnvVars: []string{"BERTH_DRIVER_NAME"}, Usage: "CSI driver name"},
-			&cli.StringFlag{Name: "state-dir", Value: "/var/lib/berth", EnvVars: []string{"BERTH_STATE_DIR"}, Usage: "directory of the per-volume state"},
-			&cli.StringFlag{Name: "transports", Value: "nvmeof,iscsi", EnvVars: []string{"BERTH_TRANSPORTS"}, Usage: "transports to serve: comma-separated nvmeof, iscsi, file (empty: none); --file-root enables file whether listed or not"},
-			&cli.StringFlag{Name: "file-root", EnvVars: []string{"BERTH_FILE_ROOT"}, Usage: "directory of image files for the file transport (empty: transport disabled)"},
+			cliflags.StateDirFlag(),
+			cliflags.TransportsFlag(),
+			cliflags.FileRootFlag(),
 			&cli.Int64Flag{Name: "max-volumes", EnvVars: []string{"BERTH_MAX_VOLUMES"}, Usage: "volumes this node may stage (0: no limit)"},
 			&cli.StringSliceFlag{Name: "topology", EnvVars: []string{"BERTH_TOPOLOGY"}, Usage: "topology segment key=value (repeatable)"},
 			&cli.StringFlag{Name: "log-format", Value: "json", EnvVars: []string{"BERTH_LOG_FORMAT"}, Usage: "log format: json (journal fields under systemd) or text"},
@@ -292,7 +293,7 @@ func newServer(c *cli.Context) (_ *server, retErr error) {
 		DriverName:      c.String("driver-name"),
 		Version:         version,
 		NodeID:          nodeID,
-		StateDir:        c.String("state-dir"),
+		StateDir:        c.String(cliflags.StateDir),
 		MaxVolumes:      c.Int64("max-volumes"),
 		Topology:        topo,
 		Logger:          log,
@@ -336,8 +337,8 @@ func newServer(c *cli.Context) (_ *server, retErr error) {
 	undo = append(undo, func() { s.uevents.Close() })
 	cfg.Listener = s.uevents
 	ts, disabled, err := buildTransports(transportOptions{
-		list:     c.String("transports"),
-		fileRoot: c.String("file-root"),
+		list:     c.String(cliflags.Transports),
+		fileRoot: c.String(cliflags.FileRoot),
 		iscsi:    iscsiOptions(c),
 		listener: s.uevents,
 		log:      log,
