@@ -32,7 +32,8 @@ staging and publish paths and whether each shows the volume, its filesystem's
 size and use, and its health as NodeGetVolumeStats reports it. It says where
 the records and the kernel disagree: a record whose device or mounts are gone,
 a record that cannot be read, a loop device berth attached that no record
-knows. It changes nothing, and runs beside berth serve: the records are read
+here knows (any berth's: a second berth on the node, with its own state
+directory, has loop devices of its own). It changes nothing, and runs beside berth serve: the records are read
 without the state directory's lock. Give it the transport flags berth serve
 has (--transports, --file-root) to see each target's paths and health.`,
 		Flags: []cli.Flag{
