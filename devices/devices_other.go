@@ -50,6 +50,15 @@ func (Roots) FindLoopOf(*os.File) (*Device, error) { return nil, errUnsupported 
 // FindLoopRef is only supported on Linux.
 func (Roots) FindLoopRef(LoopRef) (*Device, error) { return nil, errUnsupported }
 
+// MarkedLoop is a loop device berth attached (Linux only).
+type MarkedLoop struct {
+	Device *Device
+	File   string
+}
+
+// MarkedLoops is only supported on Linux.
+func (Roots) MarkedLoops() ([]MarkedLoop, error) { return nil, errUnsupported }
+
 // FindDeletedLoop is only supported on Linux.
 func (Roots) FindDeletedLoop(string) (*Device, error) { return nil, errUnsupported }
 

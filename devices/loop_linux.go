@@ -399,6 +399,64 @@ func (r Roots) FindDeletedLoop(path string) (*Device, error) {
 	return found, nil
 }
 
+// MarkedLoop is a bound loop device that carries berth's marker (see
+// loopMarker): berth attached it.
+type MarkedLoop struct {
+	Device *Device
+	// File is the path berth attached the image by (lo_file_name after
+	// the marker); the kernel's view of the file is Device.ID.BackingFile.
+	File string
+}
+
+// MarkedLoops returns every bound loop device that carries berth's
+// marker, for diagnostics. It only reads: sysfs, and LOOP_GET_STATUS64
+// through each device's node opened read-only. A device whose node is
+// missing from /dev is skipped (its node is never created), and so is
+// one unbound or rebound while it was looked at. A returned device has
+// its backing file's numbers (see Device.LoopRef).
+func (r Roots) MarkedLoops() ([]MarkedLoop, error) {
+	names, err := r.boundLoops(512)
+	if err != nil {
+		return nil, err
+	}
+	var out []MarkedLoop
+	for _, name := range names {
+		d, err := r.readDevice(r.block(name), KindLoop)
+		if err != nil || d.ID.Kind != KindLoop || d.ID.BackingFile == "" {
+			continue
+		}
+		info, err := loopStatusNoCreate(d)
+		if err != nil {
+			continue
+		}
+		file, ok := strings.CutPrefix(cString(info.File_name[:]), loopMarker)
+		if !ok {
+			continue
+		}
+		d.backingDev, d.backingIno = info.Device, info.Inode
+		out = append(out, MarkedLoop{Device: d, File: file})
+	}
+	return out, nil
+}
+
+// loopStatusNoCreate is loopStatus for a caller that must change
+// nothing: a missing node is an error, not created.
+func loopStatusNoCreate(d *Device) (*unix.LoopInfo64, error) {
+	f, err := os.OpenFile(d.Path, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if err := checkLoopNode(f, d); err != nil {
+		return nil, err
+	}
+	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err != nil {
+		return nil, fmt.Errorf("LOOP_GET_STATUS64 %s: %w", d.Path, err)
+	}
+	return info, nil
+}
+
 // FindLoopRef returns the loop device ref names if it is still that
 // attach: the device of that name has that number (and disk sequence
 // number, when ref has one) and is bound to the file ref names, from
@@ -610,16 +668,24 @@ func openLoopChecked(d *Device) (*os.File, error) {
 	if err != nil {
 		return nil, err
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+	if err := checkLoopNode(f, d); err != nil {
 		f.Close()
-		return nil, fmt.Errorf("fstat %s: %w", d.Path, err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFBLK || unix.Major(st.Rdev) != d.Major || unix.Minor(st.Rdev) != d.Minor {
-		f.Close()
-		return nil, fmt.Errorf("%s: is %d:%d, expected %d:%d: %w", d.Path, unix.Major(st.Rdev), unix.Minor(st.Rdev), d.Major, d.Minor, errdefs.ErrNotFound)
+		return nil, err
 	}
 	return f, nil
+}
+
+// checkLoopNode checks that f, an open device node, is the block device
+// d; another number is an error wrapping errdefs.ErrNotFound.
+func checkLoopNode(f *os.File, d *Device) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return fmt.Errorf("fstat %s: %w", d.Path, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFBLK || unix.Major(st.Rdev) != d.Major || unix.Minor(st.Rdev) != d.Minor {
+		return fmt.Errorf("%s: is %d:%d, expected %d:%d: %w", d.Path, unix.Major(st.Rdev), unix.Minor(st.Rdev), d.Major, d.Minor, errdefs.ErrNotFound)
+	}
+	return nil
 }
 
 // loopStatus reads the status of the loop device d, checking that the

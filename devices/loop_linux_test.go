@@ -1053,3 +1053,38 @@ func TestDetachLoopAfterRename(t *testing.T) {
 		t.Fatalf("DetachLoop of %s (read as backed by %s) left %s bound to %s", d.Path, d.ID.BackingFile, cur.Path, moved)
 	}
 }
+
+// MarkedLoops lists berth's loop devices, with the path berth named the
+// file by and the file's numbers, and not a plain losetup of a file.
+func TestMarkedLoops(t *testing.T) {
+	requireRoot(t)
+	ctx := testContext(t)
+	l := newTestListener(t)
+	dir := t.TempDir()
+	mine := testFile(t, dir, "mine.img", 4<<20)
+	theirs := testFile(t, dir, "theirs.img", 4<<20)
+	d := attachForTest(t, ctx, l, mine)
+	other := foreignLoop(t, theirs, 0, 0)
+	loops, err := Roots{}.MarkedLoops()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var found bool
+	for _, m := range loops {
+		switch m.Device.Name {
+		case other.Name:
+			t.Errorf("MarkedLoops lists %s, attached without berth's marker", other.Path)
+		case d.Name:
+			found = true
+			if m.File != mine {
+				t.Errorf("MarkedLoops: %s has file %q, want %q", d.Path, m.File, mine)
+			}
+			if _, ok := m.Device.LoopRef(); !ok {
+				t.Errorf("MarkedLoops: %s without its backing file's numbers", d.Path)
+			}
+		}
+	}
+	if !found {
+		t.Fatalf("MarkedLoops = %v: %s missing", loops, d.Path)
+	}
+}

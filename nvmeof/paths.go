@@ -72,10 +72,7 @@ func (tg *Target) Status(ctx context.Context) (head string, paths []PathStatus, 
 			nsPath[p.Controller] = p
 		}
 	}
-	var hostNQN string
-	if id, err := t.HostIdentity(); err == nil {
-		hostNQN = id.NQN
-	}
+	hostNQN := t.knownHostNQN()
 	seen := make(map[string]bool)
 	for _, p := range tg.vol.Paths {
 		st := PathStatus{Path: p.String()}

@@ -153,6 +153,24 @@ func (t *Transport) HostIdentity() (HostIdentity, error) {
 	return id, nil
 }
 
+// knownHostNQN is the host NQN for a caller that only looks (Health,
+// PathStates): the identity already loaded, else what the host's files
+// hold, read without creating them (ReadHostIdentity). "" when none is
+// known: controllers of any host then match.
+func (t *Transport) knownHostNQN() string {
+	t.hostMu.Lock()
+	host := t.host
+	t.hostMu.Unlock()
+	if host != nil {
+		return host.NQN
+	}
+	id, err := ReadHostIdentity(t.opts.HostDir)
+	if err != nil {
+		return ""
+	}
+	return id.NQN
+}
+
 // Target is one parsed NVMe-oF volume.
 type Target struct {
 	t    *Transport

@@ -345,3 +345,27 @@ func TestDetachFlushEndsWithContext(t *testing.T) {
 		t.Error("Detach once the flush returned did not delete the controller")
 	}
 }
+
+// Status, and so Health and PathStates, only look: without a host
+// identity loaded they read the host's files and create none, and with
+// none there a controller of any host counts.
+func TestStatusCreatesNoHostIdentity(t *testing.T) {
+	hostDir := t.TempDir()
+	tr, err := NewTransport(Options{SysRoot: sampleSys(t), HostDir: hostDir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tg, err := tr.Parse(map[string]string{"nqn": subA, "nsid": "1", "traddr": "127.0.0.1"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if abnormal, msg := tg.Health(context.Background()); abnormal {
+		t.Errorf("Health = %v, %q", abnormal, msg)
+	}
+	if states, err := tg.PathStates(context.Background()); err != nil || states["live"] != 1 {
+		t.Errorf("PathStates = %v, %v", states, err)
+	}
+	if ents, err := os.ReadDir(hostDir); err != nil || len(ents) != 0 {
+		t.Errorf("host directory after Health and PathStates: %v, %v; want it empty", ents, err)
+	}
+}
