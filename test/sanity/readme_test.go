@@ -125,13 +125,13 @@ set -x
 `
 
 // readmeFiles are the documents whose sh blocks TestREADME runs: the
-// README and every page under docs/.
+// README, CONTRIBUTING.md and every page under docs/.
 func readmeFiles(repo string) ([]string, error) {
 	docs, err := filepath.Glob(filepath.Join(repo, "docs", "*.md"))
 	if err != nil {
 		return nil, err
 	}
-	return append([]string{filepath.Join(repo, "README.md")}, docs...), nil
+	return append([]string{filepath.Join(repo, "README.md"), filepath.Join(repo, "CONTRIBUTING.md")}, docs...), nil
 }
 
 // readmeWalkthrough is the heading of the README's csc walkthrough, which
