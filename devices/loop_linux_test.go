@@ -1014,6 +1014,8 @@ func TestFindLoopRef(t *testing.T) {
 	if err != nil || got.Name != d.Name || got.ID.BackingFile != moved {
 		t.Fatalf("FindLoopRef(%+v) after a rename = %v, %v; want %s backed by %s", ref, got, err, d.Name, moved)
 	}
+	// d is read under the old name: the device is detached as found now.
+	t.Cleanup(func() { detachForTest(t, got) })
 	for _, bad := range []LoopRef{
 		{Name: ref.Name, Major: ref.Major, Minor: ref.Minor, BackingDev: ref.BackingDev, BackingIno: ref.BackingIno + 1},
 		{Name: ref.Name, Major: ref.Major, Minor: ref.Minor + 1, BackingDev: ref.BackingDev, BackingIno: ref.BackingIno},

@@ -230,7 +230,17 @@ func TestExpandFollowsNoSymlink(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = devices.DetachLoop(ours) })
+	// Detached by the image's name once it is renamed (ours is read under
+	// the old one).
+	t.Cleanup(func() {
+		out, _ := exec.Command("losetup", "-j", img+".old", "-n", "-O", "NAME").Output()
+		for _, d := range strings.Fields(string(out)) {
+			if err := exec.Command("losetup", "--detach", d).Run(); err != nil {
+				t.Errorf("cleanup: detach %s: %v", d, err)
+			}
+		}
+		_ = devices.DetachLoop(ours)
+	})
 	// Someone else's loop device of the other file.
 	out, err := exec.Command("losetup", "--find", "--show", "--", outside).Output()
 	if err != nil {
