@@ -28,18 +28,6 @@ type nodeServer struct {
 
 var _ csi.NodeServer = (*nodeServer)(nil)
 
-func notFound(format string, a ...any) error {
-	return fmt.Errorf(format+": %w", append(a, errdefs.ErrNotFound)...)
-}
-
-func precondition(format string, a ...any) error {
-	return fmt.Errorf(format+": %w", append(a, errdefs.ErrFailedPrecondition)...)
-}
-
-func alreadyExists(format string, a ...any) error {
-	return fmt.Errorf(format+": %w", append(a, errdefs.ErrAlreadyExists)...)
-}
-
 // mountOptions returns the mount(2) flags and data of a capability;
 // readOnly appends "ro" last so that it wins over a "rw" in mount_flags.
 func (n *nodeServer) mountOptions(c volumeCap, readOnly bool) (uintptr, string, error) {
@@ -129,12 +117,12 @@ func (n *nodeServer) volumePathOf(id, p string) (*volumeRecord, error) {
 		return nil, err
 	}
 	if !ok {
-		return nil, notFound("volume %q: not staged on this node", id)
+		return nil, errdefs.NotFound("volume %q: not staged on this node", id)
 	}
 	if _, published := rec.Publishes[p]; published || (p == rec.StagingPath && rec.Staged) {
 		return rec, nil
 	}
-	return nil, notFound("volume %q: %q is neither its staging path nor a target it is published at", id, p)
+	return nil, errdefs.NotFound("volume %q: %q is neither its staging path nor a target it is published at", id, p)
 }
 
 func (n *nodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {

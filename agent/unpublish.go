@@ -72,13 +72,13 @@ func holdTarget(target string, unlock *func()) (*heldPath, error) {
 // rec is nil when the volume has no record.
 func (n *nodeServer) unpublishedAlready(rec *volumeRecord, id, target string, tp *heldPath) error {
 	if owner, ok := n.a.state.pathOwner(target); ok && owner != id {
-		return notFound("volume %q: not published at %q, which belongs to volume %q", id, target, owner)
+		return errdefs.NotFound("volume %q: not published at %q, which belongs to volume %q", id, target, owner)
 	}
 	if tp != nil {
 		_, err := n.a.mountAt(tp)
 		switch {
 		case err == nil:
-			return notFound("volume %q: not published at %q; the mount there was not made by berth for this volume", id, target)
+			return errdefs.NotFound("volume %q: not published at %q; the mount there was not made by berth for this volume", id, target)
 		case !errors.Is(err, errdefs.ErrNotFound):
 			return err
 		}
@@ -99,7 +99,7 @@ func (n *nodeServer) unmountTarget(ctx context.Context, id, target string, made 
 	err := n.blocking(ctx, "unmount "+target, unlock, func() error {
 		return n.a.host.Unmount(tp.dir, tp.name, func(m mountEntry) error {
 			if owner, ok := n.a.mountOwner(m, id); ok {
-				return precondition("volume %q: target_path %q shows the device of volume %q; refusing to unmount it", id, target, owner)
+				return errdefs.FailedPrecondition("volume %q: target_path %q shows the device of volume %q; refusing to unmount it", id, target, owner)
 			}
 			return nil
 		})

@@ -102,7 +102,7 @@ func (n *nodeServer) dropStalePublishes(ctx context.Context, rec *volumeRecord, 
 func (n *nodeServer) unstageTarget(rec *volumeRecord) (Transport, Target, error) {
 	tr, ok := n.a.transports[rec.Transport]
 	if !ok {
-		return nil, nil, precondition("volume %q: staged through transport %q, which is not enabled any more; enable it to unstage", rec.VolumeID, rec.Transport)
+		return nil, nil, errdefs.FailedPrecondition("volume %q: staged through transport %q, which is not enabled any more; enable it to unstage", rec.VolumeID, rec.Transport)
 	}
 	target, err := tr.Parse(rec.Context, nil)
 	if err != nil {
@@ -113,7 +113,7 @@ func (n *nodeServer) unstageTarget(rec *volumeRecord) (Transport, Target, error)
 	// detaching what it names would tear down other storage and drop
 	// the record of what is still attached.
 	if key := target.Key(); rec.TargetKey != "" && key != rec.TargetKey {
-		return nil, nil, precondition("volume %q: staged from %s target %s, but its recorded volume_context names %s target %s: the state file %s was changed since the stage; berth detaches neither: restore the record, or detach the volume's storage by hand and remove the file",
+		return nil, nil, errdefs.FailedPrecondition("volume %q: staged from %s target %s, but its recorded volume_context names %s target %s: the state file %s was changed since the stage; berth detaches neither: restore the record, or detach the volume's storage by hand and remove the file",
 			rec.VolumeID, rec.Transport, rec.TargetKey, rec.Transport, key, n.a.state.file(rec.VolumeID))
 	}
 	return tr, target, nil
@@ -204,7 +204,7 @@ func (n *nodeServer) dropStalePublish(ctx context.Context, rec *volumeRecord, ta
 		_, err := n.a.mountAt(tp)
 		switch {
 		case err == nil:
-			return precondition("volume %q: still published at %q; NodeUnpublishVolume first", rec.VolumeID, target)
+			return errdefs.FailedPrecondition("volume %q: still published at %q; NodeUnpublishVolume first", rec.VolumeID, target)
 		case !errors.Is(err, errdefs.ErrNotFound):
 			return fmt.Errorf("check publish target %q: %w", target, err)
 		}
@@ -244,7 +244,7 @@ func (n *nodeServer) unmountStaging(rec *volumeRecord) error {
 			return checkStagingEntry(rec, m)
 		}
 		if owner, ok := n.a.mountOwner(m, rec.VolumeID); ok {
-			return precondition("volume %q: staging path %q shows device %d:%d of volume %q; refusing to unmount it", rec.VolumeID, rec.StagingPath, m.Major, m.Minor, owner)
+			return errdefs.FailedPrecondition("volume %q: staging path %q shows device %d:%d of volume %q; refusing to unmount it", rec.VolumeID, rec.StagingPath, m.Major, m.Minor, owner)
 		}
 		return nil
 	})
