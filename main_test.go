@@ -30,6 +30,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/berth-csi/berth/agent"
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 func TestParseTopology(t *testing.T) {
@@ -171,19 +172,6 @@ func berthBinary(t *testing.T) string {
 	return builtBin
 }
 
-// requireRoot skips a test that serves (berth serve runs as root only)
-// when run by hand without root; under BERTH_CI=1 that is a failure.
-func requireRoot(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() == 0 {
-		return
-	}
-	if os.Getenv("BERTH_CI") == "1" {
-		t.Fatal("BERTH_CI=1: needs root (berth serve)")
-	}
-	t.Skip("needs root (berth serve)")
-}
-
 type lockedBuffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
@@ -304,7 +292,7 @@ func mustServe(t *testing.T, p *berthProc, sock, node string) {
 // volumes as the first (two mkfs on one device); it must refuse to start
 // and say which process holds the directory.
 func TestServeOneAgentPerStateDir(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve")
 	dir := t.TempDir()
 	state := filepath.Join(dir, "state")
 	first := serveBerth(t, berthArgs(filepath.Join(dir, "a.sock"), state, "a")...)
@@ -331,7 +319,7 @@ func TestServeOneAgentPerStateDir(t *testing.T) {
 // directories): exactly one serves, on a socket file that is still there
 // after the other exited.
 func TestServeOneAgentPerSocket(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve")
 	bin := berthBinary(t)
 	const rounds = 20
 	var bothAlive, lostSocket, noPid int
@@ -401,13 +389,10 @@ func TestServeOneAgentPerSocket(t *testing.T) {
 // directory is still locked, a second berth on the activated endpoint is
 // refused, and closing the activated listener leaves systemd's socket.
 func TestServeSocketActivatedLocks(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve", "systemd-socket-activate")
 	tool, err := exec.LookPath("systemd-socket-activate")
 	if err != nil {
-		if os.Getenv("BERTH_CI") == "1" {
-			t.Fatal("BERTH_CI=1: needs systemd-socket-activate (make deps)")
-		}
-		t.Skip("needs systemd-socket-activate (make deps)")
+		t.Fatal(err)
 	}
 	dir := t.TempDir()
 	sock, state := filepath.Join(dir, "csi.sock"), filepath.Join(dir, "state")
@@ -443,7 +428,7 @@ func TestServeSocketActivatedLocks(t *testing.T) {
 // A --metrics-address berth cannot serve stops it from starting: the
 // operator asked for metrics and would otherwise find none.
 func TestServeRefusesBadMetricsAddress(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve")
 	busy, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -471,7 +456,7 @@ func TestServeRefusesBadMetricsAddress(t *testing.T) {
 // A berth with no transport cannot stage anything; it must not start and
 // answer Probe as if it could.
 func TestServeRefusesNoTransports(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve")
 	dir := t.TempDir()
 	p := serveBerth(t, "serve", "--endpoint=unix://"+filepath.Join(dir, "csi.sock"), "--state-dir="+filepath.Join(dir, "state"),
 		"--node-id=n", "--transports=", "--log-format=text")
@@ -485,7 +470,7 @@ func TestServeRefusesNoTransports(t *testing.T) {
 // node serving file and nvmeof, iSCSI keys are "not enabled", not "no
 // transport".
 func TestServeSelectsTransportByKeys(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve")
 	dir := t.TempDir()
 	sock, images, staging := filepath.Join(dir, "csi.sock"), filepath.Join(dir, "images"), filepath.Join(dir, "staging")
 	for _, d := range []string{images, staging} {
@@ -529,7 +514,7 @@ func TestServeSelectsTransportByKeys(t *testing.T) {
 // berth mounts, formats and attaches devices; run as another user it
 // would fail on the first volume instead of at start.
 func TestServeRefusesNonRoot(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve")
 	// A directory the unprivileged user may enter, write and run berth from.
 	dir, err := os.MkdirTemp("", "berth-nonroot-")
 	if err != nil {
@@ -565,7 +550,7 @@ func TestServeRefusesNonRoot(t *testing.T) {
 // The startup log gives every address berth listens on, the metrics one
 // as bound (port 0 picks a free port).
 func TestServeLogsListeningAddresses(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve")
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "csi.sock")
 	p := serveBerth(t, berthArgs(sock, filepath.Join(dir, "state"), "l", "--metrics-address=127.0.0.1:0")...)
@@ -590,7 +575,7 @@ func TestServeLogsListeningAddresses(t *testing.T) {
 // serve warns at startup about each node check that does not pass for
 // an enabled transport: this host has no iscsi_tcp module.
 func TestServeWarnsAboutNodeChecks(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve")
 	if _, err := os.Stat("/sys/class/iscsi_transport/tcp"); err == nil {
 		t.Skip("this host has iscsi_tcp loaded; the check passes")
 	}
@@ -700,7 +685,7 @@ func TestUnknownCommand(t *testing.T) {
 // A berth killed outright leaves no lock behind (the kernel drops it) and
 // only a stale socket, which the next berth replaces.
 func TestServeAfterKill(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve")
 	dir := t.TempDir()
 	sock, state := filepath.Join(dir, "csi.sock"), filepath.Join(dir, "state")
 	first := serveBerth(t, berthArgs(sock, state, "a")...)

@@ -12,6 +12,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // berth serve --kubelet-registration registers itself with the kubelet
@@ -19,7 +21,7 @@ import (
 // <kubelet-dir>/plugins_registry/<driver>-reg.sock, asks it GetInfo and
 // then dials the endpoint it names. Stopping berth removes the socket.
 func TestServeKubeletRegistration(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve")
 	dir := t.TempDir()
 	kubeletDir := filepath.Join(dir, "kubelet")
 	sock := filepath.Join(kubeletDir, "plugins", "reg.csi.io", "csi.sock")

@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // berth trim wants --volume-id or --all (usage errors exit 2), names a
@@ -30,7 +32,7 @@ func TestTrimCommand(t *testing.T) {
 			t.Errorf("berth trim %v: exit %d, want 2 (usage):\n%s", args, code, out)
 		}
 	}
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve")
 	if out, code := run("--volume-id=pvc-missing"); code != 1 || !strings.Contains(out, `volume "pvc-missing" is not staged on this node`) {
 		t.Errorf("trim of a volume without a record: exit %d:\n%s", code, out)
 	}

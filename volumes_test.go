@@ -15,13 +15,15 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // berth volumes, run beside a berth serve that has a volume staged and
 // published, reports it and an unreadable record, in the table and in
 // JSON, and leaves the serve and its state as they were.
 func TestVolumesCommandBesideServe(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "berth serve")
 	dir := t.TempDir()
 	sock, state, images := filepath.Join(dir, "csi.sock"), filepath.Join(dir, "state"), filepath.Join(dir, "images")
 	staging, target := filepath.Join(dir, "staging"), filepath.Join(dir, "pods", "mount")

@@ -54,29 +54,29 @@ func parseEncryption(vctx map[string]string) (*fs.LUKSOptions, error) {
 	case v == "true":
 		on = true
 	default:
-		return nil, invalid("volume_context[%q] %q: want \"true\" or \"false\"", ContextEncrypted, v)
+		return nil, errdefs.InvalidArgument("volume_context[%q] %q: want \"true\" or \"false\"", ContextEncrypted, v)
 	}
 	if !on {
 		for _, k := range encryptionOptionKeys {
 			if _, ok := vctx[k]; ok {
-				return nil, invalid("volume_context[%q]: given without %s=\"true\"", k, ContextEncrypted)
+				return nil, errdefs.InvalidArgument("volume_context[%q]: given without %s=\"true\"", k, ContextEncrypted)
 			}
 		}
 		return nil, nil
 	}
 	o := &fs.LUKSOptions{Cipher: vctx[ContextEncryptionCipher], PBKDF: vctx[ContextEncryptionPBKDF]}
 	if _, ok := vctx[ContextEncryptionCipher]; ok && o.Cipher == "" {
-		return nil, invalid("volume_context[%q]: empty", ContextEncryptionCipher)
+		return nil, errdefs.InvalidArgument("volume_context[%q]: empty", ContextEncryptionCipher)
 	}
 	if _, ok := vctx[ContextEncryptionPBKDF]; ok && o.PBKDF == "" {
-		return nil, invalid("volume_context[%q]: empty", ContextEncryptionPBKDF)
+		return nil, errdefs.InvalidArgument("volume_context[%q]: empty", ContextEncryptionPBKDF)
 	}
 	switch d, ok := vctx[ContextEncryptionAllowDiscards]; {
 	case !ok || d == "false":
 	case d == "true":
 		o.AllowDiscards = true
 	default:
-		return nil, invalid("volume_context[%q] %q: want \"true\" or \"false\"", ContextEncryptionAllowDiscards, d)
+		return nil, errdefs.InvalidArgument("volume_context[%q] %q: want \"true\" or \"false\"", ContextEncryptionAllowDiscards, d)
 	}
 	for _, f := range []struct {
 		key string
@@ -92,7 +92,7 @@ func parseEncryption(vctx map[string]string) (*fs.LUKSOptions, error) {
 		}
 		n, err := strconv.ParseUint(s, 10, 32)
 		if err != nil || n == 0 || n > 1<<31-1 || strconv.FormatUint(n, 10) != s {
-			return nil, invalid("volume_context[%q] %q: want a positive decimal number", f.key, s)
+			return nil, errdefs.InvalidArgument("volume_context[%q] %q: want a positive decimal number", f.key, s)
 		}
 		*f.dst = int(n)
 	}
@@ -106,7 +106,7 @@ func parseEncryption(vctx map[string]string) (*fs.LUKSOptions, error) {
 func passphraseOf(secrets map[string]string) ([]byte, error) {
 	p, ok := secrets[SecretEncryptionPassphrase]
 	if !ok || p == "" {
-		return nil, invalid("secrets: an encrypted volume needs its passphrase in %q (the StorageClass's csi.storage.k8s.io/node-stage-secret-name)", SecretEncryptionPassphrase)
+		return nil, errdefs.InvalidArgument("secrets: an encrypted volume needs its passphrase in %q (the StorageClass's csi.storage.k8s.io/node-stage-secret-name)", SecretEncryptionPassphrase)
 	}
 	return []byte(p), nil
 }
@@ -214,7 +214,7 @@ func (n *nodeServer) findMapping(rec *volumeRecord, dev *devices.Device) (*devic
 		if d.ID.DMName != "" {
 			what = fmt.Sprintf("%s (device-mapper %s, uuid %q)", d.Path, d.ID.DMName, d.ID.WWID)
 		}
-		return nil, precondition("volume %q: its device %s is held by %s, not by the volume's mapping %s; berth does not use a device something else has open", rec.VolumeID, dev.Path, what, name)
+		return nil, errdefs.FailedPrecondition("volume %q: its device %s is held by %s, not by the volume's mapping %s; berth does not use a device something else has open", rec.VolumeID, dev.Path, what, name)
 	}
 	return found, nil
 }
@@ -236,7 +236,7 @@ func (n *nodeServer) openEncrypted(ctx context.Context, rec *volumeRecord, dev *
 	switch {
 	case c.Formatting != nil:
 		if !c.Formatting.identifies(dev) {
-			return nil, false, precondition("volume %q: berth began to luksFormat device %s (%d:%d), which is not the device found now (%s): only a format of that same device is finished",
+			return nil, false, errdefs.FailedPrecondition("volume %q: berth began to luksFormat device %s (%d:%d), which is not the device found now (%s): only a format of that same device is finished",
 				id, c.Formatting.Path, c.Formatting.Major, c.Formatting.Minor, describeDevice(dev))
 		}
 		log.WarnContext(ctx, "finishing an encrypted format that was interrupted: berth found the device blank and began to luksFormat it before")
@@ -268,7 +268,7 @@ func (n *nodeServer) openEncrypted(ctx context.Context, rec *volumeRecord, dev *
 			m, err := n.openedMapping(rec, dev)
 			return m, false, err
 		case !sig.Blank():
-			return nil, false, precondition("volume %q: device %s holds %s, not a LUKS header; refusing to luksFormat a device that may hold data (check the volume: was it written unencrypted?)", id, dev.Path, sig)
+			return nil, false, errdefs.FailedPrecondition("volume %q: device %s holds %s, not a LUKS header; refusing to luksFormat a device that may hold data (check the volume: was it written unencrypted?)", id, dev.Path, sig)
 		}
 		// A blank device of a volume whose filesystem berth staged
 		// before has lost its LUKS header and what it held.
@@ -354,7 +354,7 @@ func (n *nodeServer) closeMapping(ctx context.Context, rec *volumeRecord) error 
 func (n *nodeServer) resizeMapping(ctx context.Context, rec *volumeRecord, secrets map[string]string) (*devices.Device, error) {
 	m := n.a.recordedDevice(rec.Crypt.Mapping)
 	if m == nil {
-		return nil, precondition("volume %q: its dm-crypt mapping %s is gone or changed since stage; unstage and stage again", rec.VolumeID, rec.Crypt.Name)
+		return nil, errdefs.FailedPrecondition("volume %q: its dm-crypt mapping %s is gone or changed since stage; unstage and stage again", rec.VolumeID, rec.Crypt.Name)
 	}
 	var passphrase []byte
 	if p := secrets[SecretEncryptionPassphrase]; p != "" {

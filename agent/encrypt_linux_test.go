@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // luksFormatImage writes a LUKS2 header to an image file (cryptsetup
@@ -48,7 +49,7 @@ func unchanged(t *testing.T, h *harness, img string, before []byte) {
 // A LUKS volume staged without encrypted=true is refused, never
 // formatted over, and the message says how to stage it.
 func TestStageLUKSWithoutEncryptedRefused(t *testing.T) {
-	requireRoot(t, "cryptsetup")
+	testutil.RequireRoot(t, "loop devices, mounts", "cryptsetup")
 	h := newHarness(t)
 	for _, c := range []*csi.VolumeCapability{mountCap("ext4", snw), mountCap("xfs", snw)} {
 		fsType := c.GetMount().GetFsType()
@@ -75,7 +76,7 @@ func TestStageLUKSWithoutEncryptedRefused(t *testing.T) {
 
 // Bad encryption settings are refused before anything is attached.
 func TestStageEncryptionBadRequests(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, mounts")
 	h := newHarness(t)
 	v := h.newVol("bad-enc", 64*mib, mountCap("ext4", snw))
 	img := filepath.Join(h.root, v.vctx["file"])
@@ -125,7 +126,7 @@ func TestStageEncryptionBadRequests(t *testing.T) {
 // Unavailable with nothing changed: no header written, nothing attached.
 // (Nodes with device-mapper run the encrypted stages in the VM tests.)
 func TestStageEncryptedWithoutDeviceMapper(t *testing.T) {
-	requireRoot(t, "cryptsetup")
+	testutil.RequireRoot(t, "loop devices, mounts", "cryptsetup")
 	if err := (devices.Roots{}).CheckDeviceMapper(); err == nil {
 		t.Skip("device-mapper works here: the encrypted stages run (see the VM test TestVMEncryption)")
 	}

@@ -67,14 +67,14 @@ func (n *nodeServer) validateExpand(req *csi.NodeExpandVolumeRequest) (expandReq
 		return e, err
 	}
 	if e.path == "" {
-		return e, invalid("volume_path: missing")
+		return e, errdefs.InvalidArgument("volume_path: missing")
 	}
 	e.required, e.limit = req.GetCapacityRange().GetRequiredBytes(), req.GetCapacityRange().GetLimitBytes()
 	switch {
 	case e.required < 0 || e.limit < 0:
-		return e, invalid("capacity_range: negative size")
+		return e, errdefs.InvalidArgument("capacity_range: negative size")
 	case e.limit > 0 && e.required > e.limit:
-		return e, invalid("capacity_range: required_bytes %d exceeds limit_bytes %d", e.required, e.limit)
+		return e, errdefs.InvalidArgument("capacity_range: required_bytes %d exceeds limit_bytes %d", e.required, e.limit)
 	}
 	if err := validateSecrets(e.secrets); err != nil {
 		return e, err
@@ -100,18 +100,18 @@ func (n *nodeServer) checkExpand(e expandRequest) (*volumeRecord, Target, error)
 		return nil, nil, err
 	}
 	if e.vcap != nil && e.vcap.accessType() != rec.AccessType {
-		return nil, nil, invalid("volume_capability: access type %s, the volume was staged as %s", e.vcap.accessType(), rec.AccessType)
+		return nil, nil, errdefs.InvalidArgument("volume_capability: access type %s, the volume was staged as %s", e.vcap.accessType(), rec.AccessType)
 	}
 	tr, ok := n.a.transports[rec.Transport]
 	if !ok {
-		return nil, nil, precondition("volume %q: transport %q is not enabled", id, rec.Transport)
+		return nil, nil, errdefs.FailedPrecondition("volume %q: transport %q is not enabled", id, rec.Transport)
 	}
 	target, err := tr.Parse(rec.Context, e.secrets)
 	if err != nil {
 		return nil, nil, err
 	}
 	if n.a.recordedDevice(rec.Device) == nil {
-		return nil, nil, precondition("volume %q: its device %s is gone or changed since stage; unstage and stage again", id, rec.Device.path())
+		return nil, nil, errdefs.FailedPrecondition("volume %q: its device %s is gone or changed since stage; unstage and stage again", id, rec.Device.path())
 	}
 	if rec.AccessType != "block" {
 		// The filesystem is grown through its staging mount.
@@ -140,12 +140,12 @@ func (n *nodeServer) checkExpandedSize(e expandRequest, rec *volumeRecord, size 
 	// the same number shows only now, and its filesystem is not the
 	// volume's to grow.
 	if n.a.recordedDevice(rec.Device) == nil {
-		return precondition("volume %q: its device %s changed during the rescan (the LUN or namespace was replaced?); nothing was resized: unstage and stage again", id, rec.Device.path())
+		return errdefs.FailedPrecondition("volume %q: its device %s changed during the rescan (the LUN or namespace was replaced?); nothing was resized: unstage and stage again", id, rec.Device.path())
 	}
 	if rec.Device.Size > 0 && size < rec.Device.Size {
 		// The storage shrank (a LUN or namespace resized on the target):
 		// the filesystem is not touched, the operator has to look.
-		return precondition("volume %q: device %s shrank from %d to %d bytes; berth never shrinks a filesystem or grows it into a smaller device: restore the storage's size", id, rec.Device.path(), rec.Device.Size, size)
+		return errdefs.FailedPrecondition("volume %q: device %s shrank from %d to %d bytes; berth never shrinks a filesystem or grows it into a smaller device: restore the storage's size", id, rec.Device.path(), rec.Device.Size, size)
 	}
 	if e.required > size {
 		return fmt.Errorf("volume %q: device %s holds %d bytes after a rescan, %d are required; grow the storage first: %w", id, rec.Device.path(), size, e.required, errdefs.ErrOutOfRange)

@@ -333,7 +333,7 @@ func (ft *fakeTransport) Keys() []string { return []string{"fake"} }
 func (ft *fakeTransport) Parse(vc, _ map[string]string) (Target, error) {
 	k := vc["fake"]
 	if k == "" {
-		return nil, invalid("volume_context[fake]: missing")
+		return nil, errdefs.InvalidArgument("volume_context[fake]: missing")
 	}
 	return &fakeTarget{ft: ft, key: k}, nil
 }

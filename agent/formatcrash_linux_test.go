@@ -23,6 +23,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // berthBinary returns $BERTH_BIN, or builds berth from this module.
@@ -196,7 +197,7 @@ func detachImages(t *testing.T, root string) {
 // berth alone: it writes a block at 4 KiB, as mke2fs does before its
 // superblock, and then waits to be killed.
 func TestKilledDuringMkfsFinishesOnRetry(t *testing.T) {
-	requireRoot(t, "mkfs.ext4", "blkid", "e2fsck")
+	testutil.RequireRoot(t, "loop devices, mounts", "mkfs.ext4", "blkid", "e2fsck")
 	bin := berthBinary(t)
 	dir := t.TempDir()
 	root := filepath.Join(dir, "images")
@@ -272,7 +273,7 @@ exec sleep 600
 // refused by the real binary: 4 KiB of random bytes at 4 KiB, what an
 // interrupted mkfs leaves, written by someone else.
 func TestUnmarkedPartialDataRefused(t *testing.T) {
-	requireRoot(t, "mkfs.ext4", "blkid", "e2fsck")
+	testutil.RequireRoot(t, "loop devices, mounts", "mkfs.ext4", "blkid", "e2fsck")
 	bin := berthBinary(t)
 	dir := t.TempDir()
 	root := filepath.Join(dir, "images")

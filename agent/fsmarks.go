@@ -7,6 +7,8 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // fsMark is what berth remembers of the filesystem of a volume it staged,
@@ -73,7 +75,7 @@ func (m *fsMarks) get(id string) (*fsMark, error) {
 // newer is the refusal of a call that finds volume id's mark in a newer
 // format.
 func (m *fsMarks) newer(id string, err *newerFormatError) error {
-	return precondition("volume %q: its filesystem mark %v; berth changes nothing of the volume: run a berth that reads format %d for it, or the one that wrote it", id, err, err.version)
+	return errdefs.FailedPrecondition("volume %q: its filesystem mark %v; berth changes nothing of the volume: run a berth that reads format %d for it, or the one that wrote it", id, err, err.version)
 }
 
 // put writes a mark durably, in today's format.
@@ -121,13 +123,13 @@ func (mk *fsMark) describe() string {
 // filesystemGone is the refusal of a stage that finds blank the device of
 // a volume whose filesystem berth staged before.
 func (m *fsMarks) filesystemGone(mk *fsMark, devPath string) error {
-	return precondition("volume %q: its device %s reads blank: %s is gone (an image file replaced, a LUN or namespace that lost its data, or other storage behind the volume's name or number); berth never formats a volume it staged with a filesystem again: check the storage; if the volume was deleted and created anew under the same ID, remove %s and stage again",
+	return errdefs.FailedPrecondition("volume %q: its device %s reads blank: %s is gone (an image file replaced, a LUN or namespace that lost its data, or other storage behind the volume's name or number); berth never formats a volume it staged with a filesystem again: check the storage; if the volume was deleted and created anew under the same ID, remove %s and stage again",
 		mk.VolumeID, devPath, mk.describe(), m.path(mk.VolumeID))
 }
 
 // otherFilesystem is the refusal of a stage that finds, on the device of
 // a volume whose filesystem berth staged before, one with another UUID.
 func (m *fsMarks) otherFilesystem(mk *fsMark, devPath, fsType, uuid string) error {
-	return precondition("volume %q: its device %s holds a filesystem of type %s with UUID %s, not %s: this is not the volume's filesystem (other storage behind the volume's name or number, or a filesystem made again outside berth); berth does not mount it as the volume: check the storage; if the change is intended, remove %s and stage again",
+	return errdefs.FailedPrecondition("volume %q: its device %s holds a filesystem of type %s with UUID %s, not %s: this is not the volume's filesystem (other storage behind the volume's name or number, or a filesystem made again outside berth); berth does not mount it as the volume: check the storage; if the change is intended, remove %s and stage again",
 		mk.VolumeID, devPath, fsType, uuid, mk.describe(), m.path(mk.VolumeID))
 }

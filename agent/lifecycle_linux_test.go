@@ -24,6 +24,7 @@ import (
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 const mib = 1 << 20
@@ -44,7 +45,7 @@ type harness struct {
 
 func newHarness(t testing.TB, mods ...func(*Config)) *harness {
 	t.Helper()
-	requireRoot(t, "mkfs.ext4", "mkfs.xfs", "blkid", "e2fsck")
+	testutil.RequireRoot(t, "loop devices, mounts", "mkfs.ext4", "mkfs.xfs", "blkid", "e2fsck")
 	dir := t.TempDir()
 	h := &harness{t: t, dir: dir, root: filepath.Join(dir, "images"), stateDir: filepath.Join(dir, "state")}
 	if err := os.Mkdir(h.root, 0o700); err != nil {

@@ -11,12 +11,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/berth-csi/berth/fs"
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+
+	"github.com/berth-csi/berth/fs"
 )
 
 // bigMap returns n entries named prefix-i whose values are valueLen bytes.

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // A second listener on one endpoint is refused by the lock beside the
@@ -61,7 +63,7 @@ func TestListenCloseLeavesForeignSocket(t *testing.T) {
 // A second agent on one state directory is refused before it reads or
 // cleans anything there, naming the holder; Close frees the directory.
 func TestNewLocksStateDir(t *testing.T) {
-	requireRoot(t) // New opens a uevent listener
+	testutil.RequireRoot(t, "loop devices, mounts") // New opens a uevent listener
 	state := t.TempDir()
 	cfg := Config{NodeID: "n", StateDir: state, Logger: slog.New(slog.NewTextHandler(testWriter{t}, nil))}
 	first, err := New(cfg)

@@ -9,6 +9,8 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
+
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // superblockField is one line of dumpe2fs -h of the image, such as
@@ -29,7 +31,7 @@ func superblockField(t *testing.T, image, field string) string {
 // The StorageClass's mkfs parameters shape the filesystem a stage makes,
 // and only that one: a volume that has a filesystem is mounted as it is.
 func TestStageMkfsParams(t *testing.T) {
-	requireRoot(t, "dumpe2fs", "xfs_info")
+	testutil.RequireRoot(t, "loop devices, mounts", "dumpe2fs", "xfs_info")
 	h := newHarness(t)
 
 	v := h.newVol("tuned", 64*mib, mountCap("ext4", snw))

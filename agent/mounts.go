@@ -49,16 +49,16 @@ func checkStagingEntry(rec *volumeRecord, m mountEntry) error {
 	staging, d := rec.StagingPath, rec.volumeDevice()
 	switch {
 	case d == nil:
-		return precondition("volume %q: staging path %q holds a mount of device %d:%d (%s), and no device is recorded for the volume (its stage did not finish)",
+		return errdefs.FailedPrecondition("volume %q: staging path %q holds a mount of device %d:%d (%s), and no device is recorded for the volume (its stage did not finish)",
 			rec.VolumeID, staging, m.Major, m.Minor, m.FSType)
 	case !sameDevice(m, d):
-		return precondition("volume %q: staging path %q holds a mount of device %d:%d (%s), not of the volume's device %s (%d:%d)",
+		return errdefs.FailedPrecondition("volume %q: staging path %q holds a mount of device %d:%d (%s), not of the volume's device %s (%d:%d)",
 			rec.VolumeID, staging, m.Major, m.Minor, m.FSType, d.Path, d.Major, d.Minor)
 	case !isVolumeRoot(m, rec):
-		return precondition("volume %q: staging path %q shows a directory inside the volume's filesystem (inode %d), not its root (inode %d)",
+		return errdefs.FailedPrecondition("volume %q: staging path %q shows a directory inside the volume's filesystem (inode %d), not its root (inode %d)",
 			rec.VolumeID, staging, m.Ino, rec.StagingRootIno)
 	case m.FSType != rec.FsType:
-		return precondition("volume %q: staging path %q is mounted as %s, the volume was staged as %s", rec.VolumeID, staging, m.FSType, rec.FsType)
+		return errdefs.FailedPrecondition("volume %q: staging path %q is mounted as %s, the volume was staged as %s", rec.VolumeID, staging, m.FSType, rec.FsType)
 	}
 	return nil
 }
@@ -71,7 +71,7 @@ func checkUsable(rec *volumeRecord, p string, m mountEntry) error {
 	if m.FSError == nil {
 		return nil
 	}
-	return precondition("volume %q: the filesystem mounted at %q fails (%v): it shut down after I/O errors or the loss of its device (the kernel log says which); NodeUnpublishVolume and NodeUnstageVolume, check the device, then stage it again", rec.VolumeID, p, m.FSError)
+	return errdefs.FailedPrecondition("volume %q: the filesystem mounted at %q fails (%v): it shut down after I/O errors or the loss of its device (the kernel log says which); NodeUnpublishVolume and NodeUnstageVolume, check the device, then stage it again", rec.VolumeID, p, m.FSError)
 }
 
 // checkPublished checks that a publish target shows the volume: for a
@@ -108,12 +108,12 @@ func checkPublishedEntry(rec *volumeRecord, target string, m mountEntry) error {
 	d := rec.volumeDevice()
 	if rec.AccessType == "block" {
 		if d == nil || uint32(m.RdevMajor) != d.Major || uint32(m.RdevMinor) != d.Minor {
-			return precondition("volume %q: target_path %q holds a mount that is not the volume's device node %s; unmount it (NodeUnpublishVolume does) and publish again", rec.VolumeID, target, d.pathOrNone())
+			return errdefs.FailedPrecondition("volume %q: target_path %q holds a mount that is not the volume's device node %s; unmount it (NodeUnpublishVolume does) and publish again", rec.VolumeID, target, d.pathOrNone())
 		}
 		return nil
 	}
 	if !isVolumeRoot(m, rec) {
-		return precondition("volume %q: target_path %q holds a mount of device %d:%d inode %d, not the volume's filesystem (%s); unmount it (NodeUnpublishVolume does) and publish again",
+		return errdefs.FailedPrecondition("volume %q: target_path %q holds a mount of device %d:%d inode %d, not the volume's filesystem (%s); unmount it (NodeUnpublishVolume does) and publish again",
 			rec.VolumeID, target, m.Major, m.Minor, m.Ino, d.pathOrNone())
 	}
 	return nil

@@ -28,18 +28,6 @@ type nodeServer struct {
 
 var _ csi.NodeServer = (*nodeServer)(nil)
 
-func notFound(format string, a ...any) error {
-	return fmt.Errorf(format+": %w", append(a, errdefs.ErrNotFound)...)
-}
-
-func precondition(format string, a ...any) error {
-	return fmt.Errorf(format+": %w", append(a, errdefs.ErrFailedPrecondition)...)
-}
-
-func alreadyExists(format string, a ...any) error {
-	return fmt.Errorf(format+": %w", append(a, errdefs.ErrAlreadyExists)...)
-}
-
 // mountOptions returns the mount(2) flags and data of a capability;
 // readOnly appends "ro" last so that it wins over a "rw" in mount_flags.
 func (n *nodeServer) mountOptions(c volumeCap, readOnly bool) (uintptr, string, error) {
@@ -86,15 +74,52 @@ func (n *nodeServer) lockVolumePath(id, field, p string) (unlock func(), err err
 	return n.a.locks.tryLock(volumeKey(id), pathKey(p))
 }
 
+// heldLocks are the locks an RPC took, which a step left running at the
+// request's deadline takes over (see blocking). The zero value holds
+// nothing.
+type heldLocks struct{ release func() }
+
+// Release lets the locks go, and closes what closeWith added, unless a
+// step took them over; a second Release does nothing.
+func (l *heldLocks) Release() {
+	if l.release != nil {
+		l.release()
+		l.release = nil
+	}
+}
+
+// closeWith makes Release, or the step that takes the locks over, call
+// done before it lets the locks go.
+func (l *heldLocks) closeWith(done func()) {
+	release := l.release
+	l.release = func() {
+		done()
+		if release != nil {
+			release()
+		}
+	}
+}
+
+// handOff passes the locks to whoever calls the function it returns;
+// l's Release does nothing any more.
+func (l *heldLocks) handOff() func() {
+	release := l.release
+	l.release = nil
+	if release == nil {
+		return func() {}
+	}
+	return release
+}
+
 // blocking runs step, which may call into the kernel where a device that
 // answers no I/O keeps it from returning (an unmount's writeback, a
 // flush), and waits for it until ctx ends. A step still running then goes
-// on in the background and takes the RPC's locks over (*unlock becomes a
-// no-op for the caller) until it returns: the volume answers Aborted
-// meanwhile, and the CO's next retry finds what the step did. The step
-// must not use what the caller changes or closes after it returns; what
-// it needs closed afterwards is closed in *unlock.
-func (n *nodeServer) blocking(ctx context.Context, what string, unlock *func(), step func() error) error {
+// on in the background and takes the RPC's locks over (locks.Release
+// becomes a no-op for the caller) until it returns: the volume answers
+// Aborted meanwhile, and the CO's next retry finds what the step did. The
+// step must not use what the caller changes or closes after it returns;
+// what it needs closed afterwards is added with locks.closeWith.
+func (n *nodeServer) blocking(ctx context.Context, what string, locks *heldLocks, step func() error) error {
 	done := make(chan error, 1)
 	go func() { done <- step() }()
 	select {
@@ -102,8 +127,7 @@ func (n *nodeServer) blocking(ctx context.Context, what string, unlock *func(), 
 		return err
 	case <-ctx.Done():
 	}
-	release := *unlock
-	*unlock = func() {}
+	release := locks.handOff()
 	log := logFrom(ctx, n.a.log)
 	start := time.Now()
 	go func() {
@@ -129,12 +153,12 @@ func (n *nodeServer) volumePathOf(id, p string) (*volumeRecord, error) {
 		return nil, err
 	}
 	if !ok {
-		return nil, notFound("volume %q: not staged on this node", id)
+		return nil, errdefs.NotFound("volume %q: not staged on this node", id)
 	}
 	if _, published := rec.Publishes[p]; published || (p == rec.StagingPath && rec.Staged) {
 		return rec, nil
 	}
-	return nil, notFound("volume %q: %q is neither its staging path nor a target it is published at", id, p)
+	return nil, errdefs.NotFound("volume %q: %q is neither its staging path nor a target it is published at", id, p)
 }
 
 func (n *nodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {

@@ -84,7 +84,7 @@ func removeTarget(ctx context.Context, log *slog.Logger, p *heldPath) error {
 		// Files below an unmounted target were written into the
 		// directory itself (the mount was gone), or something is still
 		// mounted there: berth does not delete data it did not create.
-		return precondition("remove target_path %q: %v; check what is inside or mounted there", p.path, err)
+		return errdefs.FailedPrecondition("remove target_path %q: %v; check what is inside or mounted there", p.path, err)
 	}
 	return fmt.Errorf("remove target_path %q: %w", p.path, err)
 }
@@ -111,7 +111,7 @@ func prepareTarget(p *heldPath, block bool) (h *fs.Handle, created bool, err err
 	h, err = p.open()
 	if err != nil {
 		if errors.Is(err, errdefs.ErrInvalidArgument) {
-			return nil, created, alreadyExists("target_path %q: exists and is not a %s (%v)", p.path, kind, err)
+			return nil, created, errdefs.AlreadyExists("target_path %q: exists and is not a %s (%v)", p.path, kind, err)
 		}
 		return nil, created, fmt.Errorf("open target_path %q: %w", p.path, err)
 	}
@@ -130,18 +130,18 @@ func prepareTarget(p *heldPath, block bool) (h *fs.Handle, created bool, err err
 	}
 	switch {
 	case st.MountRoot:
-		return nil, false, alreadyExists("target_path %q: already a mount point that berth did not make", p.path)
+		return nil, false, errdefs.AlreadyExists("target_path %q: already a mount point that berth did not make", p.path)
 	case block && !st.Regular:
-		return nil, false, alreadyExists("target_path %q: exists and is not a regular file", p.path)
+		return nil, false, errdefs.AlreadyExists("target_path %q: exists and is not a regular file", p.path)
 	case !block && !st.Dir:
-		return nil, false, alreadyExists("target_path %q: exists and is not a directory", p.path)
+		return nil, false, errdefs.AlreadyExists("target_path %q: exists and is not a directory", p.path)
 	case block:
 		size, err := h.Size()
 		if err != nil {
 			return nil, false, fmt.Errorf("target_path %q: %w", p.path, err)
 		}
 		if size > 0 {
-			return nil, false, precondition("target_path %q: an existing file of %d bytes; a raw block publish there would hide its content; empty or remove it", p.path, size)
+			return nil, false, errdefs.FailedPrecondition("target_path %q: an existing file of %d bytes; a raw block publish there would hide its content; empty or remove it", p.path, size)
 		}
 	default:
 		empty, err := h.Empty()
@@ -149,7 +149,7 @@ func prepareTarget(p *heldPath, block bool) (h *fs.Handle, created bool, err err
 			return nil, false, fmt.Errorf("target_path %q: %w", p.path, err)
 		}
 		if !empty {
-			return nil, false, precondition("target_path %q: an existing directory that is not empty; a publish there would hide its files; empty or remove it", p.path)
+			return nil, false, errdefs.FailedPrecondition("target_path %q: an existing directory that is not empty; a publish there would hide its files; empty or remove it", p.path)
 		}
 	}
 	return h, false, nil
@@ -174,9 +174,9 @@ func (a *Agent) checkTargetOutsideStaging(tp *heldPath) error {
 		switch {
 		case s == "":
 		case within(target, s):
-			return invalid("target_path %q: inside the staging path %q of volume %q", target, s, r.VolumeID)
+			return errdefs.InvalidArgument("target_path %q: inside the staging path %q of volume %q", target, s, r.VolumeID)
 		case within(s, target):
-			return invalid("target_path %q: holds the staging path %q of volume %q", target, s, r.VolumeID)
+			return errdefs.InvalidArgument("target_path %q: holds the staging path %q of volume %q", target, s, r.VolumeID)
 		}
 	}
 	st, err := tp.dir.Stat()
@@ -184,7 +184,7 @@ func (a *Agent) checkTargetOutsideStaging(tp *heldPath) error {
 		return fmt.Errorf("target_path %q: %w", target, err)
 	}
 	if owner, ok := a.mountOwner(mountEntry{Major: int(st.Major), Minor: int(st.Minor)}, ""); ok {
-		return invalid("target_path %q: its directory is on the filesystem of volume %q", target, owner)
+		return errdefs.InvalidArgument("target_path %q: its directory is on the filesystem of volume %q", target, owner)
 	}
 	return nil
 }
@@ -216,9 +216,9 @@ func (a *Agent) openStagingMount(rec *volumeRecord) (*fs.Handle, error) {
 	h, err := fs.OpenPath(staging)
 	switch {
 	case errors.Is(err, errdefs.ErrNotFound):
-		return nil, precondition("volume %q: its staging path %q is gone; NodeStageVolume mounts it again", rec.VolumeID, staging)
+		return nil, errdefs.FailedPrecondition("volume %q: its staging path %q is gone; NodeStageVolume mounts it again", rec.VolumeID, staging)
 	case errors.Is(err, errdefs.ErrInvalidArgument):
-		return nil, precondition("volume %q: staging path %q: %v", rec.VolumeID, staging, err)
+		return nil, errdefs.FailedPrecondition("volume %q: staging path %q: %v", rec.VolumeID, staging, err)
 	case err != nil:
 		return nil, fmt.Errorf("volume %q: check staging path %q: %w", rec.VolumeID, staging, err)
 	}
@@ -228,7 +228,7 @@ func (a *Agent) openStagingMount(rec *volumeRecord) (*fs.Handle, error) {
 			err = checkUsable(rec, staging, m)
 		}
 	} else if errors.Is(err, errdefs.ErrNotFound) {
-		err = precondition("volume %q: nothing is mounted at its staging path %q (unmounted behind berth's back?); NodeStageVolume mounts it again", rec.VolumeID, staging)
+		err = errdefs.FailedPrecondition("volume %q: nothing is mounted at its staging path %q (unmounted behind berth's back?); NodeStageVolume mounts it again", rec.VolumeID, staging)
 	} else {
 		err = fmt.Errorf("volume %q: check staging path %q: %w", rec.VolumeID, staging, err)
 	}

@@ -8,8 +8,9 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // pathTransport wraps the fake transport so its targets report paths.

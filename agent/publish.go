@@ -96,13 +96,13 @@ func (n *nodeServer) validatePublish(req *csi.NodePublishVolumeRequest) (publish
 		return p, err
 	}
 	if p.staging == "" {
-		return p, precondition("staging_target_path: missing; berth has the STAGE_UNSTAGE_VOLUME capability and publishes staged volumes only")
+		return p, errdefs.FailedPrecondition("staging_target_path: missing; berth has the STAGE_UNSTAGE_VOLUME capability and publishes staged volumes only")
 	}
 	if err := validatePath("staging_target_path", p.staging); err != nil {
 		return p, err
 	}
 	if p.staging == p.target {
-		return p, invalid("target_path: equal to staging_target_path")
+		return p, errdefs.InvalidArgument("target_path: equal to staging_target_path")
 	}
 	if _, err := mergeContext(req.GetVolumeContext(), req.GetPublishContext()); err != nil {
 		return p, err
@@ -124,16 +124,16 @@ func (n *nodeServer) checkPublish(p publishRequest, tp *heldPath) (*volumeRecord
 	case err != nil:
 		return nil, err
 	case !ok || !rec.Staged:
-		return nil, precondition("volume %q: not staged on this node; NodeStageVolume first", id)
+		return nil, errdefs.FailedPrecondition("volume %q: not staged on this node; NodeStageVolume first", id)
 	case rec.StagingPath != p.staging:
-		return nil, precondition("volume %q: staged at %q, not at %q", id, rec.StagingPath, p.staging)
+		return nil, errdefs.FailedPrecondition("volume %q: staged at %q, not at %q", id, rec.StagingPath, p.staging)
 	case rec.AccessType != p.vcap.accessType():
-		return nil, precondition("volume %q: staged with access type %s, publish asks for %s", id, rec.AccessType, p.vcap.accessType())
+		return nil, errdefs.FailedPrecondition("volume %q: staged with access type %s, publish asks for %s", id, rec.AccessType, p.vcap.accessType())
 	case rec.FsType != p.vcap.FsType:
-		return nil, precondition("volume %q: staged with fs_type %s, publish asks for %s", id, rec.FsType, p.vcap.FsType)
+		return nil, errdefs.FailedPrecondition("volume %q: staged with fs_type %s, publish asks for %s", id, rec.FsType, p.vcap.FsType)
 	}
 	if owner, ok := n.a.state.pathOwner(p.target); ok && owner != id {
-		return nil, alreadyExists("target_path %q: in use by volume %q", p.target, owner)
+		return nil, errdefs.AlreadyExists("target_path %q: in use by volume %q", p.target, owner)
 	}
 	if err := n.a.checkTargetOutsideStaging(tp); err != nil {
 		return nil, err
@@ -155,7 +155,7 @@ func (n *nodeServer) openPublishStaging(rec *volumeRecord, p publishRequest) (*b
 	// is not given to a pod.
 	if n.a.recordedDevice(rec.Device) == nil || n.a.recordedDevice(rec.volumeDevice()) == nil {
 		source.Close()
-		return nil, precondition("volume %q: its device %s is gone or changed since stage (target lost, LUN or namespace removed or replaced) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", p.id, rec.Device.path(), p.staging)
+		return nil, errdefs.FailedPrecondition("volume %q: its device %s is gone or changed since stage (target lost, LUN or namespace removed or replaced) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", p.id, rec.Device.path(), p.staging)
 	}
 	return source, nil
 }
@@ -170,7 +170,7 @@ func (n *nodeServer) recordPublishIntent(rec *volumeRecord, p publishRequest, tp
 	want := publishRecord{ReadOnly: p.readOnly, Mode: vcap.Mode.String(), MountFlags: vcap.MountFlags}
 	if have, ok := rec.Publishes[target]; ok {
 		if have.ReadOnly != want.ReadOnly || have.Mode != want.Mode || !slices.Equal(have.MountFlags, want.MountFlags) {
-			return false, alreadyExists("volume %q: published at %q with readonly=%t mode=%s mount_flags=%q; the request has readonly=%t mode=%s mount_flags=%q",
+			return false, errdefs.AlreadyExists("volume %q: published at %q with readonly=%t mode=%s mount_flags=%q; the request has readonly=%t mode=%s mount_flags=%q",
 				id, target, have.ReadOnly, have.Mode, have.MountFlags, want.ReadOnly, want.Mode, want.MountFlags)
 		}
 		m, err := n.a.mountAt(tp)
@@ -198,20 +198,20 @@ func (n *nodeServer) recordPublishIntent(rec *volumeRecord, p publishRequest, tp
 	single := vcap.singleWriter()
 	for other, pub := range rec.Publishes {
 		if single || pub.Mode == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER.String() {
-			return false, precondition("volume %q: access mode SINGLE_NODE_SINGLE_WRITER allows one target and it is published at %q", id, other)
+			return false, errdefs.FailedPrecondition("volume %q: access mode SINGLE_NODE_SINGLE_WRITER allows one target and it is published at %q", id, other)
 		}
 		if vcap.Block && !vcap.readOnly() && pub.ReadOnly != want.ReadOnly {
 			// The block layer has one read-only flag per device:
 			// read-only and read-write raw block publishes of one
 			// volume cannot both be what they say.
-			return false, precondition("volume %q: published %s at %q; a raw block device is read-only for all its publishes or for none, so a %s publish beside it is refused: unpublish it first",
+			return false, errdefs.FailedPrecondition("volume %q: published %s at %q; a raw block device is read-only for all its publishes or for none, so a %s publish beside it is refused: unpublish it first",
 				id, rwName(pub.ReadOnly), other, rwName(want.ReadOnly))
 		}
 	}
 	_, err := n.a.mountAt(tp)
 	switch {
 	case err == nil:
-		return false, alreadyExists("target_path %q: already a mount point that berth did not make for volume %q", target, id)
+		return false, errdefs.AlreadyExists("target_path %q: already a mount point that berth did not make for volume %q", target, id)
 	case !errors.Is(err, errdefs.ErrNotFound):
 		return false, err
 	}
@@ -255,7 +255,7 @@ func (n *nodeServer) undoPublish(ctx context.Context, rec *volumeRecord, target 
 func (n *nodeServer) openPublishDevice(rec *volumeRecord, id string) (*devices.Device, *berthfs.Handle, error) {
 	d := n.a.recordedDevice(rec.volumeDevice())
 	if d == nil || n.a.recordedDevice(rec.Device) == nil {
-		return nil, nil, precondition("volume %q: its device %s (or its dm-crypt mapping) is gone or changed since stage; unstage and stage again", id, rec.Device.path())
+		return nil, nil, errdefs.FailedPrecondition("volume %q: its device %s (or its dm-crypt mapping) is gone or changed since stage; unstage and stage again", id, rec.Device.path())
 	}
 	source, err := n.a.host.OpenDeviceNode(d.Path, d.Major, d.Minor)
 	if err != nil {

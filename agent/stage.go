@@ -21,7 +21,7 @@ import (
 func openStaging(p string) (*heldPath, *berthfs.Handle, error) {
 	sp, err := holdPath("staging_target_path", p)
 	if errors.Is(err, errdefs.ErrNotFound) {
-		return nil, nil, notFound("staging_target_path %q: does not exist (the CO creates it before NodeStageVolume)", p)
+		return nil, nil, errdefs.NotFound("staging_target_path %q: does not exist (the CO creates it before NodeStageVolume)", p)
 	}
 	if err != nil {
 		return nil, nil, err
@@ -30,7 +30,7 @@ func openStaging(p string) (*heldPath, *berthfs.Handle, error) {
 	if err == nil {
 		var st berthfs.PathStat
 		if st, err = h.Stat(); err == nil && !st.Dir {
-			err = invalid("staging_target_path %q: not a directory", p)
+			err = errdefs.InvalidArgument("staging_target_path %q: not a directory", p)
 		}
 		if err != nil {
 			h.Close()
@@ -40,7 +40,7 @@ func openStaging(p string) (*heldPath, *berthfs.Handle, error) {
 	case err == nil:
 		return sp, h, nil
 	case errors.Is(err, errdefs.ErrNotFound):
-		err = notFound("staging_target_path %q: does not exist (the CO creates it before NodeStageVolume)", p)
+		err = errdefs.NotFound("staging_target_path %q: does not exist (the CO creates it before NodeStageVolume)", p)
 	case !errors.Is(err, errdefs.ErrInvalidArgument):
 		err = fmt.Errorf("staging_target_path %q: %w", p, err)
 	}
@@ -231,10 +231,10 @@ func (n *nodeServer) checkStage(ctx context.Context, s *stageRun) error {
 			return err
 		}
 		if (s.rec.Crypt != nil) != (s.enc != nil) {
-			return alreadyExists("volume %q: staged with %s=%t, the request asks for %t", s.id, ContextEncrypted, s.rec.Crypt != nil, s.enc != nil)
+			return errdefs.AlreadyExists("volume %q: staged with %s=%t, the request asks for %t", s.id, ContextEncrypted, s.rec.Crypt != nil, s.enc != nil)
 		}
 	} else if owner, ok := n.a.state.pathOwner(s.staging); ok {
-		return alreadyExists("staging_target_path %q: in use by volume %q", s.staging, owner)
+		return errdefs.AlreadyExists("staging_target_path %q: in use by volume %q", s.staging, owner)
 	}
 	// One storage object is staged once per node: two volumes writing
 	// one filesystem through two devices corrupt it. This is checked
@@ -245,7 +245,7 @@ func (n *nodeServer) checkStage(ctx context.Context, s *stageRun) error {
 		if s.ident != "" && s.ident != what {
 			what += " (" + s.ident + ")"
 		}
-		return precondition("%s target %s: the same storage is already staged on this node as volume %q; unstage it first", s.tr.Name(), what, owner)
+		return errdefs.FailedPrecondition("%s target %s: the same storage is already staged on this node as volume %q; unstage it first", s.tr.Name(), what, owner)
 	}
 	if !s.known {
 		if max := n.a.cfg.MaxVolumes; max > 0 && int64(n.a.state.count()) >= max {
@@ -308,7 +308,7 @@ func (n *nodeServer) stagedAlready(ctx context.Context, s *stageRun) (bool, erro
 		// lost controller or a removed LUN leaves a filesystem
 		// whose every I/O fails.
 		if n.a.recordedDevice(rec.Device) == nil || (rec.Crypt != nil && n.a.recordedDevice(rec.Crypt.Mapping) == nil) {
-			return false, precondition("volume %q: its device %s (or its dm-crypt mapping) is gone (target lost or LUN removed) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", s.id, rec.Device.path(), s.staging)
+			return false, errdefs.FailedPrecondition("volume %q: its device %s (or its dm-crypt mapping) is gone (target lost or LUN removed) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", s.id, rec.Device.path(), s.staging)
 		}
 		return true, nil
 	case !errors.Is(err, errdefs.ErrNotFound):
@@ -329,7 +329,7 @@ func (n *nodeServer) undoStage(ctx context.Context, s *stageRun) {
 		// Only the volume's own mount, the one made above.
 		errs = append(errs, n.a.host.Unmount(s.sp.dir, s.sp.name, func(m mountEntry) error {
 			if !sameDevice(m, rec.volumeDevice()) {
-				return precondition("staging_target_path %q: shows device %d:%d, not the mount just made", s.staging, m.Major, m.Minor)
+				return errdefs.FailedPrecondition("staging_target_path %q: shows device %d:%d, not the mount just made", s.staging, m.Major, m.Minor)
 			}
 			return nil
 		}))
@@ -375,7 +375,7 @@ func (n *nodeServer) attachDevice(ctx context.Context, s *stageRun) error {
 	// formatted as this one.
 	if rec.Device != nil {
 		if change := rec.Device.storageChange(dev); change != "" {
-			return precondition("volume %q: %s target %s now leads to other storage (%s: %s): the LUN or namespace was replaced since the volume was staged; berth does not use it as this volume: NodeUnstageVolume, and check the storage",
+			return errdefs.FailedPrecondition("volume %q: %s target %s now leads to other storage (%s: %s): the LUN or namespace was replaced since the volume was staged; berth does not use it as this volume: NodeUnstageVolume, and check the storage",
 				s.id, s.tr.Name(), s.target.Key(), dev.Path, change)
 		}
 	}
@@ -386,7 +386,7 @@ func (n *nodeServer) attachDevice(ctx context.Context, s *stageRun) error {
 	// two target names, a namespace given by NSID here and by UUID
 	// there) show once attached: the device is another volume's.
 	if owner, ok := n.deviceOwner(s.id, rec.Device); ok {
-		return precondition("%s target %s: attached as %s, which is the device of volume %q, already staged on this node; unstage it first", s.tr.Name(), s.target.Key(), describeDevice(dev), owner)
+		return errdefs.FailedPrecondition("%s target %s: attached as %s, which is the device of volume %q, already staged on this node; unstage it first", s.tr.Name(), s.target.Key(), describeDevice(dev), owner)
 	}
 	return nil
 }
@@ -469,7 +469,7 @@ func (n *nodeServer) mountStaging(ctx context.Context, s *stageRun) error {
 		rec.StagingRootIno = m.Ino
 		return nil
 	case err == nil:
-		return precondition("staging_target_path %q: holds a mount of device %d:%d (%s), not of the volume's device %s", s.staging, m.Major, m.Minor, m.FSType, s.vdev.Path)
+		return errdefs.FailedPrecondition("staging_target_path %q: holds a mount of device %d:%d (%s), not of the volume's device %s", s.staging, m.Major, m.Minor, m.FSType, s.vdev.Path)
 	case !errors.Is(err, errdefs.ErrNotFound):
 		return err
 	}
@@ -714,17 +714,17 @@ func compatibleStage(rec *volumeRecord, staging, transport, key string, c volume
 	id := rec.VolumeID
 	switch {
 	case rec.StagingPath != staging:
-		return precondition("volume %q: already staged at %q; unstage it there first", id, rec.StagingPath)
+		return errdefs.FailedPrecondition("volume %q: already staged at %q; unstage it there first", id, rec.StagingPath)
 	case rec.Transport != transport || rec.TargetKey != key:
-		return alreadyExists("volume %q: staged from %s target %s, the request names %s target %s", id, rec.Transport, rec.TargetKey, transport, key)
+		return errdefs.AlreadyExists("volume %q: staged from %s target %s, the request names %s target %s", id, rec.Transport, rec.TargetKey, transport, key)
 	case rec.AccessType != c.accessType():
-		return alreadyExists("volume %q: staged with access type %s, the request asks for %s", id, rec.AccessType, c.accessType())
+		return errdefs.AlreadyExists("volume %q: staged with access type %s, the request asks for %s", id, rec.AccessType, c.accessType())
 	case rec.FsType != c.FsType:
-		return alreadyExists("volume %q: staged with fs_type %s, the request asks for %s", id, rec.FsType, c.FsType)
+		return errdefs.AlreadyExists("volume %q: staged with fs_type %s, the request asks for %s", id, rec.FsType, c.FsType)
 	case rec.Mode != c.Mode.String():
-		return alreadyExists("volume %q: staged with access mode %s, the request asks for %s", id, rec.Mode, c.Mode)
+		return errdefs.AlreadyExists("volume %q: staged with access mode %s, the request asks for %s", id, rec.Mode, c.Mode)
 	case !slices.Equal(rec.MountFlags, c.MountFlags):
-		return alreadyExists("volume %q: staged with mount_flags %q, the request has %q", id, rec.MountFlags, c.MountFlags)
+		return errdefs.AlreadyExists("volume %q: staged with mount_flags %q, the request has %q", id, rec.MountFlags, c.MountFlags)
 	}
 	return nil
 }

@@ -16,6 +16,7 @@ import (
 	"sync"
 
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/failpoint"
 )
 
@@ -387,15 +388,15 @@ func (s *store) lookup(id string) (*volumeRecord, bool, error) {
 		var newer *newerFormatError
 		switch {
 		case errors.As(err, &newer):
-			return nil, false, precondition("volume %q: its state file %v; berth changes nothing of the volume: run a berth that reads format %d for it, or the one that wrote it", id, err, newer.version)
+			return nil, false, errdefs.FailedPrecondition("volume %q: its state file %v; berth changes nothing of the volume: run a berth that reads format %d for it, or the one that wrote it", id, err, newer.version)
 		case errors.Is(err, fs.ErrNotExist):
 			s.mu.Lock()
 			delete(s.damaged, name)
 			s.mu.Unlock()
 		case err != nil:
-			return nil, false, precondition("volume %q: its state file %s cannot be read (%v); berth does not know what it staged or published for the volume, and changes nothing of it: check the node for the volume's mounts (its staging and target paths) and its device, and restore the file, or unmount and detach them by hand and move the file out of %s", id, p, err, s.dir)
+			return nil, false, errdefs.FailedPrecondition("volume %q: its state file %s cannot be read (%v); berth does not know what it staged or published for the volume, and changes nothing of it: check the node for the volume's mounts (its staging and target paths) and its device, and restore the file, or unmount and detach them by hand and move the file out of %s", id, p, err, s.dir)
 		case r.VolumeID != id:
-			return nil, false, precondition("volume %q: its state file %s holds volume %q; move it out of %s", id, p, r.VolumeID, s.dir)
+			return nil, false, errdefs.FailedPrecondition("volume %q: its state file %s holds volume %q; move it out of %s", id, p, r.VolumeID, s.dir)
 		default:
 			s.mu.Lock()
 			delete(s.damaged, name)

@@ -17,7 +17,7 @@ func (n *nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVol
 		return nil, err
 	}
 	if p == "" {
-		return nil, invalid("volume_path: missing")
+		return nil, errdefs.InvalidArgument("volume_path: missing")
 	}
 	unlock, err := n.a.locks.tryLock(volumeKey(id))
 	if err != nil {
@@ -110,7 +110,7 @@ func (a *Agent) pathCondition(rec *volumeRecord, p string) (*csi.VolumeCondition
 		var mounted bool
 		mounted, err = a.checkPublished(rec, p)
 		if err == nil && !mounted {
-			err = precondition("volume %q: %s is not mounted", rec.VolumeID, p)
+			err = errdefs.FailedPrecondition("volume %q: %s is not mounted", rec.VolumeID, p)
 		}
 	}
 	switch {

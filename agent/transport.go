@@ -8,6 +8,7 @@ import (
 	"sort"
 
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // Transport connects the volumes of one kind of storage: "file" (an image
@@ -175,7 +176,7 @@ func impliedTransports(enabled []Transport, disabled []TransportKind) (map[strin
 func transportName(vc map[string]string, implied map[string]string) (string, error) {
 	if name, ok := vc[ContextTransport]; ok {
 		if name == "" {
-			return "", invalid("volume_context[%q]: empty", ContextTransport)
+			return "", errdefs.InvalidArgument("volume_context[%q]: empty", ContextTransport)
 		}
 		return name, nil
 	}
@@ -189,14 +190,14 @@ func transportName(vc map[string]string, implied map[string]string) (string, err
 	switch len(found) {
 	case 0:
 		if len(implied) == 0 {
-			return "", invalid("volume_context: names no transport (set %q)", ContextTransport)
+			return "", errdefs.InvalidArgument("volume_context: names no transport (set %q)", ContextTransport)
 		}
 		keys := slices.Sorted(maps.Keys(implied))
-		return "", invalid("volume_context: names no transport (set %q, or give a key that selects one: %q)", ContextTransport, keys)
+		return "", errdefs.InvalidArgument("volume_context: names no transport (set %q, or give a key that selects one: %q)", ContextTransport, keys)
 	case 1:
 		return found[0], nil
 	}
-	return "", invalid("volume_context: keys of several transports %v; set %q to choose", found, ContextTransport)
+	return "", errdefs.InvalidArgument("volume_context: keys of several transports %v; set %q to choose", found, ContextTransport)
 }
 
 // selectTransport finds the enabled transport for a volume_context.
@@ -212,7 +213,7 @@ func selectTransport(vc map[string]string, implied map[string]string, ts map[str
 			names = append(names, n)
 		}
 		sort.Strings(names)
-		return nil, invalid("volume_context: transport %q is not enabled on this node (enabled: %v)", name, names)
+		return nil, errdefs.InvalidArgument("volume_context: transport %q is not enabled on this node (enabled: %v)", name, names)
 	}
 	return t, nil
 }

@@ -14,11 +14,12 @@ import (
 func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (_ *csi.NodeUnpublishVolumeResponse, retErr error) {
 	defer func() { retErr = toStatus(retErr, nil) }()
 	id, target := req.GetVolumeId(), req.GetTargetPath()
-	unlock, err := n.lockVolumePath(id, "target_path", target)
+	release, err := n.lockVolumePath(id, "target_path", target)
 	if err != nil {
 		return nil, err
 	}
-	defer func() { unlock() }() // a step left blocked in the kernel takes it over
+	locks := &heldLocks{release: release}
+	defer locks.Release() // a step left blocked in the kernel takes it over
 	took := newStepTimer()
 
 	rec, ok, err := n.a.state.lookup(id)
@@ -26,7 +27,7 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		return nil, err
 	}
 	_, published := rec.publishes()[target]
-	tp, err := holdTarget(target, &unlock)
+	tp, err := holdTarget(target, locks)
 	if err != nil {
 		return nil, err
 	}
@@ -37,7 +38,7 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 		return &csi.NodeUnpublishVolumeResponse{}, nil
 	}
 	if tp != nil {
-		if err := n.unmountTarget(ctx, id, target, rec.Publishes[target].TargetMade, tp, &unlock, took); err != nil {
+		if err := n.unmountTarget(ctx, id, target, rec.Publishes[target].TargetMade, tp, locks, took); err != nil {
 			return nil, err
 		}
 	}
@@ -50,9 +51,9 @@ func (n *nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpub
 
 // holdTarget holds the target path of an unpublish: nil when its
 // directory is gone, and whatever was mounted in it. The held path is
-// closed with the locks (*unlock): by a step left blocked in the kernel
-// when it ends (see blocking).
-func holdTarget(target string, unlock *func()) (*heldPath, error) {
+// closed with the locks: by a step left blocked in the kernel when it
+// ends (see blocking).
+func holdTarget(target string, locks *heldLocks) (*heldPath, error) {
 	tp, err := holdPath("target_path", target)
 	switch {
 	case errors.Is(err, errdefs.ErrNotFound):
@@ -60,8 +61,7 @@ func holdTarget(target string, unlock *func()) (*heldPath, error) {
 	case err != nil:
 		return nil, err
 	}
-	held, release := tp, *unlock
-	*unlock = func() { held.close(); release() }
+	locks.closeWith(tp.close)
 	return tp, nil
 }
 
@@ -72,13 +72,13 @@ func holdTarget(target string, unlock *func()) (*heldPath, error) {
 // rec is nil when the volume has no record.
 func (n *nodeServer) unpublishedAlready(rec *volumeRecord, id, target string, tp *heldPath) error {
 	if owner, ok := n.a.state.pathOwner(target); ok && owner != id {
-		return notFound("volume %q: not published at %q, which belongs to volume %q", id, target, owner)
+		return errdefs.NotFound("volume %q: not published at %q, which belongs to volume %q", id, target, owner)
 	}
 	if tp != nil {
 		_, err := n.a.mountAt(tp)
 		switch {
 		case err == nil:
-			return notFound("volume %q: not published at %q; the mount there was not made by berth for this volume", id, target)
+			return errdefs.NotFound("volume %q: not published at %q; the mount there was not made by berth for this volume", id, target)
 		case !errors.Is(err, errdefs.ErrNotFound):
 			return err
 		}
@@ -95,11 +95,11 @@ func (n *nodeServer) unpublishedAlready(rec *volumeRecord, id, target string, tp
 // removes the target if berth made it (made). What is mounted there is
 // berth's bind, even a wrong one (made while the staging mount was
 // lost), and is unmounted; never a mount of another volume berth knows.
-func (n *nodeServer) unmountTarget(ctx context.Context, id, target string, made bool, tp *heldPath, unlock *func(), took *stepTimer) error {
-	err := n.blocking(ctx, "unmount "+target, unlock, func() error {
+func (n *nodeServer) unmountTarget(ctx context.Context, id, target string, made bool, tp *heldPath, locks *heldLocks, took *stepTimer) error {
+	err := n.blocking(ctx, "unmount "+target, locks, func() error {
 		return n.a.host.Unmount(tp.dir, tp.name, func(m mountEntry) error {
 			if owner, ok := n.a.mountOwner(m, id); ok {
-				return precondition("volume %q: target_path %q shows the device of volume %q; refusing to unmount it", id, target, owner)
+				return errdefs.FailedPrecondition("volume %q: target_path %q shows the device of volume %q; refusing to unmount it", id, target, owner)
 			}
 			return nil
 		})

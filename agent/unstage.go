@@ -18,11 +18,12 @@ import (
 func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (_ *csi.NodeUnstageVolumeResponse, retErr error) {
 	defer func() { retErr = toStatus(retErr, nil) }()
 	id, staging := req.GetVolumeId(), req.GetStagingTargetPath()
-	unlock, err := n.lockVolumePath(id, "staging_target_path", staging)
+	release, err := n.lockVolumePath(id, "staging_target_path", staging)
 	if err != nil {
 		return nil, err
 	}
-	defer func() { unlock() }() // a step left blocked in the kernel takes it over
+	locks := &heldLocks{release: release}
+	defer locks.Release() // a step left blocked in the kernel takes it over
 	log := logFrom(ctx, n.a.log)
 	took := newStepTimer()
 
@@ -50,14 +51,14 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	if err != nil {
 		return nil, err
 	}
-	unreachable, err := n.stopQueueing(ctx, rec, target, &unlock)
+	unreachable, err := n.stopQueueing(ctx, rec, target, locks)
 	if err != nil {
 		return nil, err
 	}
-	if err := n.releaseStagedDevice(ctx, rec, unreachable, &unlock, took); err != nil {
+	if err := n.releaseStagedDevice(ctx, rec, unreachable, locks, took); err != nil {
 		return nil, err
 	}
-	if err := n.blocking(ctx, "detach", &unlock, func() error { return n.detach(ctx, rec, tr, target) }); err != nil {
+	if err := n.blocking(ctx, "detach", locks, func() error { return n.detach(ctx, rec, tr, target) }); err != nil {
 		return nil, err
 	}
 	took.mark("detach")
@@ -102,7 +103,7 @@ func (n *nodeServer) dropStalePublishes(ctx context.Context, rec *volumeRecord, 
 func (n *nodeServer) unstageTarget(rec *volumeRecord) (Transport, Target, error) {
 	tr, ok := n.a.transports[rec.Transport]
 	if !ok {
-		return nil, nil, precondition("volume %q: staged through transport %q, which is not enabled any more; enable it to unstage", rec.VolumeID, rec.Transport)
+		return nil, nil, errdefs.FailedPrecondition("volume %q: staged through transport %q, which is not enabled any more; enable it to unstage", rec.VolumeID, rec.Transport)
 	}
 	target, err := tr.Parse(rec.Context, nil)
 	if err != nil {
@@ -113,7 +114,7 @@ func (n *nodeServer) unstageTarget(rec *volumeRecord) (Transport, Target, error)
 	// detaching what it names would tear down other storage and drop
 	// the record of what is still attached.
 	if key := target.Key(); rec.TargetKey != "" && key != rec.TargetKey {
-		return nil, nil, precondition("volume %q: staged from %s target %s, but its recorded volume_context names %s target %s: the state file %s was changed since the stage; berth detaches neither: restore the record, or detach the volume's storage by hand and remove the file",
+		return nil, nil, errdefs.FailedPrecondition("volume %q: staged from %s target %s, but its recorded volume_context names %s target %s: the state file %s was changed since the stage; berth detaches neither: restore the record, or detach the volume's storage by hand and remove the file",
 			rec.VolumeID, rec.Transport, rec.TargetKey, rec.Transport, key, n.a.state.file(rec.VolumeID))
 	}
 	return tr, target, nil
@@ -130,7 +131,7 @@ func (n *nodeServer) unstageTarget(rec *volumeRecord) (Transport, Target, error)
 // is mounted anywhere but the staging path (a bind of it that leaked into
 // another mount) has a live user: the unstage answers ABORTED naming the
 // mounts, and the device keeps queueing.
-func (n *nodeServer) stopQueueing(ctx context.Context, rec *volumeRecord, target Target, unlock *func()) (bool, error) {
+func (n *nodeServer) stopQueueing(ctx context.Context, rec *volumeRecord, target Target, locks *heldLocks) (bool, error) {
 	if n.awaitPath(ctx, target) {
 		return false, nil
 	}
@@ -138,7 +139,7 @@ func (n *nodeServer) stopQueueing(ctx context.Context, rec *volumeRecord, target
 		return false, err
 	}
 	var unreachable bool
-	err := n.blocking(ctx, "stop queueing I/O of the volume's device", unlock, func() error {
+	err := n.blocking(ctx, "stop queueing I/O of the volume's device", locks, func() error {
 		u, err := target.StopQueueing(ctx)
 		unreachable = u
 		return err
@@ -157,9 +158,9 @@ func (n *nodeServer) stopQueueing(ctx context.Context, rec *volumeRecord, target
 // berth set, flushes the device's buffers (unless it fails I/O anyway)
 // and closes the dm-crypt mapping. Each step that may block in the kernel
 // runs through blocking.
-func (n *nodeServer) releaseStagedDevice(ctx context.Context, rec *volumeRecord, unreachable bool, unlock *func(), took *stepTimer) error {
+func (n *nodeServer) releaseStagedDevice(ctx context.Context, rec *volumeRecord, unreachable bool, locks *heldLocks, took *stepTimer) error {
 	if rec.AccessType != "block" {
-		if err := n.blocking(ctx, fmt.Sprintf("unmount %s", rec.StagingPath), unlock, func() error { return n.unmountStaging(rec) }); err != nil {
+		if err := n.blocking(ctx, fmt.Sprintf("unmount %s", rec.StagingPath), locks, func() error { return n.unmountStaging(rec) }); err != nil {
 			return err
 		}
 		took.mark("unmount")
@@ -172,14 +173,14 @@ func (n *nodeServer) releaseStagedDevice(ctx context.Context, rec *volumeRecord,
 		}
 		// A device that fails I/O could only fail the flush.
 		if !unreachable {
-			if err := n.blocking(ctx, "flush "+d.Path, unlock, func() error { return n.a.host.FlushBuffers(d.Path) }); err != nil {
+			if err := n.blocking(ctx, "flush "+d.Path, locks, func() error { return n.a.host.FlushBuffers(d.Path) }); err != nil {
 				return err
 			}
 		}
 		took.mark("flush")
 	}
 	if rec.Crypt != nil {
-		if err := n.blocking(ctx, "close the dm-crypt mapping", unlock, func() error { return n.closeMapping(ctx, rec) }); err != nil {
+		if err := n.blocking(ctx, "close the dm-crypt mapping", locks, func() error { return n.closeMapping(ctx, rec) }); err != nil {
 			return err
 		}
 		took.mark("close")
@@ -204,7 +205,7 @@ func (n *nodeServer) dropStalePublish(ctx context.Context, rec *volumeRecord, ta
 		_, err := n.a.mountAt(tp)
 		switch {
 		case err == nil:
-			return precondition("volume %q: still published at %q; NodeUnpublishVolume first", rec.VolumeID, target)
+			return errdefs.FailedPrecondition("volume %q: still published at %q; NodeUnpublishVolume first", rec.VolumeID, target)
 		case !errors.Is(err, errdefs.ErrNotFound):
 			return fmt.Errorf("check publish target %q: %w", target, err)
 		}
@@ -244,7 +245,7 @@ func (n *nodeServer) unmountStaging(rec *volumeRecord) error {
 			return checkStagingEntry(rec, m)
 		}
 		if owner, ok := n.a.mountOwner(m, rec.VolumeID); ok {
-			return precondition("volume %q: staging path %q shows device %d:%d of volume %q; refusing to unmount it", rec.VolumeID, rec.StagingPath, m.Major, m.Minor, owner)
+			return errdefs.FailedPrecondition("volume %q: staging path %q shows device %d:%d of volume %q; refusing to unmount it", rec.VolumeID, rec.StagingPath, m.Major, m.Minor, owner)
 		}
 		return nil
 	})

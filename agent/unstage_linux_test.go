@@ -9,10 +9,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/berth-csi/berth/devices"
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/berth-csi/berth/devices"
 )
 
 // An unmount that blocks in the kernel (its device queues I/O) does not

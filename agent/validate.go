@@ -60,10 +60,10 @@ func mapBytes(m map[string]string) int {
 // maxMapEntries entries.
 func checkMapSize(field string, m map[string]string) error {
 	if len(m) > maxMapEntries {
-		return invalid("%s: %d entries, the limit is %d", field, len(m), maxMapEntries)
+		return errdefs.InvalidArgument("%s: %d entries, the limit is %d", field, len(m), maxMapEntries)
 	}
 	if n := mapBytes(m); n > maxMapBytes {
-		return invalid("%s: %d bytes of keys and values, the limit is %d bytes", field, n, maxMapBytes)
+		return errdefs.InvalidArgument("%s: %d bytes of keys and values, the limit is %d bytes", field, n, maxMapBytes)
 	}
 	return nil
 }
@@ -72,10 +72,6 @@ func checkMapSize(field string, m map[string]string) error {
 // is the transport's business. The error names no secret.
 func validateSecrets(secrets map[string]string) error {
 	return checkMapSize("secrets", secrets)
-}
-
-func invalid(format string, a ...any) error {
-	return fmt.Errorf(format+": %w", append(a, errdefs.ErrInvalidArgument)...)
 }
 
 // hasControl reports whether s holds a byte below 0x20 or DEL. Such bytes
@@ -95,13 +91,13 @@ func hasControl(s string) bool {
 func validateVolumeID(id string) error {
 	switch {
 	case id == "":
-		return invalid("volume_id: missing")
+		return errdefs.InvalidArgument("volume_id: missing")
 	case len(id) > maxIDLen:
-		return invalid("volume_id: %d bytes, the CSI limit is %d", len(id), maxIDLen)
+		return errdefs.InvalidArgument("volume_id: %d bytes, the CSI limit is %d", len(id), maxIDLen)
 	case !utf8.ValidString(id):
-		return invalid("volume_id: not valid UTF-8")
+		return errdefs.InvalidArgument("volume_id: not valid UTF-8")
 	case hasControl(id):
-		return invalid("volume_id %q: contains control characters", id)
+		return errdefs.InvalidArgument("volume_id %q: contains control characters", id)
 	}
 	return nil
 }
@@ -112,23 +108,23 @@ func validateVolumeID(id string) error {
 func validatePath(field, p string) error {
 	switch {
 	case p == "":
-		return invalid("%s: missing", field)
+		return errdefs.InvalidArgument("%s: missing", field)
 	case len(p) > maxPathLen:
-		return invalid("%s: %d bytes, longer than PATH_MAX", field, len(p))
+		return errdefs.InvalidArgument("%s: %d bytes, longer than PATH_MAX", field, len(p))
 	case !utf8.ValidString(p):
-		return invalid("%s: not valid UTF-8", field)
+		return errdefs.InvalidArgument("%s: not valid UTF-8", field)
 	case hasControl(p):
-		return invalid("%s %q: contains control characters", field, p)
+		return errdefs.InvalidArgument("%s %q: contains control characters", field, p)
 	case !filepath.IsAbs(p):
-		return invalid("%s %q: not an absolute path", field, p)
+		return errdefs.InvalidArgument("%s %q: not an absolute path", field, p)
 	case filepath.Clean(p) != p:
-		return invalid("%s %q: not a clean path (want %q)", field, p, filepath.Clean(p))
+		return errdefs.InvalidArgument("%s %q: not a clean path (want %q)", field, p, filepath.Clean(p))
 	case p == "/":
-		return invalid("%s: the root directory cannot be used", field)
+		return errdefs.InvalidArgument("%s: the root directory cannot be used", field)
 	}
 	for _, elem := range strings.Split(p, "/") {
 		if len(elem) > maxNameLen {
-			return invalid("%s %q: a name of %d bytes, longer than NAME_MAX (%d)", field, p, len(elem), maxNameLen)
+			return errdefs.InvalidArgument("%s %q: a name of %d bytes, longer than NAME_MAX (%d)", field, p, len(elem), maxNameLen)
 		}
 	}
 	return nil
@@ -167,10 +163,10 @@ func (c volumeCap) accessType() string {
 func validateCapability(c *csi.VolumeCapability, fsTypes []string, parseOpts func([]string) (uintptr, string, error)) (volumeCap, error) {
 	var vc volumeCap
 	if c == nil {
-		return vc, invalid("volume_capability: missing")
+		return vc, errdefs.InvalidArgument("volume_capability: missing")
 	}
 	if c.GetAccessMode() == nil {
-		return vc, invalid("volume_capability.access_mode: missing")
+		return vc, errdefs.InvalidArgument("volume_capability.access_mode: missing")
 	}
 	vc.Mode = c.GetAccessMode().GetMode()
 	multiWriter := false
@@ -184,7 +180,7 @@ func validateCapability(c *csi.VolumeCapability, fsTypes []string, parseOpts fun
 		csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER:
 		multiWriter = true
 	default:
-		return vc, invalid("volume_capability.access_mode: unknown mode %d", int32(vc.Mode))
+		return vc, errdefs.InvalidArgument("volume_capability.access_mode: unknown mode %d", int32(vc.Mode))
 	}
 	switch at := c.GetAccessType().(type) {
 	case *csi.VolumeCapability_Block:
@@ -194,24 +190,24 @@ func validateCapability(c *csi.VolumeCapability, fsTypes []string, parseOpts fun
 		if multiWriter {
 			// ext4 and xfs are not cluster filesystems: writers on two
 			// nodes corrupt them. Raw block is the caller's business.
-			return vc, invalid("volume_capability: access mode %s needs access type block; a local filesystem cannot be written from several nodes", vc.Mode)
+			return vc, errdefs.InvalidArgument("volume_capability: access mode %s needs access type block; a local filesystem cannot be written from several nodes", vc.Mode)
 		}
 		if m.GetVolumeMountGroup() != "" {
-			return vc, invalid("volume_capability.mount.volume_mount_group: not supported (VOLUME_MOUNT_GROUP is not a node capability)")
+			return vc, errdefs.InvalidArgument("volume_capability.mount.volume_mount_group: not supported (VOLUME_MOUNT_GROUP is not a node capability)")
 		}
 		vc.FsType = m.GetFsType()
 		if vc.FsType == "" {
 			vc.FsType = defaultFsType
 		}
 		if !slices.Contains(fsTypes, vc.FsType) {
-			return vc, invalid("volume_capability.mount.fs_type %q: not supported, use one of %v", vc.FsType, fsTypes)
+			return vc, errdefs.InvalidArgument("volume_capability.mount.fs_type %q: not supported, use one of %v", vc.FsType, fsTypes)
 		}
 		if err := checkMountFlagsSize(m.GetMountFlags()); err != nil {
 			return vc, err
 		}
 		for _, f := range m.GetMountFlags() {
 			if hasControl(f) || !utf8.ValidString(f) {
-				return vc, invalid("volume_capability.mount.mount_flags %q: contains control characters", f)
+				return vc, errdefs.InvalidArgument("volume_capability.mount.mount_flags %q: contains control characters", f)
 			}
 		}
 		if _, _, err := parseOpts(m.GetMountFlags()); err != nil {
@@ -219,7 +215,7 @@ func validateCapability(c *csi.VolumeCapability, fsTypes []string, parseOpts fun
 		}
 		vc.MountFlags = slices.Clone(m.GetMountFlags())
 	default:
-		return vc, invalid("volume_capability: access type missing (want mount or block)")
+		return vc, errdefs.InvalidArgument("volume_capability: access type missing (want mount or block)")
 	}
 	return vc, nil
 }
@@ -228,14 +224,14 @@ func validateCapability(c *csi.VolumeCapability, fsTypes []string, parseOpts fun
 // maxMountFlagsBytes.
 func checkMountFlagsSize(flags []string) error {
 	if len(flags) > maxMountFlags {
-		return invalid("volume_capability.mount.mount_flags: %d flags, the limit is %d", len(flags), maxMountFlags)
+		return errdefs.InvalidArgument("volume_capability.mount.mount_flags: %d flags, the limit is %d", len(flags), maxMountFlags)
 	}
 	n := len(flags) - 1 // the commas
 	for _, f := range flags {
 		n += len(f)
 	}
 	if n > maxMountFlagsBytes {
-		return invalid("volume_capability.mount.mount_flags: %d bytes joined, the limit is %d bytes", n, maxMountFlagsBytes)
+		return errdefs.InvalidArgument("volume_capability.mount.mount_flags: %d bytes joined, the limit is %d bytes", n, maxMountFlagsBytes)
 	}
 	return nil
 }
@@ -251,13 +247,13 @@ func validateContext(field string, m map[string]string) error {
 	for k, v := range m {
 		switch {
 		case k == "":
-			return invalid("%s: empty key", field)
+			return errdefs.InvalidArgument("%s: empty key", field)
 		case len(k) > maxIDLen || len(v) > maxContextLen:
-			return invalid("%s[%q]: too long", field, k)
+			return errdefs.InvalidArgument("%s[%q]: too long", field, k)
 		case hasControl(k) || !utf8.ValidString(k):
-			return invalid("%s: key %q contains control characters", field, k)
+			return errdefs.InvalidArgument("%s: key %q contains control characters", field, k)
 		case hasControl(v) || !utf8.ValidString(v):
-			return invalid("%s[%q]: value contains control characters", field, k)
+			return errdefs.InvalidArgument("%s[%q]: value contains control characters", field, k)
 		}
 	}
 	return nil
@@ -278,7 +274,7 @@ func mergeContext(volumeContext, publishContext map[string]string) (map[string]s
 	}
 	for k, v := range publishContext {
 		if old, ok := out[k]; ok && old != v {
-			return nil, invalid("publish_context[%q] %q conflicts with volume_context value %q", k, v, old)
+			return nil, errdefs.InvalidArgument("publish_context[%q] %q conflicts with volume_context value %q", k, v, old)
 		}
 		out[k] = v
 	}

@@ -7,13 +7,14 @@ import (
 
 	"github.com/berth-csi/berth/internal/forklock"
 	"github.com/berth-csi/berth/internal/forklock/forklocktest"
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // InUse answers from an exclusive open; that open must not reach a child
 // started meanwhile, whose copy would keep the device claimed after the
 // check (and the next check would see it in use).
 func TestInUseWhileForking(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	d := attachForTest(t, ctx, l, testFile(t, t.TempDir(), "img", 16<<20))

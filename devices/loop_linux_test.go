@@ -17,20 +17,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/testutil"
 )
-
-// requireRoot skips a test that needs root, or fails it in CI (BERTH_CI=1),
-// where a skip would hide a regression.
-func requireRoot(t testing.TB) {
-	t.Helper()
-	if os.Geteuid() == 0 {
-		return
-	}
-	if os.Getenv("BERTH_CI") == "1" {
-		t.Fatal("this test needs root (loop devices, netlink uevents); BERTH_CI=1 forbids skipping it")
-	}
-	t.Skip("needs root: loop devices and netlink uevents")
-}
 
 func newTestListener(t testing.TB, opts ...ListenerOption) *Listener {
 	t.Helper()
@@ -88,7 +76,7 @@ func testContext(t testing.TB) context.Context {
 // TestListenerUdevDetection: a listener looks for udev's control socket
 // below the Roots it is given, not below the host's /run/udev.
 func TestListenerUdevDetection(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	t.Parallel()
 	run := t.TempDir()
 	if l := newTestListener(t, WithRoots(Roots{UdevRun: run})); l.Udev() || l.Roots().UdevRun != run {
@@ -101,7 +89,7 @@ func TestListenerUdevDetection(t *testing.T) {
 }
 
 func TestLoopAttachDetach(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	dir := t.TempDir()
@@ -177,7 +165,7 @@ func TestLoopAttachDetach(t *testing.T) {
 }
 
 func TestLoopReadOnly(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	file := testFile(t, t.TempDir(), "ro.img", 1<<20)
@@ -199,7 +187,7 @@ func TestLoopReadOnly(t *testing.T) {
 }
 
 func TestLoopAttachErrors(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	dir := t.TempDir()
@@ -235,7 +223,7 @@ func TestLoopAttachErrors(t *testing.T) {
 // attach sees it by its event, one that starts after finds it in sysfs, and
 // one whose context is cancelled returns an error naming the file.
 func TestWaitersAroundAttach(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	file := testFile(t, t.TempDir(), "w.img", 1<<20)
@@ -282,7 +270,7 @@ func TestWaitersAroundAttach(t *testing.T) {
 // TestManyConcurrentWaiters attaches 100 files at once while 100 waiters,
 // subscribed before, wait for them.
 func TestManyConcurrentWaiters(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	const n = 100
 	ctx := testContext(t)
 	l := newTestListener(t)
@@ -331,7 +319,7 @@ func TestManyConcurrentWaiters(t *testing.T) {
 // TestVerifyDetectsSwappedBackingFile re-binds the same loop device to
 // another file behind the Device's back.
 func TestVerifyDetectsSwappedBackingFile(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	dir := t.TempDir()
@@ -392,7 +380,7 @@ func TestVerifyDetectsSwappedBackingFile(t *testing.T) {
 }
 
 func TestDetachBusy(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	file := testFile(t, t.TempDir(), "busy.img", 1<<20)
@@ -440,7 +428,7 @@ func TestDetachBusy(t *testing.T) {
 // loop is stalled, so the attach event is lost: the waiter must still
 // find the device through the rescan that ENOBUFS triggers.
 func TestOverflowRescan(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	stall := make(chan struct{})
 	var once sync.Once
@@ -488,7 +476,7 @@ func TestOverflowRescan(t *testing.T) {
 // TestLoopLegacyIoctls attaches through LOOP_SET_FD and LOOP_SET_STATUS64,
 // the path taken on kernels without LOOP_CONFIGURE (before 5.8).
 func TestLoopLegacyIoctls(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t, withoutLoopConfigure())
 	dir := t.TempDir()
@@ -568,7 +556,7 @@ func foreignLoop(t *testing.T, file string, offset, sizeLimit uint64) *Device {
 // differs, instead of adopting it; FindLoop does not return it; the
 // device stays as it was.
 func TestAttachLoopRefusesForeignDevice(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	for _, tc := range []struct {
 		name              string
 		offset, sizeLimit uint64
@@ -623,7 +611,7 @@ func loopStatusOf(t *testing.T, d *Device) (*unix.LoopInfo64, error) {
 // name is the loop device of the other, and a device on another file is
 // not.
 func TestFindLoopByInode(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	dir := t.TempDir()
@@ -649,7 +637,7 @@ func TestFindLoopByInode(t *testing.T) {
 // returns only a device berth attached (its marker), from offset 0 without
 // a size limit, not an operator's device of the same file.
 func TestFindDeletedLoopOnlyBerths(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	dir := t.TempDir()
@@ -683,7 +671,7 @@ func TestFindDeletedLoopOnlyBerths(t *testing.T) {
 // device and configuring it; an attach of another file meanwhile must not
 // wait for it: the kernel serialises the two only on the same device.
 func TestAttachLoopNotSerialised(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	dir := t.TempDir()
 	first, second := testFile(t, dir, "first.img", 1<<20), testFile(t, dir, "second.img", 1<<20)
@@ -740,7 +728,7 @@ func TestAttachLoopNotSerialised(t *testing.T) {
 // When every existing loop device is claimed by an attach of this process,
 // claimFreeLoop adds a device instead of handing out a claimed one.
 func TestClaimFreeLoopAddsDevice(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ents, err := os.ReadDir("/sys/class/block")
 	if err != nil {
 		t.Fatal(err)
@@ -822,7 +810,7 @@ func TestReadPartitionLoops(t *testing.T) {
 // /proc/partitions does not list it: it is still found, and attaching the
 // file again returns it instead of binding a second device.
 func TestAttachLoopTinyFileFoundAgain(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	file := testFile(t, t.TempDir(), "tiny.img", 100)
@@ -839,7 +827,7 @@ func TestAttachLoopTinyFileFoundAgain(t *testing.T) {
 // On the node's trees the bound loop devices come from /proc/partitions:
 // a device bound to a file is among them, an unbound one is not.
 func TestBoundLoopsFromPartitions(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	d := attachForTest(t, ctx, l, testFile(t, t.TempDir(), "vol.img", 4<<20))
@@ -866,7 +854,7 @@ func TestBoundLoopsFromPartitions(t *testing.T) {
 // device at an offset, a deleted file and a device that is not a loop
 // give no file.
 func TestLoopBackingFile(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	dir := t.TempDir()
@@ -934,7 +922,7 @@ func mustOK(t *testing.T, err error) {
 // added, or being deleted: ENXIO) is not the device yet, even though
 // sysfs and /dev show it; a device that opens is.
 func TestNodeMatchesOnlyOpenable(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	// SCSI disk major 8, a minor no disk on this host has: the node
 	// exists, the disk does not.
 	const major, minor = 8, 239
@@ -962,7 +950,7 @@ func TestNodeMatchesOnlyOpenable(t *testing.T) {
 // error wrapping errdefs.ErrFailedPrecondition and leaves nothing bound
 // to the file.
 func TestAttachLoopFileRenamedWhileAttaching(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	dir := t.TempDir()
 	file := testFile(t, dir, "vol.img", 4<<20)
 	moved := filepath.Join(dir, "moved.img")
@@ -996,7 +984,7 @@ func TestAttachLoopFileRenamedWhileAttaching(t *testing.T) {
 // backing inode), whatever its file is called since, and nothing else: a
 // reference whose inode or number differs finds nothing.
 func TestFindLoopRef(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	dir := t.TempDir()
@@ -1030,7 +1018,7 @@ func TestFindLoopRef(t *testing.T) {
 // by the name the kernel showed when it was read: a file renamed since
 // has its device detached all the same.
 func TestDetachLoopAfterRename(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	dir := t.TempDir()
@@ -1059,7 +1047,7 @@ func TestDetachLoopAfterRename(t *testing.T) {
 // MarkedLoops lists berth's loop devices, with the path berth named the
 // file by and the file's numbers, and not a plain losetup of a file.
 func TestMarkedLoops(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	dir := t.TempDir()

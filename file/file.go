@@ -92,16 +92,16 @@ func (t *Transport) Parse(volumeContext, _ map[string]string) (*Target, error) {
 func (t *Transport) resolve(v string) (string, error) {
 	switch {
 	case v == "":
-		return "", invalid("volume_context[%q]: missing", KeyFile)
+		return "", errdefs.InvalidArgument("volume_context[%q]: missing", KeyFile)
 	case hasControl(v):
-		return "", invalid("volume_context[%q]: contains control characters", KeyFile)
+		return "", errdefs.InvalidArgument("volume_context[%q]: contains control characters", KeyFile)
 	}
 	for _, elem := range strings.Split(v, "/") {
 		switch {
 		case elem == "..":
-			return "", invalid("volume_context[%q] %q: contains \"..\"", KeyFile, v)
+			return "", errdefs.InvalidArgument("volume_context[%q] %q: contains \"..\"", KeyFile, v)
 		case len(elem) > nameMax:
-			return "", invalid("volume_context[%q] %q: a name of %d bytes, longer than NAME_MAX (%d)", KeyFile, v, len(elem), nameMax)
+			return "", errdefs.InvalidArgument("volume_context[%q] %q: a name of %d bytes, longer than NAME_MAX (%d)", KeyFile, v, len(elem), nameMax)
 		}
 	}
 	p := v
@@ -110,10 +110,10 @@ func (t *Transport) resolve(v string) (string, error) {
 	}
 	p = filepath.Clean(p)
 	if !strings.HasPrefix(p, t.root+"/") {
-		return "", invalid("volume_context[%q] %q: not below the file root %s", KeyFile, v, t.root)
+		return "", errdefs.InvalidArgument("volume_context[%q] %q: not below the file root %s", KeyFile, v, t.root)
 	}
 	if len(p) >= pathMax {
-		return "", invalid("volume_context[%q] %q: the image's path is %d bytes, longer than PATH_MAX", KeyFile, v, len(p))
+		return "", errdefs.InvalidArgument("volume_context[%q] %q: the image's path is %d bytes, longer than PATH_MAX", KeyFile, v, len(p))
 	}
 	return p, nil
 }
@@ -144,7 +144,7 @@ func (f *Target) Identity() (string, error) {
 	}
 	dev, ino, ok := fs.FileID(fi)
 	if !ok || !fi.Mode().IsRegular() {
-		return "", invalid("image file %s: not a regular file", f.path)
+		return "", errdefs.InvalidArgument("image file %s: not a regular file", f.path)
 	}
 	return fmt.Sprintf("file inode %d on device %d", ino, dev), nil
 }
@@ -166,7 +166,7 @@ func (f *Target) check() error {
 		return fmt.Errorf("image file %s: %w", f.path, err)
 	}
 	if !st.Regular {
-		return invalid("image file %s: not a regular file", f.path)
+		return errdefs.InvalidArgument("image file %s: not a regular file", f.path)
 	}
 	return nil
 }
@@ -325,10 +325,6 @@ func (f *Target) Health(context.Context) (bool, string) {
 		return true, fmt.Sprintf("image file %s: holds %d bytes, less than its loop device %s (%d bytes): the volume's end is gone", f.path, fi.Size(), d.Path, d.Size)
 	}
 	return false, ""
-}
-
-func invalid(format string, a ...any) error {
-	return fmt.Errorf(format+": %w", append(a, errdefs.ErrInvalidArgument)...)
 }
 
 // hasControl reports whether s holds a byte below 0x20 or DEL.

@@ -9,6 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // Both ways of resolving: openat2, and the walk with O_NOFOLLOW that
@@ -99,7 +100,7 @@ func testOpenPathRefusesSymlinks(t *testing.T) {
 // RemoveAt leaves a directory with entries and a mount point, and says so
 // with ErrFailedPrecondition (the errno stays in the chain).
 func TestHostRemoveAtRefusesNonEmptyAndMounted(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	dir := t.TempDir()
 	if err := os.MkdirAll(filepath.Join(dir, "full", "sub"), 0o755); err != nil {
 		t.Fatal(err)
@@ -172,7 +173,7 @@ func devIno(t *testing.T, p string) [2]uint64 {
 // UnmountAt acts in the directory it was given, not in what the
 // directory's path leads to by the time it unmounts.
 func TestHostUnmountAtHeldDirectory(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	dir := t.TempDir()
 	mine, other := filepath.Join(dir, "mine"), filepath.Join(dir, "other")
 	for _, p := range []string{filepath.Join(mine, "x"), filepath.Join(other, "x")} {
@@ -223,7 +224,7 @@ func TestHostUnmountAtHeldDirectory(t *testing.T) {
 // mount on top stops it with nothing unmounted; a refused mount further
 // down is left in place.
 func TestHostUnmountAtChecks(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	dir := t.TempDir()
 	x := filepath.Join(dir, "x")
 	if err := os.Mkdir(x, 0o755); err != nil {
@@ -271,7 +272,7 @@ func TestHostUnmountAtChecks(t *testing.T) {
 }
 
 func TestHostBindMountAt(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	dir := t.TempDir()
 	src, dst := filepath.Join(dir, "src"), filepath.Join(dir, "dst")
 	for _, p := range []string{src, dst} {
@@ -322,7 +323,7 @@ func TestHostBindMountAt(t *testing.T) {
 // UMOUNT_NOFOLLOW looks at the link (EINVAL), and without it the open
 // descriptor keeps the mount busy (EBUSY). Neither unmounts anything.
 func TestHostUnmountThroughMountDescriptor(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	x := filepath.Join(t.TempDir(), "x")
 	if err := os.Mkdir(x, 0o755); err != nil {
 		t.Fatal(err)

@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // BenchmarkHostFormat measures the first stage's format step on blank
@@ -15,7 +17,7 @@ import (
 // mkfs alone with the same arguments, which is the raw step
 // EnsureFilesystem is compared with.
 func BenchmarkHostFormat(b *testing.B) {
-	needRoot(b)
+	testutil.RequireRoot(b, "loop devices, mount")
 	needTools(b, "blkid", "mkfs.ext4")
 	ctx := context.Background()
 	for _, size := range []int64{256 * mib, 1024 * mib} {

@@ -6,6 +6,8 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // dirtyCopy formats a fresh image with fsType, writes files on it while
@@ -47,7 +49,7 @@ func dirtyCopy(t *testing.T, fsType string, size int64) (string, int) {
 // ErrRecoveryNeedsWrite; the same mount with noload (ext4) or
 // norecovery (xfs) works and changes nothing on the device.
 func TestHostDirtyJournalReadOnlyDevice(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	for _, tc := range []struct {
 		fsType, opt string
 		size        int64

@@ -11,6 +11,7 @@ import (
 
 	"github.com/berth-csi/berth/internal/forklock"
 	"github.com/berth-csi/berth/internal/forklock/forklocktest"
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // A descriptor berth opens on a mount it is about to unmount must not
@@ -18,7 +19,7 @@ import (
 // of the parent's descriptors from its clone to its exec, and a copy of
 // one on the mount makes the unmount fail with EBUSY.
 func TestHostUnmountAtWhileForking(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	d, x := mountPointIn(t)
 	forklocktest.Fork(t)
 	for i := range 2000 {
@@ -32,7 +33,7 @@ func TestHostUnmountAtWhileForking(t *testing.T) {
 // A descriptor of the mount that goes away a moment later, as a child's
 // copy does at its exec, does not fail the unmount; one that stays does.
 func TestHostUnmountAtOutlastsBriefHolders(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	d, x := mountPointIn(t)
 	for i := range 20 {
 		tmpfs(t, x)
@@ -79,7 +80,7 @@ func mountPointIn(t *testing.T) (d *Handle, x string) {
 // meanwhile: a copy keeps the device claimed, and the mkfs or mount
 // that follows the check fails with EBUSY.
 func TestHostDeviceInUseWhileForking(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	dev, _ := newLoop(t, 16<<20)
 	forklocktest.Fork(t)
 	for i := range 2000 {

@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // fakeTool puts an executable name first in the tool search path: it
@@ -32,7 +33,7 @@ func fakeTool(t *testing.T, name string) (calls string) {
 // dm-error target) is not blank: EnsureFilesystem fails with
 // FailedPrecondition, naming the I/O error, and never runs mkfs.
 func TestHostEnsureFilesystemReadEIO(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "blkid")
 	dev, file := newLoop(t, 64*mib)
 	calls := fakeTool(t, "mkfs.ext4")

@@ -22,35 +22,19 @@ import (
 	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/logctx"
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 const mib = 1 << 20
-
-// needRoot skips a host test when not root, but fails it in CI
-// (BERTH_CI=1), where a skip would hide a regression.
-func needRoot(t testing.TB) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		skipOrFail(t, "host test needs root (loop devices, mount)")
-	}
-}
 
 // needTools skips (fails in CI) when a tool the test drives is missing.
 func needTools(t testing.TB, names ...string) {
 	t.Helper()
 	for _, n := range names {
 		if _, err := lookTool(n); err != nil {
-			skipOrFail(t, fmt.Sprintf("host test needs %s (make deps): %v", n, err))
+			testutil.SkipOrFail(t, fmt.Sprintf("host test needs %s (make deps): %v", n, err))
 		}
 	}
-}
-
-func skipOrFail(t testing.TB, why string) {
-	t.Helper()
-	if os.Getenv("BERTH_CI") == "1" {
-		t.Fatalf("%s; BERTH_CI=1 forbids skipping", why)
-	}
-	t.Skip(why)
 }
 
 func run(t testing.TB, name string, args ...string) string {
@@ -124,7 +108,7 @@ func writeAt(t *testing.T, p string, off int64, b []byte) {
 }
 
 func TestHostEnsureFilesystemFormatsBlank(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	for _, tc := range []struct {
 		fsType, label string
 		size          int64
@@ -161,7 +145,7 @@ func TestHostEnsureFilesystemFormatsBlank(t *testing.T) {
 // TestHostSuperblockCheck checks the post-mkfs check against what the
 // real tools write, and that a blank or other filesystem does not pass.
 func TestHostSuperblockCheck(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "mkfs.ext4", "mkfs.xfs")
 	ext4, _ := newLoop(t, 64*mib)
 	xfs, _ := newLoop(t, 320*mib)
@@ -184,7 +168,7 @@ func TestHostSuperblockCheck(t *testing.T) {
 }
 
 func TestHostEnsureFilesystemReusesExisting(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "blkid", "mkfs.ext4")
 	file := sparseFile(t, 64*mib)
 	const uuid = "0b4a5bde-7a3c-4c5e-9f36-3d8e1c2b7a10"
@@ -252,7 +236,7 @@ func md090(size int64) ([]byte, int64) {
 }
 
 func TestHostEnsureFilesystemRefuses(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "blkid", "mkfs.ext4", "mkfs.xfs")
 	const size = 64 * mib
 	_, hasSfdisk := exec.LookPath("sfdisk")
@@ -273,7 +257,7 @@ func TestHostEnsureFilesystemRefuses(t *testing.T) {
 		{"ext4 when xfs requested", XFS, func(t *testing.T, f string) { run(t, "/usr/sbin/mkfs.ext4", "-q", "-F", f) }, "ext4"},
 		{"gpt partition table", Ext4, func(t *testing.T, f string) {
 			if hasSfdisk != nil {
-				skipOrFail(t, "sfdisk missing (make deps)")
+				testutil.SkipOrFail(t, "sfdisk missing (make deps)")
 			}
 			cmd := exec.Command("sfdisk", "-q", f)
 			cmd.Stdin = strings.NewReader("label: gpt\nsize=8MiB, type=linux\n")
@@ -284,7 +268,7 @@ func TestHostEnsureFilesystemRefuses(t *testing.T) {
 		{"dos partition table", Ext4, func(t *testing.T, f string) { writeAt(t, f, 0, mbr()) }, "dos"},
 		{"gpt backup header only", XFS, func(t *testing.T, f string) {
 			if hasSfdisk != nil {
-				skipOrFail(t, "sfdisk missing (make deps)")
+				testutil.SkipOrFail(t, "sfdisk missing (make deps)")
 			}
 			cmd := exec.Command("sfdisk", "-q", f)
 			cmd.Stdin = strings.NewReader("label: gpt\n")
@@ -296,7 +280,7 @@ func TestHostEnsureFilesystemRefuses(t *testing.T) {
 		{"luks header", Ext4, func(t *testing.T, f string) { writeAt(t, f, 0, luks1Header()) }, "crypto_LUKS"},
 		{"swap", Ext4, func(t *testing.T, f string) {
 			if hasMkswap != nil {
-				skipOrFail(t, "mkswap missing (make deps)")
+				testutil.SkipOrFail(t, "mkswap missing (make deps)")
 			}
 			run(t, "mkswap", f)
 		}, "swap"},
@@ -358,7 +342,7 @@ func TestHostEnsureFilesystemRefuses(t *testing.T) {
 }
 
 func TestHostEnsureFilesystemBadInput(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	dev, file := newLoop(t, 8*mib)
 	ctx := context.Background()
 	for _, tc := range []struct {
@@ -381,7 +365,7 @@ func TestHostEnsureFilesystemBadInput(t *testing.T) {
 }
 
 func TestHostFsck(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "blkid", "mkfs.ext4", "e2fsck", "debugfs")
 	ctx := context.Background()
 	t.Run("clean", func(t *testing.T) {
@@ -464,7 +448,7 @@ func mounted(t *testing.T, fsType string, size int64) (dev, file, mnt string) {
 }
 
 func TestHostMountBindUnmount(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	dev, _, mnt := mounted(t, Ext4, 64*mib)
 
 	ok, err := IsMountPoint(mnt)
@@ -565,7 +549,7 @@ func hasOpt(opts, o string) bool {
 }
 
 func TestHostMountErrors(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "blkid", "mkfs.ext4")
 	dev, _ := newLoop(t, 32*mib)
 	if _, err := EnsureFilesystem(context.Background(), dev, Ext4, MkfsOptions{}); err != nil {
@@ -594,7 +578,7 @@ func TestHostMountErrors(t *testing.T) {
 }
 
 func TestHostUnmountStacked(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	_, _, mnt := mounted(t, Ext4, 32*mib)
 	target := t.TempDir()
 	for range 3 {
@@ -611,7 +595,7 @@ func TestHostUnmountStacked(t *testing.T) {
 }
 
 func TestHostIsMountPointMethodsAgree(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	_, _, mnt := mounted(t, Ext4, 32*mib)
 	plain := t.TempDir()
 	sub := filepath.Join(mnt, "sub")
@@ -664,7 +648,7 @@ func TestHostIsMountPointMethodsAgree(t *testing.T) {
 }
 
 func TestHostStatsAndSize(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	const size = 128 * mib
 	dev, _, mnt := mounted(t, Ext4, size)
 	if n, err := BlockDeviceSize(dev); err != nil || n != size {
@@ -724,7 +708,7 @@ func TestHostStatsAndSize(t *testing.T) {
 }
 
 func TestHostResizeOnline(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	for _, tc := range []struct {
 		fsType        string
 		size, grownTo int64
@@ -797,7 +781,7 @@ func TestHostResizeOnline(t *testing.T) {
 }
 
 func TestHostResizeWrongMount(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	_, _, mnt := mounted(t, Ext4, 32*mib)
 	otherDev, _ := newLoop(t, 32*mib)
 	before, _ := Probe(context.Background(), otherDev)
@@ -831,7 +815,7 @@ func hasCapability(t *testing.T, c int) bool {
 // the backing file written directly after the loop device was read) must
 // still be probed from the medium.
 func TestHostProbeSeesPastStaleCache(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "blkid")
 	dev, file := newLoop(t, 16*mib)
 	ctx := context.Background()
@@ -862,7 +846,7 @@ func TestHostProbeSeesPastStaleCache(t *testing.T) {
 // A device whose size is not a whole number of blocks is read to its
 // last sector, where several RAID formats keep their signature.
 func TestHostProbeLastSectorOfOddSize(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "blkid")
 	const size = 64*mib + 512
 	file := sparseFile(t, size)
@@ -886,7 +870,7 @@ func TestHostProbeLastSectorOfOddSize(t *testing.T) {
 // wipefs clears only the signatures of a filesystem; what remains is
 // still data, and Probe still refuses it.
 func TestHostProbeAfterWipefs(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "blkid", "mkfs.ext4", "wipefs")
 	dev, _ := newLoop(t, 64*mib)
 	run(t, "/usr/sbin/mkfs.ext4", "-q", "-F", dev)
@@ -903,7 +887,7 @@ func TestHostProbeAfterWipefs(t *testing.T) {
 // unknown-data, also without blkid (no libblkid signature can be there).
 // Any byte in a window needs blkid.
 func TestHostProbeFastPath(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	const size = 64 * mib
 	file := sparseFile(t, size)
 	dev := attachLoop(t, file)
@@ -937,7 +921,7 @@ func TestHostProbeFastPath(t *testing.T) {
 }
 
 func TestHostBindBlockDevice(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	dev, _ := newLoop(t, 16*mib)
 	target := filepath.Join(t.TempDir(), "block")
 	if err := os.WriteFile(target, nil, 0o600); err != nil {
@@ -962,7 +946,7 @@ func TestHostBindBlockDevice(t *testing.T) {
 // The read-only flag of the block layer stops writes that a read-only
 // bind mount of the device node lets through.
 func TestHostDeviceReadOnly(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	dev, file := newLoop(t, 16*mib)
 	t.Cleanup(func() { _ = SetDeviceReadOnly(dev, false) })
 	if ro, err := DeviceReadOnly(dev); err != nil || ro {
@@ -1048,7 +1032,7 @@ func TestHostDeviceReadOnly(t *testing.T) {
 // first and last MiB are zero, is found by the samples and refused: the
 // layouts of a raw-block database reported formatted over.
 func TestHostEnsureFilesystemRefusesDataBetweenWindows(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "blkid", "mkfs.ext4")
 	const size = 256 * mib
 	for _, tc := range []struct {
@@ -1092,7 +1076,7 @@ func TestHostEnsureFilesystemRefusesDataBetweenWindows(t *testing.T) {
 // stops the format; Format makes the filesystem over partial writes that
 // EnsureFilesystem refuses.
 func TestHostBeforeMkfsAndFormat(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "blkid", "mkfs.ext4")
 	ctx := context.Background()
 	dev, file := newLoop(t, 64*mib)
@@ -1145,7 +1129,7 @@ func logTo(ctx context.Context, b *bytes.Buffer) context.Context {
 // device is probed instead, and the log says so). When the image cannot
 // be had, the device is probed.
 func TestHostEnsureFilesystemImage(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "blkid", "mkfs.ext4")
 	ctx := context.Background()
 	const size = 64 * mib
@@ -1203,7 +1187,7 @@ func TestHostEnsureFilesystemImage(t *testing.T) {
 
 // An image without data is formatted: its reads find none.
 func TestHostEnsureFilesystemSparseImage(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	needTools(t, "blkid", "mkfs.xfs")
 	const size = 512 * mib
 	dev, file := newLoop(t, size)

@@ -10,10 +10,11 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 func TestHostStatPath(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	for _, fsType := range []string{Ext4, XFS} {
 		t.Run(fsType, func(t *testing.T) {
 			size := int64(64 * mib)
@@ -118,7 +119,7 @@ func shutDown(t *testing.T, p string) {
 // without it (nor openat2, whose fallback opens each component), from
 // the mount table. ext4 keeps answering getattr after a shutdown.
 func TestHostStatShutDown(t *testing.T) {
-	needRoot(t)
+	testutil.RequireRoot(t, "loop devices, mount")
 	for _, fsType := range []string{Ext4, XFS} {
 		for _, viaMountinfo := range []bool{false, true} {
 			name := fsType + "/statmount"

@@ -129,11 +129,11 @@ type pathDevice struct {
 func (t *Transport) preflight(v *Volume) error {
 	if v.Iface == "default" {
 		if _, err := os.Stat(t.sys.path("class", "iscsi_transport", "tcp")); err != nil {
-			return unavailable("the iscsi_tcp kernel module is not loaded (no %s): run `modprobe iscsi_tcp` on the node and add it to /etc/modules-load.d", t.sys.path("class", "iscsi_transport", "tcp"))
+			return errdefs.Unavailable("the iscsi_tcp kernel module is not loaded (no %s): run `modprobe iscsi_tcp` on the node and add it to /etc/modules-load.d", t.sys.path("class", "iscsi_transport", "tcp"))
 		}
 	}
 	if _, err := ReadInitiatorName(t.opts.InitiatorNameFile); err != nil {
-		return unavailable("no usable iSCSI initiator name: %v; install open-iscsi on the node (it generates one) or write InitiatorName=iqn.… into it (iscsi-iname generates one) and restart iscsid", err)
+		return errdefs.Unavailable("no usable iSCSI initiator name: %v; install open-iscsi on the node (it generates one) or write InitiatorName=iqn.… into it (iscsi-iname generates one) and restart iscsid", err)
 	}
 	return nil
 }
@@ -159,10 +159,10 @@ func (t *Transport) wantMultipath(ctx context.Context, v *Volume) (bool, error) 
 func (t *Transport) multipathdRunning(ctx context.Context) error {
 	out, err := t.run.run(ctx, t.opts.Multipathd, "show", "daemon")
 	if err != nil {
-		return unavailable("multipathd is not running or not reachable (%v): install multipath-tools and start multipathd on the node", err)
+		return errdefs.Unavailable("multipathd is not running or not reachable (%v): install multipath-tools and start multipathd on the node", err)
 	}
 	if s := strings.TrimSpace(string(out)); strings.Contains(s, "fail") || s == "" {
-		return unavailable("multipathd answered %q to `show daemon`: start multipathd on the node", s)
+		return errdefs.Unavailable("multipathd answered %q to `show daemon`: start multipathd on the node", s)
 	}
 	return nil
 }
@@ -443,7 +443,7 @@ func (t *Transport) iscsiadmError(op string, err error) error {
 	}
 	var ee *command.Error
 	if errors.As(err, &ee) && ee.ExitCode < 0 && errors.Is(err, fs.ErrNotExist) {
-		return unavailable("%s: %s not found: install open-iscsi or set --iscsiadm", op, t.opts.Iscsiadm)
+		return errdefs.Unavailable("%s: %s not found: install open-iscsi or set --iscsiadm", op, t.opts.Iscsiadm)
 	}
 	return fmt.Errorf("%s: %w", op, err)
 }

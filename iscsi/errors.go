@@ -1,8 +1,6 @@
 package iscsi
 
 import (
-	"fmt"
-
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -105,9 +103,4 @@ func sentinelForExit(code int) error {
 		return errdefs.ErrBusy
 	}
 	return nil
-}
-
-// unavailable wraps errdefs.ErrUnavailable with what the operator must do.
-func unavailable(format string, args ...any) error {
-	return fmt.Errorf("%s: %w", fmt.Sprintf(format, args...), errdefs.ErrUnavailable)
 }

@@ -31,7 +31,7 @@ func (t *Transport) waitMap(ctx context.Context, wwid string, pds []*pathDevice)
 	dm, err := w.Wait(wctx)
 	if err != nil {
 		if ctx.Err() == nil {
-			return nil, unavailable("multipathd built no map over %s (WWID %s) within %s: check that multipath.conf neither blacklists these disks nor holds them back (find_multipaths); `multipath -v3` says why: %v",
+			return nil, errdefs.Unavailable("multipathd built no map over %s (WWID %s) within %s: check that multipath.conf neither blacklists these disks nor holds them back (find_multipaths); `multipath -v3` says why: %v",
 				strings.Join(names, ", "), wwid, mapWait, err)
 		}
 		return nil, err

@@ -35,7 +35,7 @@ var (
 
 // invalid returns an ErrInvalidArgument naming the volume_context field.
 func invalid(field, format string, args ...any) error {
-	return fmt.Errorf("volume_context %q: %s: %w", field, fmt.Sprintf(format, args...), errdefs.ErrInvalidArgument)
+	return errdefs.InvalidArgument("volume_context %q: %s", field, fmt.Sprintf(format, args...))
 }
 
 // checkPrintable rejects control characters and non-ASCII spaces: every

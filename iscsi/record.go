@@ -168,7 +168,7 @@ func (db *recordDB) nodeDir() (string, error) {
 			return d, nil
 		}
 	}
-	return "", unavailable("no open-iscsi node record directory (%s): is open-iscsi installed, and /etc/iscsi and /var/lib/iscsi mounted from the host? (--iscsi-node-dir names it)", strings.Join(defaultNodeDirs, ", "))
+	return "", errdefs.Unavailable("no open-iscsi node record directory (%s): is open-iscsi installed, and /etc/iscsi and /var/lib/iscsi mounted from the host? (--iscsi-node-dir names it)", strings.Join(defaultNodeDirs, ", "))
 }
 
 // sendTargetsDir finds the discovery record directory, next to the node
@@ -183,7 +183,7 @@ func (db *recordDB) sendTargetsDir() (string, error) {
 			return st, nil
 		}
 	}
-	return "", unavailable("no open-iscsi discovery record directory (send_targets next to %s): is open-iscsi installed, and /etc/iscsi and /var/lib/iscsi mounted from the host?", strings.Join(defaultNodeDirs, ", "))
+	return "", errdefs.Unavailable("no open-iscsi discovery record directory (send_targets next to %s): is open-iscsi installed, and /etc/iscsi and /var/lib/iscsi mounted from the host?", strings.Join(defaultNodeDirs, ", "))
 }
 
 // nodeRecordFiles returns the record files of target at address:port for

@@ -175,7 +175,7 @@ func resolve(ctx context.Context, portals []Portal) ([]path, []error) {
 		}
 		addrs, err := net.DefaultResolver.LookupIPAddr(ctx, p.Host)
 		if err != nil || len(addrs) == 0 {
-			errs = append(errs, unavailable("resolve iSCSI portal %s: %v", p.Host, err))
+			errs = append(errs, errdefs.Unavailable("resolve iSCSI portal %s: %v", p.Host, err))
 			continue
 		}
 		best := addrs[0].IP

@@ -8,6 +8,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // volume_context keys. The camel-case names are berth's; the aliases
@@ -82,7 +84,7 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 				continue
 			}
 			if from != "" && v != val {
-				return "", "", invalidf("volume_context %q=%q and %q=%q disagree", from, val, k, v)
+				return "", "", errdefs.InvalidArgument("volume_context %q=%q and %q=%q disagree", from, val, k, v)
 			}
 			val, from = v, k
 		}
@@ -105,7 +107,7 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 	}
 	trtype = strings.ToLower(trtype)
 	if trtype != TransportTCP && trtype != TransportRDMA {
-		return nil, invalidf("volume_context %q=%q: unsupported transport type, want %q or %q", key, trtype, TransportTCP, TransportRDMA)
+		return nil, errdefs.InvalidArgument("volume_context %q=%q: unsupported transport type, want %q or %q", key, trtype, TransportTCP, TransportRDMA)
 	}
 
 	nqn, key, err := get(KeyNQN)
@@ -113,7 +115,7 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 		return nil, err
 	}
 	if nqn == "" {
-		return nil, invalidf("volume_context %q: missing (the subsystem NQN)", KeyNQN)
+		return nil, errdefs.InvalidArgument("volume_context %q: missing (the subsystem NQN)", KeyNQN)
 	}
 	if err := ValidateNQN("nqn", nqn); err != nil {
 		return nil, fmt.Errorf("volume_context %q: %w", key, err)
@@ -125,7 +127,7 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 	} else if s != "" {
 		n, err := strconv.ParseUint(s, 10, 32)
 		if err != nil || n == 0 || n == 0xffffffff {
-			return nil, invalidf("volume_context %q=%q: not a namespace ID 1..4294967294", key, s)
+			return nil, errdefs.InvalidArgument("volume_context %q=%q: not a namespace ID 1..4294967294", key, s)
 		}
 		v.NSID = uint32(n)
 	}
@@ -133,7 +135,7 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 		return nil, err
 	} else if s != "" {
 		if !uuidRE.MatchString(s) {
-			return nil, invalidf("volume_context %q=%q: not a UUID", key, s)
+			return nil, errdefs.InvalidArgument("volume_context %q=%q: not a UUID", key, s)
 		}
 		v.UUID = strings.ToLower(s)
 	}
@@ -142,12 +144,12 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 	} else if s != "" {
 		g, ok := normalizeNGUID(s)
 		if !ok {
-			return nil, invalidf("volume_context %q=%q: not an NGUID (32 hex digits)", key, s)
+			return nil, errdefs.InvalidArgument("volume_context %q=%q: not an NGUID (32 hex digits)", key, s)
 		}
 		v.NGUID = g
 	}
 	if v.NSID == 0 && v.UUID == "" && v.NGUID == "" {
-		return nil, invalidf("volume_context: no namespace given; set %q, %q (or %q) or %q", KeyNSID, KeyUUID, AliasUUID, KeyNGUID)
+		return nil, errdefs.InvalidArgument("volume_context: no namespace given; set %q, %q (or %q) or %q", KeyNSID, KeyUUID, AliasUUID, KeyNGUID)
 	}
 
 	port, portKey, err := get(KeyTrSvcID, AliasTrPort)
@@ -174,7 +176,7 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 	}
 	if hostIface != "" {
 		if trtype != TransportTCP {
-			return nil, invalidf("volume_context %q=%q: only the tcp transport binds to an interface", key, hostIface)
+			return nil, errdefs.InvalidArgument("volume_context %q=%q: only the tcp transport binds to an interface", key, hostIface)
 		}
 		if err := validateIface("host_iface", hostIface); err != nil {
 			return nil, fmt.Errorf("volume_context %q: %w", key, err)
@@ -199,7 +201,7 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 		// Refused as soon as it is exceeded, the limit also bounds
 		// the duplicate check.
 		if len(v.Paths) == maxPaths {
-			return invalidf("volume_context %q: more than %d distinct paths; berth connects at most %d controllers per volume", key, maxPaths, maxPaths)
+			return errdefs.InvalidArgument("volume_context %q: more than %d distinct paths; berth connects at most %d controllers per volume", key, maxPaths, maxPaths)
 		}
 		v.Paths = append(v.Paths, p)
 		return nil
@@ -230,7 +232,7 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 		}
 	}
 	if len(v.Paths) == 0 {
-		return nil, invalidf("volume_context: no target address; set %q (or %q) or %q", KeyTrAddr, AliasTrAddr, KeyTargets)
+		return nil, errdefs.InvalidArgument("volume_context: no target address; set %q (or %q) or %q", KeyTrAddr, AliasTrAddr, KeyTargets)
 	}
 
 	for _, r := range tunableRange {
@@ -243,7 +245,7 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 		}
 		n, err := strconv.Atoi(s)
 		if err != nil {
-			return nil, invalidf("volume_context %q=%q: not an integer", key, s)
+			return nil, errdefs.InvalidArgument("volume_context %q=%q: not an integer", key, s)
 		}
 		*r.get(&v.Tunables) = &n
 	}
@@ -270,14 +272,14 @@ func checkReconnectForever(vc map[string]string, t Tunables) error {
 	switch optIn {
 	case "", "false":
 		if forever {
-			return invalidf("volume_context %q=-1 reconnects a lost controller forever: its queued writes reach the target whenever a path comes back, even after another node took the volume over, and an unstage without paths cannot finish; give ctrlLossTmo in seconds (kernel default 600), or set %q=\"true\" where the array itself keeps a single writer", KeyCtrlLossTmo, KeyCtrlLossForever)
+			return errdefs.InvalidArgument("volume_context %q=-1 reconnects a lost controller forever: its queued writes reach the target whenever a path comes back, even after another node took the volume over, and an unstage without paths cannot finish; give ctrlLossTmo in seconds (kernel default 600), or set %q=\"true\" where the array itself keeps a single writer", KeyCtrlLossTmo, KeyCtrlLossForever)
 		}
 	case "true":
 		if !forever {
-			return invalidf("volume_context %q=\"true\" without %q=-1", KeyCtrlLossForever, KeyCtrlLossTmo)
+			return errdefs.InvalidArgument("volume_context %q=\"true\" without %q=-1", KeyCtrlLossForever, KeyCtrlLossTmo)
 		}
 	default:
-		return invalidf("volume_context %q=%q: want \"true\" or \"false\"", KeyCtrlLossForever, optIn)
+		return errdefs.InvalidArgument("volume_context %q=%q: want \"true\" or \"false\"", KeyCtrlLossForever, optIn)
 	}
 	return nil
 }
@@ -311,7 +313,7 @@ func getList(vc map[string]string, keys ...string) ([]string, string, error) {
 			continue
 		}
 		if from != "" && s != vc[from] {
-			return nil, "", invalidf("volume_context %q=%q and %q=%q disagree", from, vc[from], k, s)
+			return nil, "", errdefs.InvalidArgument("volume_context %q=%q and %q=%q disagree", from, vc[from], k, s)
 		}
 		if from != "" {
 			continue
@@ -323,7 +325,7 @@ func getList(vc map[string]string, keys ...string) ([]string, string, error) {
 		for _, e := range strings.Split(s, ",") {
 			e = strings.TrimSpace(e)
 			if e == "" {
-				return nil, "", invalidf("volume_context %q=%q: empty entry", k, s)
+				return nil, "", errdefs.InvalidArgument("volume_context %q=%q: empty entry", k, s)
 			}
 			out = append(out, e)
 		}
@@ -341,7 +343,7 @@ func splitTarget(t, defPort string) (host, port string, err error) {
 	if strings.HasPrefix(t, "[") || strings.Count(t, ":") == 1 {
 		host, port, err := net.SplitHostPort(t)
 		if err != nil || host == "" || port == "" {
-			return "", "", invalidf("volume_context %q entry %q: want host:port or [ipv6]:port", KeyTargets, t)
+			return "", "", errdefs.InvalidArgument("volume_context %q entry %q: want host:port or [ipv6]:port", KeyTargets, t)
 		}
 		return host, port, nil
 	}
@@ -359,16 +361,16 @@ func validateHost(h string) error {
 		return err
 	}
 	if len(h) == 0 || len(h) > 253 {
-		return invalidf("nvmeof option traddr %q: not an IP address or host name", h)
+		return errdefs.InvalidArgument("nvmeof option traddr %q: not an IP address or host name", h)
 	}
 	for _, l := range strings.Split(strings.TrimSuffix(h, "."), ".") {
 		if len(l) == 0 || len(l) > 63 || l[0] == '-' || l[len(l)-1] == '-' {
-			return invalidf("nvmeof option traddr %q: not an IP address or host name", h)
+			return errdefs.InvalidArgument("nvmeof option traddr %q: not an IP address or host name", h)
 		}
 		for i := 0; i < len(l); i++ {
 			c := l[i]
 			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-') {
-				return invalidf("nvmeof option traddr %q: not an IP address or host name", h)
+				return errdefs.InvalidArgument("nvmeof option traddr %q: not an IP address or host name", h)
 			}
 		}
 	}

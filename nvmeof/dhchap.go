@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"hash/crc32"
 	"strings"
+
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // Secret keys of NVMe in-band authentication (DH-HMAC-CHAP, NVMe base
@@ -58,7 +60,7 @@ type DHCHAPKey struct {
 // the secret in errors, which never quote the value.
 func ParseDHCHAPKey(field, s string) (*DHCHAPKey, error) {
 	bad := func(why string) error {
-		return invalidf("secret %q: not a DH-HMAC-CHAP key in the DHHC-1:<hash>:<base64>: form nvme gen-dhchap-key prints: %s", field, why)
+		return errdefs.InvalidArgument("secret %q: not a DH-HMAC-CHAP key in the DHHC-1:<hash>:<base64>: form nvme gen-dhchap-key prints: %s", field, why)
 	}
 	if s == "" {
 		return nil, bad("empty")
@@ -164,7 +166,7 @@ func ParseAuth(secrets map[string]string) (*Auth, error) {
 		case SecretDHCHAPKey, SecretDHCHAPCtrlKey, aliasDHCHAPKey, aliasDHCHAPCtrlKey:
 		default:
 			if strings.Contains(strings.ToLower(k), "dhchap") {
-				return nil, invalidf("secret %q: unknown DH-HMAC-CHAP key name; the keys are %q (host key) and %q (controller key, for bidirectional authentication)", k, SecretDHCHAPKey, SecretDHCHAPCtrlKey)
+				return nil, errdefs.InvalidArgument("secret %q: unknown DH-HMAC-CHAP key name; the keys are %q (host key) and %q (controller key, for bidirectional authentication)", k, SecretDHCHAPKey, SecretDHCHAPCtrlKey)
 			}
 		}
 	}
@@ -173,7 +175,7 @@ func ParseAuth(secrets map[string]string) (*Auth, error) {
 		name := key
 		if av, aok := secrets[alias]; aok {
 			if ok && av != v {
-				return nil, invalidf("secrets %q and %q disagree", key, alias)
+				return nil, errdefs.InvalidArgument("secrets %q and %q disagree", key, alias)
 			}
 			v, ok, name = av, true, alias
 		}
@@ -194,9 +196,9 @@ func ParseAuth(secrets map[string]string) (*Auth, error) {
 	case host == nil && ctrl == nil:
 		return nil, nil
 	case host == nil:
-		return nil, invalidf("secret %q: the controller key needs a host key in %q (bidirectional authentication authenticates the host first)", SecretDHCHAPCtrlKey, SecretDHCHAPKey)
+		return nil, errdefs.InvalidArgument("secret %q: the controller key needs a host key in %q (bidirectional authentication authenticates the host first)", SecretDHCHAPCtrlKey, SecretDHCHAPKey)
 	case ctrl != nil && ctrl.equalText(host.text):
-		return nil, invalidf("secrets %q and %q: the host and controller keys are the same; bidirectional authentication needs two different keys", SecretDHCHAPKey, SecretDHCHAPCtrlKey)
+		return nil, errdefs.InvalidArgument("secrets %q and %q: the host and controller keys are the same; bidirectional authentication needs two different keys", SecretDHCHAPKey, SecretDHCHAPCtrlKey)
 	}
 	return &Auth{Host: host, Ctrl: ctrl}, nil
 }

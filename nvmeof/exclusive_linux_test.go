@@ -11,18 +11,14 @@ import (
 
 	"github.com/berth-csi/berth/internal/forklock"
 	"github.com/berth-csi/berth/internal/forklock/forklocktest"
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // openedExclusively's own exclusive open must not reach a child started
 // meanwhile: the copy would keep the device claimed, and the next look
 // (the detach's, a stage's) would find it held.
 func TestOpenedExclusivelyWhileForking(t *testing.T) {
-	if os.Geteuid() != 0 {
-		if os.Getenv("BERTH_CI") == "1" {
-			t.Fatal("BERTH_CI=1: needs root (a loop device)")
-		}
-		t.Skip("needs root (a loop device)")
-	}
+	testutil.RequireRoot(t, "a loop device")
 	img := filepath.Join(t.TempDir(), "img")
 	if err := os.WriteFile(img, nil, 0o600); err != nil {
 		t.Fatal(err)

@@ -150,7 +150,7 @@ func (o *ConnectOptions) Validate() error {
 		return err
 	}
 	if o.TrAddr == "" {
-		return invalidf("nvmeof option traddr: missing")
+		return errdefs.InvalidArgument("nvmeof option traddr: missing")
 	}
 	if err := validateIP("traddr", o.TrAddr); err != nil {
 		return err
@@ -161,7 +161,7 @@ func (o *ConnectOptions) Validate() error {
 		}
 	}
 	if o.NQN == "" {
-		return invalidf("nvmeof option nqn: missing")
+		return errdefs.InvalidArgument("nvmeof option nqn: missing")
 	}
 	if err := ValidateNQN("nqn", o.NQN); err != nil {
 		return err
@@ -183,14 +183,14 @@ func (o *ConnectOptions) Validate() error {
 	}
 	if o.HostIface != "" {
 		if o.Transport != TransportTCP {
-			return invalidf("nvmeof option host_iface %q: only the tcp transport binds to an interface", o.HostIface)
+			return errdefs.InvalidArgument("nvmeof option host_iface %q: only the tcp transport binds to an interface", o.HostIface)
 		}
 		if err := validateIface("host_iface", o.HostIface); err != nil {
 			return err
 		}
 	}
 	if o.DHCHAPCtrlSecret != nil && o.DHCHAPSecret == nil {
-		return invalidf("nvmeof option dhchap_ctrl_secret: needs dhchap_secret (the host authenticates first)")
+		return errdefs.InvalidArgument("nvmeof option dhchap_ctrl_secret: needs dhchap_secret (the host authenticates first)")
 	}
 	return o.Tunables.validate(false)
 }
@@ -208,14 +208,10 @@ func (t *Tunables) validate(inContext bool) error {
 			if inContext {
 				name = fmt.Sprintf("volume_context %q (%s)", r.key, r.name)
 			}
-			return invalidf("%s %d: out of range %d..%d", name, *p, r.min, r.max)
+			return errdefs.InvalidArgument("%s %d: out of range %d..%d", name, *p, r.min, r.max)
 		}
 	}
 	return nil
-}
-
-func invalidf(format string, a ...any) error {
-	return fmt.Errorf(format+": %w", append(a, errdefs.ErrInvalidArgument)...)
 }
 
 // checkSeparators rejects the bytes that would let a value end its own
@@ -223,20 +219,20 @@ func invalidf(format string, a ...any) error {
 // other control characters, and invalid UTF-8.
 func checkSeparators(field, v string) error {
 	if !utf8.ValidString(v) {
-		return invalidf("nvmeof option %s %q: not valid UTF-8", field, v)
+		return errdefs.InvalidArgument("nvmeof option %s %q: not valid UTF-8", field, v)
 	}
 	for _, c := range v {
 		switch {
 		case c == ',':
-			return invalidf("nvmeof option %s %q: contains a comma", field, v)
+			return errdefs.InvalidArgument("nvmeof option %s %q: contains a comma", field, v)
 		case c == '=':
-			return invalidf("nvmeof option %s %q: contains '='", field, v)
+			return errdefs.InvalidArgument("nvmeof option %s %q: contains '='", field, v)
 		case c == '\n' || c == '\r':
-			return invalidf("nvmeof option %s %q: contains a newline", field, v)
+			return errdefs.InvalidArgument("nvmeof option %s %q: contains a newline", field, v)
 		case c == 0:
-			return invalidf("nvmeof option %s %q: contains a NUL byte", field, v)
+			return errdefs.InvalidArgument("nvmeof option %s %q: contains a NUL byte", field, v)
 		case unicode.IsControl(c):
-			return invalidf("nvmeof option %s %q: contains a control character", field, v)
+			return errdefs.InvalidArgument("nvmeof option %s %q: contains a control character", field, v)
 		}
 	}
 	return nil
@@ -250,9 +246,9 @@ func validateTransport(field, v string) error {
 	case TransportTCP, TransportRDMA:
 		return nil
 	case "":
-		return invalidf("nvmeof option %s: missing", field)
+		return errdefs.InvalidArgument("nvmeof option %s: missing", field)
 	}
-	return invalidf("nvmeof option %s %q: unsupported, want %q or %q", field, v, TransportTCP, TransportRDMA)
+	return errdefs.InvalidArgument("nvmeof option %s %q: unsupported, want %q or %q", field, v, TransportTCP, TransportRDMA)
 }
 
 func validateIP(field, v string) error {
@@ -261,10 +257,10 @@ func validateIP(field, v string) error {
 	}
 	a, err := netip.ParseAddr(v)
 	if err != nil {
-		return invalidf("nvmeof option %s %q: not an IPv4 or IPv6 address", field, v)
+		return errdefs.InvalidArgument("nvmeof option %s %q: not an IPv4 or IPv6 address", field, v)
 	}
 	if a.IsUnspecified() || a.IsMulticast() {
-		return invalidf("nvmeof option %s %q: not a unicast address", field, v)
+		return errdefs.InvalidArgument("nvmeof option %s %q: not a unicast address", field, v)
 	}
 	if z := a.Zone(); z != "" {
 		if err := validateIface(field+" zone", z); err != nil {
@@ -280,7 +276,7 @@ func validatePort(field, v string) error {
 	}
 	n, err := strconv.ParseUint(v, 10, 16)
 	if err != nil || n == 0 || v[0] == '0' {
-		return invalidf("nvmeof option %s %q: not a port number 1..65535", field, v)
+		return errdefs.InvalidArgument("nvmeof option %s %q: not a port number 1..65535", field, v)
 	}
 	return nil
 }
@@ -292,7 +288,7 @@ func validateIface(field, v string) error {
 		return err
 	}
 	if v == "" || len(v) > 15 || v == "." || v == ".." || strings.ContainsAny(v, "/: \t") {
-		return invalidf("nvmeof option %s %q: not a network interface name", field, v)
+		return errdefs.InvalidArgument("nvmeof option %s %q: not a network interface name", field, v)
 	}
 	return nil
 }
@@ -304,7 +300,7 @@ func validateUUID(field, v string) error {
 		return err
 	}
 	if !uuidRE.MatchString(v) {
-		return invalidf("nvmeof option %s %q: not a UUID (8-4-4-4-12 hex digits)", field, v)
+		return errdefs.InvalidArgument("nvmeof option %s %q: not a UUID (8-4-4-4-12 hex digits)", field, v)
 	}
 	return nil
 }
@@ -325,19 +321,19 @@ func ValidateNQN(field, v string) error {
 		return err
 	}
 	if len(v) > maxNQNLen {
-		return invalidf("nvmeof option %s: %d bytes, NQNs are at most %d", field, len(v), maxNQNLen)
+		return errdefs.InvalidArgument("nvmeof option %s: %d bytes, NQNs are at most %d", field, len(v), maxNQNLen)
 	}
 	if strings.IndexFunc(v, unicode.IsSpace) >= 0 {
-		return invalidf("nvmeof option %s %q: contains white space", field, v)
+		return errdefs.InvalidArgument("nvmeof option %s %q: contains white space", field, v)
 	}
 	if u, ok := strings.CutPrefix(v, uuidNQNPrefix); ok {
 		if !uuidRE.MatchString(u) {
-			return invalidf("nvmeof option %s %q: %q is not a UUID", field, v, u)
+			return errdefs.InvalidArgument("nvmeof option %s %q: %q is not a UUID", field, v, u)
 		}
 		return nil
 	}
 	if !nqnRE.MatchString(v) {
-		return invalidf("nvmeof option %s %q: not an NQN of the form nqn.yyyy-mm.reverse.domain:name or %s<uuid>", field, v, uuidNQNPrefix)
+		return errdefs.InvalidArgument("nvmeof option %s %q: not an NQN of the form nqn.yyyy-mm.reverse.domain:name or %s<uuid>", field, v, uuidNQNPrefix)
 	}
 	return nil
 }

@@ -19,6 +19,8 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // The socket activation test runs this test binary again, under
@@ -167,7 +169,9 @@ func is(s string) func(string) bool { return func(m string) bool { return m == s
 func socketActivate(t *testing.T, sock string, env []string, argv ...string) *exec.Cmd {
 	t.Helper()
 	tool, err := exec.LookPath("systemd-socket-activate")
-	requireTool(t, err, "systemd-socket-activate")
+	if err != nil {
+		testutil.SkipOrFail(t, "needs systemd-socket-activate (make deps): "+err.Error())
+	}
 	args := []string{"-l", sock}
 	for _, e := range env {
 		args = append(args, "-E", e)

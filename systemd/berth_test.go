@@ -17,6 +17,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/berth-csi/berth/internal/testutil"
 )
 
 // berthBinary returns $BERTH_BIN, or builds berth from this module.
@@ -48,10 +50,7 @@ func freeLoopbackPort(t *testing.T) string {
 // TestBerthSocketActivated runs the real berth binary the way berth.service
 // does: socket-activated, Type=notify, with a watchdog and metrics.
 func TestBerthSocketActivated(t *testing.T) {
-	requireRoot(t)
-	if _, err := exec.LookPath("systemd-socket-activate"); err != nil {
-		requireTool(t, err, "systemd-socket-activate")
-	}
+	testutil.RequireRoot(t, "berth serve refuses to start without it", "systemd-socket-activate")
 	bin := berthBinary(t)
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "csi.sock")

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"log/slog"
 	"net"
-	"os"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -20,32 +19,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
-
-// requireTool skips when a host tool is missing, except in CI where the
-// project's own scripts install it and its absence is a failure.
-func requireTool(t *testing.T, err error, what string) {
-	t.Helper()
-	if err == nil {
-		return
-	}
-	if os.Getenv("BERTH_CI") == "1" {
-		t.Fatalf("%s: %v (scripts/install-deps.sh installs it)", what, err)
-	}
-	t.Skipf("%s: %v", what, err)
-}
-
-// requireRoot skips a test that runs berth serve, which refuses to start
-// without root, except in CI, which runs as root.
-func requireRoot(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() == 0 {
-		return
-	}
-	if os.Getenv("BERTH_CI") == "1" {
-		t.Fatal("needs root: berth serve refuses to start without it; BERTH_CI=1 forbids skipping")
-	}
-	t.Skip("needs root: berth serve refuses to start without it")
-}
 
 type sendLog struct {
 	mu   sync.Mutex

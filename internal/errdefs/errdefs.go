@@ -3,12 +3,19 @@
 // in package agent, turns them into gRPC status codes; nothing below agent
 // imports grpc/status.
 //
-// Wrap them with %w and a message an operator can act on:
+// Wrap them with %w and a message an operator can act on, through the
+// constructor named after the sentinel where there is one:
 //
-//	fmt.Errorf("volume_context %q: contains a comma: %w", "nqn", errdefs.ErrInvalidArgument)
+//	errdefs.InvalidArgument("volume_context %q: contains a comma", "nqn")
+//
+// is fmt.Errorf("volume_context %q: contains a comma: %w", "nqn",
+// errdefs.ErrInvalidArgument).
 package errdefs
 
-import "errors"
+import (
+	"errors"
+	"fmt"
+)
 
 var (
 	// ErrInvalidArgument: the request itself is wrong (bad field, bad
@@ -38,3 +45,28 @@ var (
 	// ErrUnsupported: the feature is not supported on this OS or kernel.
 	ErrUnsupported = errors.New("not supported")
 )
+
+// InvalidArgument returns the message format, a... wrapping
+// ErrInvalidArgument: "<message>: invalid argument". format may itself
+// hold %w verbs, and the error then wraps their errors too.
+func InvalidArgument(format string, a ...any) error {
+	return wrapf(ErrInvalidArgument, format, a)
+}
+
+// NotFound is InvalidArgument for ErrNotFound.
+func NotFound(format string, a ...any) error { return wrapf(ErrNotFound, format, a) }
+
+// AlreadyExists is InvalidArgument for ErrAlreadyExists.
+func AlreadyExists(format string, a ...any) error { return wrapf(ErrAlreadyExists, format, a) }
+
+// FailedPrecondition is InvalidArgument for ErrFailedPrecondition.
+func FailedPrecondition(format string, a ...any) error {
+	return wrapf(ErrFailedPrecondition, format, a)
+}
+
+// Unavailable is InvalidArgument for ErrUnavailable.
+func Unavailable(format string, a ...any) error { return wrapf(ErrUnavailable, format, a) }
+
+func wrapf(sentinel error, format string, a []any) error {
+	return fmt.Errorf(format+": %w", append(a[:len(a):len(a)], sentinel)...)
+}

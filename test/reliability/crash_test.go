@@ -26,6 +26,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/berth-csi/berth/internal/forklock"
+	"github.com/berth-csi/berth/internal/testutil"
 	"github.com/berth-csi/berth/test/vm"
 )
 
@@ -590,16 +591,6 @@ func failpointBinary(t *testing.T) string {
 	return out
 }
 
-func requireRoot(t *testing.T) {
-	if os.Geteuid() == 0 {
-		return
-	}
-	if os.Getenv("BERTH_CI") == "1" {
-		t.Fatal("BERTH_CI=1: the crash suite needs root (loop devices, mounts)")
-	}
-	t.Skip("needs root (loop devices, mounts)")
-}
-
 // A tally is one line of the reliability table: a transport's lifecycle
 // crashed at each of its boundaries.
 type tally struct {
@@ -822,7 +813,7 @@ func requireReached(t *testing.T, want []string, reached map[string]bool) {
 // volume's whole life (see crashEveryStep), for each filesystem and raw
 // block, and fails when a boundary in the host packages is never reached.
 func TestCrashAtEveryStep(t *testing.T) {
-	requireRoot(t)
+	testutil.RequireRoot(t, "the crash suite: loop devices, mounts")
 	bin := failpointBinary(t)
 	reached := map[string]bool{}
 	var rows []string
