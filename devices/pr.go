@@ -1,0 +1,35 @@
+package devices
+
+// PRType is a persistent reservation's type, numbered as the kernel's
+// block layer numbers them (enum pr_type in linux/pr.h), whatever the
+// transport's own encoding (SCSI's PERSISTENT RESERVE type codes, NVMe's
+// reservation types).
+type PRType uint8
+
+// The reservation types of linux/pr.h.
+const (
+	PRWriteExclusive         PRType = 1
+	PRExclusiveAccess        PRType = 2
+	PRWriteExclusiveRegOnly  PRType = 3
+	PRExclusiveAccessRegOnly PRType = 4
+	PRWriteExclusiveAllRegs  PRType = 5
+	PRExclusiveAccessAllRegs PRType = 6
+)
+
+// Reservation is a block device's persistent-reservation state as its
+// target reports it.
+type Reservation struct {
+	// Generation is the target's PR generation counter: it changes with
+	// every registration, reservation and preemption.
+	Generation uint32
+	// Keys are the registered reservation keys, one per registrant (an
+	// I_T nexus for SCSI, a host for NVMe), in the target's order; a key
+	// registered through several paths appears once per path.
+	Keys []uint64
+	// Holder is the reservation holder's key, 0 when the device is not
+	// reserved. For the all-registrants types every registrant holds the
+	// reservation and the targets report key 0.
+	Holder uint64
+	// Type is the reservation's type, 0 when the device is not reserved.
+	Type PRType
+}
