@@ -182,11 +182,8 @@ func flushDevice(path string) error {
 		return fmt.Errorf("flush %s: %w", path, err)
 	}
 	defer f.Close()
-	if err := f.Sync(); err != nil {
+	if err := blockdev.Flush(f); err != nil {
 		return fmt.Errorf("flush %s: %w", path, err)
-	}
-	if err := unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0); err != nil {
-		return fmt.Errorf("flush %s: BLKFLSBUF: %w", path, err)
 	}
 	return nil
 }
