@@ -367,27 +367,13 @@ func (t *Transport) recordSettings(v *Volume) []setting {
 	return set
 }
 
-// login creates the node record for exactly this target and portal, writes
-// its settings and credentials, and logs in.
+// login has iscsiadm create the node record for exactly this target and
+// portal (`-o new`: it copies iscsid.conf's node.* settings into it), writes
+// its settings and credentials into it in place, and logs in.
 func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error) {
 	start := time.Now()
-	// On the default interface berth writes the record itself, as
-	// iscsiadm would; otherwise (or before open-iscsi made its record
-	// directory) iscsiadm creates it and berth adds the settings.
-	native, file := false, ""
-	if v.Iface == "default" {
-		f, err := t.db.createNodeRecord(ctx, v.IQN, p.IP, p.Port, p.TPGT, t.recordSettings(v))
-		switch {
-		case err == nil:
-			native, file = true, f
-		case !errors.Is(err, errdefs.ErrNotFound):
-			return err
-		}
-	}
-	if !native {
-		if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeNew(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...); err != nil {
-			return t.iscsiadmError("create node record", err)
-		}
+	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeNew(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...); err != nil {
+		return t.iscsiadmError("create node record", err)
 	}
 	defer func() {
 		logctx.From(ctx, t.log).Debug("iSCSI login", "portal", p.String(), "duration", time.Since(start), "error", retErr)
@@ -395,34 +381,21 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 	defer func() {
 		if retErr != nil {
 			// Leave no record (and no credentials) behind for a login
-			// that did not happen: the file berth wrote, and whatever
-			// record iscsiadm knows of.
-			if native {
-				if err := t.db.remove(context.WithoutCancel(ctx), file); err != nil {
-					logctx.From(ctx, t.log).Warn("delete node record after failed login", "target", v, "portal", p.String(), "error", err)
-				}
-			}
+			// that did not happen.
 			if _, err := t.run.run(context.WithoutCancel(ctx), t.opts.Iscsiadm, argsNodeDelete(v.IQN, p.IP, p.Port, v.Iface)...); err != nil && command.ExitCode(err) != ISCSI_ERR_NO_OBJS_FOUND {
 				logctx.From(ctx, t.log).Warn("delete node record after failed login", "target", v, "portal", p.String(), "error", err)
 			}
 		}
 	}()
-	if !native {
-		files, err := t.db.nodeRecordFiles(v.IQN, p.IP, p.Port, v.Iface)
-		if err != nil {
-			return fmt.Errorf("iscsiadm created the node record of %s at %s, but berth cannot find it (name open-iscsi's record directory with --iscsi-node-dir): %w", v.IQN, p, err)
-		}
-		if err := t.db.update(ctx, files, t.recordSettings(v)); err != nil {
-			return err
-		}
+	files, err := t.db.nodeRecordFiles(v.IQN, p.IP, p.Port, v.Iface)
+	if err != nil {
+		return fmt.Errorf("iscsiadm created the node record of %s at %s, but berth cannot find it (name open-iscsi's record directory with --iscsi-node-dir): %w", v.IQN, p, err)
+	}
+	if err := t.db.update(ctx, files, t.recordSettings(v)); err != nil {
+		return err
 	}
 	failpoint.Hit("iscsi.record_written")
-	_, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeLogin(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...)
-	if native && command.ExitCode(err) == ISCSI_ERR_NO_OBJS_FOUND {
-		dir, _ := t.db.nodeDir()
-		return fmt.Errorf("log in to %s at %s: iscsiadm found no node record, though berth wrote it in %s: this iscsiadm keeps its records elsewhere: name its directory with --iscsi-node-dir: %w",
-			v.IQN, p, dir, errdefs.ErrUnavailable)
-	}
+	_, err = t.run.run(ctx, t.opts.Iscsiadm, argsNodeLogin(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...)
 	if err != nil && command.ExitCode(err) != ISCSI_ERR_SESS_EXISTS {
 		return t.iscsiadmError(fmt.Sprintf("log in to %s at %s", v.IQN, p), err)
 	}
