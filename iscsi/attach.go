@@ -8,6 +8,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/berth-csi/berth/devices"
@@ -62,23 +63,35 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 			}
 		}
 	}()
-	var fatal error
-	for _, p := range paths {
-		pd, err := t.attachPath(ctx, v, p)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("portal %s: %w", p, err))
-			if errors.Is(err, errdefs.ErrPermissionDenied) || errors.Is(err, errdefs.ErrFailedPrecondition) ||
-				errors.Is(err, errdefs.ErrNotFound) || ctx.Err() != nil {
-				// Wrong credentials, wrong LUN or WWID: the next portal
-				// of the same target will say the same.
-				fatal = err
+	// A multipath volume needs every path: the logins run at once, so that
+	// a portal that does not answer costs the stage its login timeout
+	// once, not once per portal. A single-path volume takes the first
+	// portal that answers, in the order listed.
+	results := make([]pathResult, len(paths))
+	if multipath {
+		var wg sync.WaitGroup
+		for i, p := range paths {
+			wg.Go(func() { results[i].pd, results[i].err = t.attachPath(ctx, v, p) })
+		}
+		wg.Wait()
+	} else {
+		for i, p := range paths {
+			results[i].pd, results[i].err = t.attachPath(ctx, v, p)
+			if results[i].err == nil || fatalAttachError(ctx, results[i].err) {
+				results = results[:i+1]
 				break
 			}
+		}
+	}
+	var fatal error
+	for i, r := range results {
+		if r.err == nil {
+			attached = append(attached, r.pd)
 			continue
 		}
-		attached = append(attached, pd)
-		if !multipath {
-			break
+		errs = append(errs, fmt.Errorf("portal %s: %w", paths[i], r.err))
+		if fatalAttachError(ctx, r.err) {
+			fatal = r.err
 		}
 	}
 	if len(attached) == 0 {
@@ -115,6 +128,20 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 		return attached[0].dev, nil
 	}
 	return t.waitMap(ctx, wwid, attached)
+}
+
+// pathResult is the outcome of one path's attach.
+type pathResult struct {
+	pd  *pathDevice
+	err error
+}
+
+// fatalAttachError reports whether err of one portal's attach fails the
+// whole attach: wrong credentials, wrong LUN or WWID (the next portal of
+// the same target will say the same), or the call's end.
+func fatalAttachError(ctx context.Context, err error) bool {
+	return errors.Is(err, errdefs.ErrPermissionDenied) || errors.Is(err, errdefs.ErrFailedPrecondition) ||
+		errors.Is(err, errdefs.ErrNotFound) || ctx.Err() != nil
 }
 
 // pathDevice is one attached path: its session and SCSI disk.
