@@ -71,12 +71,12 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 	if multipath {
 		var wg sync.WaitGroup
 		for i, p := range paths {
-			wg.Go(func() { results[i].pd, results[i].err = t.attachPath(ctx, v, p) })
+			wg.Go(func() { results[i].pd, results[i].err = t.attachPath(ctx, v, p, paths) })
 		}
 		wg.Wait()
 	} else {
 		for i, p := range paths {
-			results[i].pd, results[i].err = t.attachPath(ctx, v, p)
+			results[i].pd, results[i].err = t.attachPath(ctx, v, p, paths[i+1:])
 			if results[i].err == nil || fatalAttachError(ctx, results[i].err) {
 				results = results[:i+1]
 				break
@@ -128,6 +128,55 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 		return attached[0].dev, nil
 	}
 	return t.waitMap(ctx, wwid, attached)
+}
+
+// silentWindow is how long a portal whose login timed out (no answer: a
+// firewall that drops packets, a dead switch port, a hung target) is left
+// out of the attaches of its target's volumes, while another portal may
+// serve them. A login holds its portal's lock, so without it the stages
+// of several LUNs behind one silent portal wait for it in turn: three at
+// once took 14, 28 and 39 s.
+const silentWindow = 30 * time.Second
+
+// silentSince reports how long ago a login through p timed out, when that
+// is within silentWindow and one of others has not timed out as lately.
+func (t *Transport) silentSince(v *Volume, p path, others []path) (time.Duration, bool) {
+	t.silentMu.Lock()
+	defer t.silentMu.Unlock()
+	now := time.Now()
+	recent := func(q path) (time.Duration, bool) {
+		at, ok := t.silent[q.key(v.IQN, v.Iface)]
+		return now.Sub(at), ok && now.Sub(at) < silentWindow
+	}
+	since, ok := recent(p)
+	if !ok {
+		return 0, false
+	}
+	for _, q := range others {
+		if q.key(v.IQN, v.Iface) == p.key(v.IQN, v.Iface) {
+			continue
+		}
+		if _, silent := recent(q); !silent {
+			return since, true
+		}
+	}
+	return 0, false
+}
+
+// noteSilent records whether a login through p timed out.
+func (t *Transport) noteSilent(v *Volume, p path, err error) {
+	t.silentMu.Lock()
+	defer t.silentMu.Unlock()
+	key := p.key(v.IQN, v.Iface)
+	switch code := command.ExitCode(err); {
+	case err == nil:
+		delete(t.silent, key)
+	case code == ISCSI_ERR_TRANS_TIMEOUT || code == ISCSI_ERR_PDU_TIMEOUT:
+		if t.silent == nil {
+			t.silent = make(map[string]time.Time)
+		}
+		t.silent[key] = time.Now()
+	}
 }
 
 // pathResult is the outcome of one path's attach.
@@ -209,8 +258,10 @@ func (t *Transport) findSession(target string, p path, iface string) (*Session, 
 }
 
 // attachPath logs in through one portal (or reuses the session), scans the
-// LUN and waits for its disk.
-func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathDevice, retErr error) {
+// LUN and waits for its disk. others are the volume's other portals that
+// may serve it instead: while one of them has not timed out lately, a
+// portal whose login timed out within silentWindow is not tried again.
+func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []path) (_ *pathDevice, retErr error) {
 	start := time.Now()
 	key := p.key(v.IQN, v.Iface)
 	held, err := t.locks.Hold(ctx, key)
@@ -223,11 +274,19 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 	if err != nil {
 		return nil, err
 	}
+	if sess == nil {
+		if since, ok := t.silentSince(v, p, others); ok {
+			return nil, fmt.Errorf("not tried: a login through it timed out %s ago; it is tried again after %s: %w",
+				since.Round(time.Second), silentWindow, errdefs.ErrUnavailable)
+		}
+	}
 	// removed: the WWID check took out a disk this attach did not scan
 	// in (another storage object now behind the LUN number).
 	loggedIn, scanned, removed := false, false, false
 	if sess == nil {
-		if err := t.login(ctx, v, p); err != nil {
+		err := t.login(ctx, v, p)
+		t.noteSilent(v, p, err)
+		if err != nil {
 			return nil, err
 		}
 		loggedIn = true

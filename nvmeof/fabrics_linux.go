@@ -27,6 +27,12 @@ var errDuplicate = errors.New("a controller with these options already exists")
 // EKEYREJECTED); the caller tells the two apart (see Target.authRefused).
 var errRefused = errors.New("connection refused")
 
+// errSilent marks a connect to a path that did not answer: no SYN-ACK
+// (the kernel gives up after one SYN retry, about 3 s) or no ICResp to the
+// NVMe/TCP initialization (10 s), as a path behind a firewall that drops
+// packets, a dead switch port or a hung target looks.
+var errSilent = errors.New("the path did not answer")
+
 // connectResult is what one write to /dev/nvme-fabrics produced.
 type connectResult struct {
 	instance, cntlid int
@@ -94,7 +100,10 @@ func connectError(err error) error {
 		return fmt.Errorf("connect: the target requires NVMe in-band authentication (DH-HMAC-CHAP), which this kernel does not support (%v; CONFIG_NVME_AUTH or CONFIG_NVME_HOST_AUTH is not set): %w",
 			errno, errdefs.ErrUnsupported)
 	case unix.ETIMEDOUT, unix.EHOSTUNREACH, unix.ENETUNREACH, unix.EHOSTDOWN:
-		return fmt.Errorf("connect: target unreachable (%v): %w", errno, errdefs.ErrUnavailable)
+		return fmt.Errorf("connect: target unreachable (%v): %w: %w", errno, errSilent, errdefs.ErrUnavailable)
+	case unix.EAGAIN:
+		// nvme-tcp's wait for the ICResp ended (its receive timeout).
+		return fmt.Errorf("connect: the target accepted the TCP connection but never answered the NVMe/TCP initialization (%v): check that an NVMe/TCP target, not another service, listens there and is not hung: %w: %w", errno, errSilent, errdefs.ErrUnavailable)
 	case unix.EINVAL:
 		return fmt.Errorf("connect: the kernel rejected the connect options (%v); check dmesg: a hostnqn paired with another hostid, a transport module missing, or a target refusing this host: %w", errno, errdefs.ErrFailedPrecondition)
 	case unix.EIO, unix.EPROTO, unix.ECONNRESET:
