@@ -176,10 +176,12 @@ func setReservations(t testing.TB, d string, on bool) {
 	mustWrite(t, p, v)
 }
 
-// RestartNamespace disables namespace nsid and enables it again, as a
-// target restart does to the namespace (the backing device and the
-// identity stay). Controllers stay connected; I/O in between fails.
-func (n *NVMeTarget) RestartNamespace(nsid uint32) {
+// SetNamespaceEnabled disables or enables namespace nsid (its backing
+// device and identity stay), as a target restart does between the two:
+// the initiator is told the namespace changed and, when its rescan finds
+// it disabled, removes its block device. nvmet keeps the namespace's
+// reservations in memory only: a disabled namespace loses them (7.3).
+func (n *NVMeTarget) SetNamespaceEnabled(nsid uint32, on bool) {
 	t := n.t
 	t.Helper()
 	n.mu.Lock()
@@ -189,7 +191,10 @@ func (n *NVMeTarget) RestartNamespace(nsid uint32) {
 		t.Fatalf("nvme target %s: no namespace %d", n.cfg.NQN, nsid)
 	}
 	d := filepath.Join(n.dir, "namespaces", strconv.Itoa(int(nsid)))
-	mustWrite(t, filepath.Join(d, "enable"), "0")
+	if !on {
+		mustWrite(t, filepath.Join(d, "enable"), "0")
+		return
+	}
 	setReservations(t, d, ns.Reservations)
 	mustWrite(t, filepath.Join(d, "enable"), "1")
 }
