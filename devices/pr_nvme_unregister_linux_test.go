@@ -15,6 +15,10 @@ import (
 // Replace for any non-zero old key), and nvmet then keeps the host
 // registered with key 0, still a registrant that writes under a
 // registrants-only reservation (measured on 7.3, TestVMNVMeReservations).
+// Such a host gets a key again only through IOC_PR_REGISTER with
+// PR_FL_IGNORE_KEY and a non-zero old key (Replace, IEKEY): with old key
+// 0 the kernel sends Register, which conflicts with the key-0
+// registration.
 // A host that is not registered, or registered with another key, gets an
 // error wrapping errReservationConflict. Unregistering the holder of a
 // registrants-only reservation releases it.

@@ -41,7 +41,9 @@ import (
 // writes work; PREEMPT_ABORT removes the victim's key, makes the preemptor
 // the holder and the victim's writes fail, but nothing stops the victim
 // from registering again (and writing); IOC_PR_REGISTER with new key 0
-// does not unregister on NVMe (see unregisterNVMe); the holder's
+// does not unregister on NVMe (see unregisterNVMe), and a host left with
+// key 0 gets its key back only with PR_FL_IGNORE_KEY and a non-zero old
+// key; nvmet reports PTPLS 0 (nothing persists); the holder's
 // unregistration releases the reservation; releasing with another type,
 // or as a non-registrant, conflicts; releasing nothing succeeds; the
 // generation counts registrations, not reservations. Registrations belong
@@ -65,24 +67,26 @@ func TestVMNVMeReservations(t *testing.T) {
 
 // The block layer's persistent-reservation ioctls (linux/pr.h), minimal:
 // the generic layer lives elsewhere; these are what the test needs.
-type prRegistration struct {
+type rawPRRegistration struct {
 	oldKey, newKey uint64
-	_, _           uint32 // flags, padding
+	flags, _       uint32
 }
 
-type prReservation struct {
+const prFlIgnoreKey = 1 // PR_FL_IGNORE_KEY
+
+type rawPRReservation struct {
 	key uint64
 	typ uint32
 	_   uint32 // flags
 }
 
-type prPreempt struct {
+type rawPRPreempt struct {
 	oldKey, newKey uint64
 	typ            uint32
 	_              uint32 // flags
 }
 
-type prClear struct {
+type rawPRClear struct {
 	key  uint64
 	_, _ uint32 // flags, padding
 }
@@ -91,12 +95,12 @@ type prClear struct {
 func iow(nr, size uintptr) uintptr { return 1<<30 | size<<16 | 'p'<<8 | nr }
 
 var (
-	iocPRRegister     = iow(200, unsafe.Sizeof(prRegistration{}))
-	iocPRReserve      = iow(201, unsafe.Sizeof(prReservation{}))
-	iocPRRelease      = iow(202, unsafe.Sizeof(prReservation{}))
-	iocPRPreempt      = iow(203, unsafe.Sizeof(prPreempt{}))
-	iocPRPreemptAbort = iow(204, unsafe.Sizeof(prPreempt{}))
-	iocPRClear        = iow(205, unsafe.Sizeof(prClear{}))
+	rawIocPRRegister     = iow(200, unsafe.Sizeof(rawPRRegistration{}))
+	rawIocPRReserve      = iow(201, unsafe.Sizeof(rawPRReservation{}))
+	rawIocPRRelease      = iow(202, unsafe.Sizeof(rawPRReservation{}))
+	rawIocPRPreempt      = iow(203, unsafe.Sizeof(rawPRPreempt{}))
+	rawIocPRPreemptAbort = iow(204, unsafe.Sizeof(rawPRPreempt{}))
+	rawIocPRClear        = iow(205, unsafe.Sizeof(rawPRClear{}))
 )
 
 // prStatusConflict is PR_STS_RESERVATION_CONFLICT (linux/pr.h's enum
@@ -196,32 +200,38 @@ func (n *nvmeNode) disconnect(t *testing.T) {
 }
 
 func (n *nvmeNode) register(oldKey, newKey uint64) prResult {
-	return prIoctl(n.f, iocPRRegister, &prRegistration{oldKey: oldKey, newKey: newKey})
+	return prIoctl(n.f, rawIocPRRegister, &rawPRRegistration{oldKey: oldKey, newKey: newKey})
+}
+
+// registerIgnoringKey registers with PR_FL_IGNORE_KEY: the kernel sends
+// Replace (old key not 0) or Register (old key 0) with IEKEY.
+func (n *nvmeNode) registerIgnoringKey(oldKey, newKey uint64) prResult {
+	return prIoctl(n.f, rawIocPRRegister, &rawPRRegistration{oldKey: oldKey, newKey: newKey, flags: prFlIgnoreKey})
 }
 
 func (n *nvmeNode) reserve(typ PRType) prResult {
-	return prIoctl(n.f, iocPRReserve, &prReservation{key: n.key, typ: uint32(typ)})
+	return prIoctl(n.f, rawIocPRReserve, &rawPRReservation{key: n.key, typ: uint32(typ)})
 }
 
 func (n *nvmeNode) release(typ PRType) prResult {
-	return prIoctl(n.f, iocPRRelease, &prReservation{key: n.key, typ: uint32(typ)})
+	return prIoctl(n.f, rawIocPRRelease, &rawPRReservation{key: n.key, typ: uint32(typ)})
 }
 
 // preempt preempts the registrant with key victim, without aborting its
 // commands.
 func (n *nvmeNode) preempt(victim uint64, typ PRType) prResult {
-	return prIoctl(n.f, iocPRPreempt, &prPreempt{oldKey: n.key, newKey: victim, typ: uint32(typ)})
+	return prIoctl(n.f, rawIocPRPreempt, &rawPRPreempt{oldKey: n.key, newKey: victim, typ: uint32(typ)})
 }
 
 // preemptAbort preempts (and aborts the commands of) the registrant with
 // key victim: linux/pr.h's old_key is the caller's own key, new_key the
 // one to preempt (NVMe Reservation Acquire's CRKEY and PRKEY).
 func (n *nvmeNode) preemptAbort(victim uint64, typ PRType) prResult {
-	return prIoctl(n.f, iocPRPreemptAbort, &prPreempt{oldKey: n.key, newKey: victim, typ: uint32(typ)})
+	return prIoctl(n.f, rawIocPRPreemptAbort, &rawPRPreempt{oldKey: n.key, newKey: victim, typ: uint32(typ)})
 }
 
 func (n *nvmeNode) clear() prResult {
-	return prIoctl(n.f, iocPRClear, &prClear{key: n.key})
+	return prIoctl(n.f, rawIocPRClear, &rawPRClear{key: n.key})
 }
 
 // write writes one 4 KiB block at offset 0 with O_DIRECT and returns the
@@ -424,9 +434,30 @@ func TestGuestNVMeResvHosts(t *testing.T) {
 	wantErrno(t, "B writes, registered with key 0", b.write('B'), nil)
 	wantResult(t, "IOC_PR_REGISTER B, old key 0 (a registrant already)", b.register(0, b.key),
 		prResult{status: prStatusConflict})
-	// Reservation Register with the Unregister action does.
-	if err := unregisterNVMe(b.f, 0); err != nil {
-		t.Errorf("unregister B (key 0): %v", err)
+	// Nor does its old key: Replace finds key 0, not B's.
+	wantResult(t, "IOC_PR_REGISTER B, old key B's own (now 0)", b.register(b.key, b.key),
+		prResult{status: prStatusConflict})
+	// PR_FL_IGNORE_KEY (IEKEY) helps only with a non-zero old key, any:
+	// with old key 0 the kernel sends Register, which a registrant with
+	// another key fails whatever IEKEY says.
+	wantResult(t, "IOC_PR_REGISTER B ignoring the key, old key 0", b.registerIgnoringKey(0, b.key),
+		prResult{status: prStatusConflict})
+	wantResult(t, "IOC_PR_REGISTER B ignoring the key, old key 1", b.registerIgnoringKey(1, b.key), prOK)
+	wantReservation(t, a, []uint64{a.key, b.key}, a.key, PRWriteExclusiveRegOnly)
+	// Persist Through Power Loss: the kernel asks for it with every
+	// registration (CPTPL), nvmet answers PTPLS 0: nothing survives a
+	// power loss.
+	raw := make([]byte, 4096)
+	nsid, err := nvmeNamespaceID(b.f)
+	if err == nil {
+		err = nvmeResvReport(b.f, nsid, raw)
+	}
+	if err != nil || raw[9] != 0 {
+		t.Errorf("PTPLS %d (%v), want 0", raw[9], err)
+	}
+	// Reservation Register with the Unregister action unregisters.
+	if err := unregisterNVMe(b.f, b.key); err != nil {
+		t.Errorf("unregister B: %v", err)
 	}
 	wantReservation(t, a, []uint64{a.key}, a.key, PRWriteExclusiveRegOnly)
 	if err := unregisterNVMe(b.f, b.key); !errors.Is(err, errReservationConflict) {

@@ -197,7 +197,11 @@ build_kernel() { # $1: output dir
 }
 # build_split_kernel DIR: build_kernel for a kernel split into the packages
 # $kparts (linux-binary-*, linux-modules-*) and linux-base-*, all at the
-# image's version.
+# image's version. 7.3.4 cloud: nvme_core, nvme_auth and nvme_keyring are
+# built in (CONFIG_NVME_MULTIPATH=y); nvmet, nvmet_tcp, nvme_fabrics,
+# nvme_tcp and configfs are the modules of NVMe/TCP on both sides (the
+# closure of nvmet nvmet_tcp nvme_tcp, modprobe -d -a --show-depends).
+# 36.5 MB to download, ~3 s to unpack, 40 MB unpacked.
 build_split_kernel() {
 	local out=$1 tmp deb debs=("linux-base-$kver=$kversion")
 	tmp=$(mktemp -d "$cache/.kernel.XXXXXX")
