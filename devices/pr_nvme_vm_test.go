@@ -72,7 +72,7 @@ type rawPRRegistration struct {
 	flags, _       uint32
 }
 
-const prFlIgnoreKey = 1 // PR_FL_IGNORE_KEY
+const rawPRFlIgnoreKey = 1 // PR_FL_IGNORE_KEY
 
 type rawPRReservation struct {
 	key uint64
@@ -206,7 +206,7 @@ func (n *nvmeNode) register(oldKey, newKey uint64) prResult {
 // registerIgnoringKey registers with PR_FL_IGNORE_KEY: the kernel sends
 // Replace (old key not 0) or Register (old key 0) with IEKEY.
 func (n *nvmeNode) registerIgnoringKey(oldKey, newKey uint64) prResult {
-	return prIoctl(n.f, rawIocPRRegister, &rawPRRegistration{oldKey: oldKey, newKey: newKey, flags: prFlIgnoreKey})
+	return prIoctl(n.f, rawIocPRRegister, &rawPRRegistration{oldKey: oldKey, newKey: newKey, flags: rawPRFlIgnoreKey})
 }
 
 func (n *nvmeNode) reserve(typ PRType) prResult {
