@@ -412,6 +412,9 @@ func TestGuestNVMeResvHosts(t *testing.T) {
 	wantResult(t, "register B", b.register(0, b.key), prOK)
 	r := wantReservation(t, b, []uint64{a.key, b.key}, 0, 0)
 	t.Logf("generation %d -> %d after two registrations", r0.Generation, r.Generation)
+	// Each block device reaches nvmet as its own host: the report pairs
+	// each key with the host ID of the device it was registered through.
+	checkHostIDs(t, b, map[uint64]string{a.key: a.hostID, b.key: b.hostID})
 	// Registering again with the same key (old key 0) is what a stage
 	// repeated on the same node does.
 	wantResult(t, "register A again, old key 0", a.register(0, a.key), prOK)
@@ -585,6 +588,34 @@ func TestGuestNVMeResvHosts(t *testing.T) {
 	waitLive(t, b.ctrl)
 	wantReservation(t, b, []uint64{a.key}, a.key, PRWriteExclusiveRegOnly)
 	wantResult(t, "clear by A", a.clear(), prOK)
+}
+
+// checkHostIDs reads n's raw Reservation Report and checks the host ID
+// of each registrant whose key is in want.
+func checkHostIDs(t *testing.T, n *nvmeNode, want map[uint64]string) {
+	t.Helper()
+	raw := make([]byte, 4096)
+	nsid, err := nvmeNamespaceID(n.f)
+	if err == nil {
+		err = nvmeResvReport(n.f, nsid, raw)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	count := int(raw[5]) | int(raw[6])<<8
+	for i := range count {
+		e := raw[64+64*i : 128+64*i]
+		key := uint64(0)
+		for j := 15; j >= 8; j-- {
+			key = key<<8 | uint64(e[j])
+		}
+		id := strings.ReplaceAll(want[key], "-", "")
+		got := fmt.Sprintf("%x", e[16:32])
+		t.Logf("registrant %d: cntlid %#x rcsts %d key %x host ID %s", i, int(e[0])|int(e[1])<<8, e[2], key, got)
+		if id != "" && got != id {
+			t.Errorf("key %x: host ID %s, want %s", key, got, id)
+		}
+	}
 }
 
 func waitLive(t *testing.T, ctrl string) {

@@ -29,3 +29,17 @@ func TestConfigValidateKernel(t *testing.T) {
 		}
 	}
 }
+
+func TestKnownKernelBugSchedClock(t *testing.T) {
+	if knownKernelBug("[    2.938461] RIP: 0010:sched_clock_cpu+0x9/0x1f0") == "" {
+		t.Error("the 7.3 boot-time int3 in sched_clock_cpu is not a known kernel bug")
+	}
+	for _, l := range []string{
+		"[    2.938461] RIP: 0010:sched_clock_cpu_idle+0x9/0x1f0",
+		"[    2.964510]  update_rq_clock+0x39/0x160 sched_clock_cpu+0x9",
+	} {
+		if b := knownKernelBug(l); b != "" {
+			t.Errorf("%q: known kernel bug %q", l, b)
+		}
+	}
+}
