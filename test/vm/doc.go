@@ -62,8 +62,8 @@
 // boots the newest cloud kernel of Debian 13's backports (7.3.4: nvmet with
 // NVMe reservations; build.sh trixie-backports, current-trixie-backports;
 // a 37 MB download, split into linux-binary, linux-modules and linux-base
-// packages; the initramfs guest starts its tests ~4-5 s after QEMU starts,
-// like 6.12's). BERTH_VM_KERNEL_SUITE=trixie
+// packages; the initramfs guest starts its tests 5-6 s after QEMU starts
+// on an idle host, like 6.12's). BERTH_VM_KERNEL_SUITE=trixie
 // gives every guest without WithKernel that kernel, to run a package's
 // guest tests once on it.
 //
