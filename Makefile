@@ -90,11 +90,15 @@ manifest-test: build
 sanity-test: build
 	cd test/sanity && BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m -skip '^TestVM' ./...
 
-# The default guest image (Debian 12's 6.1 kernel) and the one with Debian
-# 13's 6.12 kernel, which has NVMe in-band authentication (TestVMNVMeoFAuth).
+# The default guest image (Debian 12's 6.1 kernel), the one with Debian
+# 13's 6.12 kernel, which has NVMe in-band authentication (TestVMNVMeoFAuth),
+# and the one with the 7.3 kernel of Debian 13's backports, whose nvmet has
+# NVMe reservations (TestVMNVMeReservations; a 37 MB download, ~10 s to
+# build).
 vm-image:
 	./test/vm/image/build.sh
 	./test/vm/image/build.sh trixie
+	./test/vm/image/build.sh trixie-backports
 
 # berth's container image, built without a container daemon: a Debian root
 # with only the programs berth runs (cached in ~/.cache/berth-image), the

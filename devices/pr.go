@@ -20,11 +20,16 @@ const (
 // target reports it.
 type Reservation struct {
 	// Generation is the target's PR generation counter: it changes with
-	// every registration, reservation and preemption.
+	// every change of the registrations (register, replace, unregister,
+	// preempt, clear); taking or releasing a reservation leaves it as it
+	// is (SPC's PRgeneration; nvmet on 7.3, measured), and nvmet starts
+	// it at 0 again when a namespace is enabled.
 	Generation uint32
 	// Keys are the registered reservation keys, one per registrant (an
 	// I_T nexus for SCSI, a host for NVMe), in the target's order; a key
-	// registered through several paths appears once per path.
+	// registered through several paths appears once per path for SCSI,
+	// once for NVMe (nvmet keys registrants by host ID, whichever
+	// controller registered).
 	Keys []uint64
 	// Holder is the reservation holder's key, 0 when the device is not
 	// reserved. For the all-registrants types every registrant holds the

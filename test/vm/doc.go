@@ -51,14 +51,19 @@
 //
 // Options: WithTestRun, WithTestArgs, WithPackage, WithModules, WithTimeout,
 // WithMemory, WithCPUs, WithUdev, WithIscsid, WithMultipathd, WithSystemd,
-// WithExtraFiles, WithEnv, WithBerthTags, WithNIC, WithName. WithSystemd
+// WithExtraFiles, WithEnv, WithBerthTags, WithNIC, WithName, WithKernelArgs. WithSystemd
 // boots the Debian root (a snapshot of a disk image) with systemd as PID 1
 // instead of the busybox init; the tests then run from a service after
 // multi-user.target. WithBerthTags builds the guest's berth with build tags
 // (the crash suites use "failpoints"). WithKernel("trixie") boots Debian
 // 13's 6.12 cloud kernel (NVMe in-band authentication on both sides) with
 // the same Debian 12 root and tools; test/vm/image/build.sh trixie builds
-// that image (current-trixie in the cache). BERTH_VM_KERNEL_SUITE=trixie
+// that image (current-trixie in the cache). WithKernel("trixie-backports")
+// boots the newest cloud kernel of Debian 13's backports (7.3.4: nvmet with
+// NVMe reservations; build.sh trixie-backports, current-trixie-backports;
+// a 37 MB download, split into linux-binary, linux-modules and linux-base
+// packages; the initramfs guest starts its tests 5-6 s after QEMU starts
+// on an idle host, like 6.12's). BERTH_VM_KERNEL_SUITE=trixie
 // gives every guest without WithKernel that kernel, to run a package's
 // guest tests once on it.
 //

@@ -210,6 +210,9 @@ func (m *Machine) prepare(img *image) error {
 	if img.kernelArgs != "" {
 		cmdline += " " + img.kernelArgs
 	}
+	for _, a := range cfg.kernelArgs {
+		cmdline += " " + a
+	}
 	m.args = []string{
 		"qemu-system-x86_64",
 		"-nodefaults", "-display", "none", "-no-reboot",

@@ -26,6 +26,7 @@ type config struct {
 	files      map[string]string
 	berthTags  string
 	kernel     string
+	kernelArgs []string
 	env        map[string]string
 	nics       []nic
 	// hangFirstBoot makes the first boot's init stop before the tests
@@ -129,13 +130,21 @@ func WithExtraFiles(files map[string]string) Option {
 func WithBerthTags(tags string) Option { return func(c *config) { c.berthTags = tags } }
 
 // WithKernel boots the cloud kernel of another Debian suite (e.g.
-// "trixie": Debian 13's 6.12, built with NVMe in-band authentication)
-// instead of the default image's (the host suite's: Debian 12's 6.1). The
+// "trixie": Debian 13's 6.12, built with NVMe in-band authentication;
+// "trixie-backports": the newest of Debian 13's backports, 7.3, whose
+// nvmet has NVMe reservations) instead of the default image's (the host
+// suite's: Debian 12's 6.1). The
 // Debian root and tools are the same; test/vm/image/build.sh SUITE builds
 // and caches that image. BERTH_VM_KERNEL_SUITE=SUITE in the environment
 // gives every guest without WithKernel that suite's kernel (to run a
 // package's guest tests once on another kernel).
 func WithKernel(suite string) Option { return func(c *config) { c.kernel = suite } }
+
+// WithKernelArgs adds parameters to the guest kernel's command line (e.g.
+// "nvme_core.multipath=N" for one block device per NVMe controller).
+func WithKernelArgs(args ...string) Option {
+	return func(c *config) { c.kernelArgs = append(c.kernelArgs, args...) }
+}
 
 // WithEnv sets environment variables of the in-guest test binary.
 func WithEnv(kv map[string]string) Option {
@@ -159,8 +168,13 @@ func (c *config) validate() error {
 	if c.memoryMB < 256 {
 		return fmt.Errorf("vm: %d MiB of memory is too little", c.memoryMB)
 	}
-	if !regexp.MustCompile(`^[a-z]*$`).MatchString(c.kernel) {
-		return fmt.Errorf("vm: kernel suite %q: want a Debian suite name such as trixie", c.kernel)
+	if !regexp.MustCompile(`^([a-z]+(-backports)?)?$`).MatchString(c.kernel) {
+		return fmt.Errorf("vm: kernel suite %q: want a Debian suite name such as trixie or trixie-backports", c.kernel)
+	}
+	for _, a := range c.kernelArgs {
+		if !regexp.MustCompile(`^[A-Za-z0-9_.-]+(=[A-Za-z0-9_.,:-]*)?$`).MatchString(a) {
+			return fmt.Errorf("vm: kernel parameter %q: want name or name=value", a)
+		}
 	}
 	for _, n := range c.nics {
 		if !regexp.MustCompile(`^[0-9.]+/[0-9]+$`).MatchString(n.addr) {

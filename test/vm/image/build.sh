@@ -13,7 +13,9 @@
 # with the cloud kernel of another Debian suite, downloaded through a private apt
 # configuration in the cache (the host's apt configuration is not touched). Debian 13's
 # kernel has NVMe in-band authentication (CONFIG_NVME_HOST_AUTH, CONFIG_NVME_TARGET_AUTH),
-# which Debian 12's 6.1 kernel lacks.
+# which Debian 12's 6.1 kernel lacks. build.sh trixie-backports takes the newest cloud
+# kernel of Debian 13's backports (7.3.4 in December 2026), whose nvmet has NVMe
+# reservations (since 6.13; per-namespace resv_enable).
 #
 # Each key is a hash of the inputs of its stage (the code of the stage, the package list,
 # the kernel package version, the apt sources), so a changed input rebuilds that stage and
@@ -68,7 +70,8 @@ fi
 suite=${VERSION_CODENAME:?no VERSION_CODENAME in /etc/os-release}
 # The suite of the guest kernel: the host's by default.
 ksuite=${1:-$suite}
-case $ksuite in *[!a-z]* | '') die "kernel suite $ksuite: want a Debian suite name such as trixie" ;; esac
+# A suite name, or a suite's backports (trixie-backports).
+case ${ksuite%-backports} in *[!a-z]* | '') die "kernel suite $ksuite: want a Debian suite name such as trixie or trixie-backports" ;; esac
 
 # Guest packages (the Debian root) and the tools copied into the initramfs.
 packages=(
@@ -143,7 +146,8 @@ kernel_candidates() {
 }
 # apt-cache is slow on a busy machine: its answer is kept until the apt lists change.
 if [ -f "$resolved" ] && [ "$(head -n1 "$resolved")" = "$lists_stamp" ]; then
-	{ read -r _; read -r kpkg kversion; } <"$resolved"
+	kparts=
+	{ read -r _; read -r kpkg kversion; read -r kparts || true; } <"$resolved"
 else
 	if [ -z "$kpkg" ]; then
 		kpkg=$(kernel_candidates || true)
@@ -159,7 +163,15 @@ else
 	if [ "$ksuite" = "$suite" ]; then
 		lists_stamp="${BERTH_VM_KERNEL:-} $(stat -c %Y /var/lib/apt/lists 2>/dev/null) $({ cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null || true; } | sha)"
 	fi
-	printf '%s\n%s %s\n' "$lists_stamp" "$kpkg" "$kversion" >"$resolved"
+	# The backports' kernels (6.16 on) split the image package: it holds
+	# nothing but dependencies on linux-binary-<ver> (vmlinuz) and
+	# linux-modules-<ver> (the modules), at its own version. A third
+	# package, linux-base-<ver> (1 MB), that nothing depends on, has the
+	# config, modules.order and modules.builtin (without which modprobe
+	# does not know built-in modules such as nvme_core).
+	kparts=$(apt-cache depends "$kpkg=$kversion" 2>/dev/null |
+		sed -n 's/^ *Depends: \(linux-\(binary\|modules\)-[0-9][^ ]*\)$/\1/p' | sort -u | tr '\n' ' ')
+	printf '%s\n%s %s\n%s\n' "$lists_stamp" "$kpkg" "$kversion" "$kparts" >"$resolved"
 fi
 kver=${kpkg#linux-image-}
 
@@ -184,13 +196,41 @@ build_kernel() { # $1: output dir
 	mv "$tmp/out" "$out"
 	rmdir "$tmp"
 }
-kernel_key=$( { declare -f build_kernel; echo "$kpkg=$kversion"; } | sha)
+# build_split_kernel DIR: build_kernel for a kernel split into the packages
+# $kparts (linux-binary-*, linux-modules-*) and linux-base-*, all at the
+# image's version. 7.3.4 cloud: nvme_core, nvme_auth and nvme_keyring are
+# built in (CONFIG_NVME_MULTIPATH=y); nvmet, nvmet_tcp, nvme_fabrics,
+# nvme_tcp and configfs are the modules of NVMe/TCP on both sides (the
+# closure of nvmet nvmet_tcp nvme_tcp, modprobe -d -a --show-depends).
+# 36.5 MB to download, ~3 s to unpack, 40 MB unpacked.
+build_split_kernel() {
+	local out=$1 tmp deb debs=("linux-base-$kver=$kversion")
+	tmp=$(mktemp -d "$cache/.kernel.XXXXXX")
+	for deb in $kparts; do debs+=("$deb=$kversion"); done
+	log "downloading ${debs[*]}"
+	(cd "$tmp" && apt-get download -q -o APT::Sandbox::User=root "${debs[@]}" >&2)
+	mkdir -p "$tmp/x" "$tmp/out/lib"
+	for deb in "$tmp"/*.deb; do
+		log "extracting $deb"
+		dpkg-deb -x "$deb" "$tmp/x"
+	done
+	# linux-binary has the kernel in the modules directory, not in /boot.
+	mv "$tmp/x/usr/lib/modules/$kver/vmlinuz" "$tmp/out/vmlinuz"
+	mv "$tmp/x/usr/lib/modules" "$tmp/out/lib/modules"
+	depmod -b "$tmp/out" "$kver"
+	rm -rf "$tmp/x" "$tmp"/*.deb
+	mv "$tmp/out" "$out"
+	rmdir "$tmp"
+}
+kernel_build=build_kernel
+[ -z "$kparts" ] || kernel_build=build_split_kernel
+kernel_key=$( { declare -f "$kernel_build"; echo "$kpkg=$kversion"; } | sha)
 kernel_dir=$stages/kernel-$kernel_key
 if [ -d "$kernel_dir" ]; then
 	log "kernel $kver ($kversion) cached in $kernel_dir"
 else
 	t0=$SECONDS
-	build_kernel "$kernel_dir"
+	"$kernel_build" "$kernel_dir"
 	log "kernel $kver ready in $((SECONDS - t0)) s"
 fi
 # NVMe in-band authentication, where the kernel has it as modules (it is

@@ -1,0 +1,45 @@
+package vm
+
+import "testing"
+
+func TestConfigValidateKernel(t *testing.T) {
+	for _, tc := range []struct {
+		opts []Option
+		ok   bool
+	}{
+		{nil, true},
+		{[]Option{WithKernel("trixie")}, true},
+		{[]Option{WithKernel("trixie-backports")}, true},
+		{[]Option{WithKernel("trixie-")}, false},
+		{[]Option{WithKernel("-backports")}, false},
+		{[]Option{WithKernel("trixie-security")}, false},
+		{[]Option{WithKernel("../trixie")}, false},
+		{[]Option{WithKernelArgs("nvme_core.multipath=N", "quiet")}, true},
+		{[]Option{WithKernelArgs("a=b c")}, false},
+		{[]Option{WithKernelArgs("init=/bin/sh")}, false},
+		{[]Option{WithKernelArgs("")}, false},
+	} {
+		c := defaultConfig()
+		c.kernel = ""
+		for _, o := range tc.opts {
+			o(c)
+		}
+		if err := c.validate(); (err == nil) != tc.ok {
+			t.Errorf("kernel %q args %q: validate %v, want ok %v", c.kernel, c.kernelArgs, err, tc.ok)
+		}
+	}
+}
+
+func TestKnownKernelBugSchedClock(t *testing.T) {
+	if knownKernelBug("[    2.938461] RIP: 0010:sched_clock_cpu+0x9/0x1f0") == "" {
+		t.Error("the 7.3 boot-time int3 in sched_clock_cpu is not a known kernel bug")
+	}
+	for _, l := range []string{
+		"[    2.938461] RIP: 0010:sched_clock_cpu_idle+0x9/0x1f0",
+		"[    2.964510]  update_rq_clock+0x39/0x160 sched_clock_cpu+0x9",
+	} {
+		if b := knownKernelBug(l); b != "" {
+			t.Errorf("%q: known kernel bug %q", l, b)
+		}
+	}
+}
