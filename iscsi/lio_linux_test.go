@@ -87,6 +87,20 @@ func (tg *lioTarget) tpgDir(tpgt int) string {
 // device, so it can grow.
 func (tg *lioTarget) AddLUN(lun int, size int64) string { return tg.addLUN(lun, size, false) }
 
+// AddThinLUN is AddLUN for a thin-provisioned LUN (emulate_tpu: the disk
+// accepts UNMAP and passes it on to its loop device, which punches the
+// blocks out of its sparse file, LUNFile).
+func (tg *lioTarget) AddThinLUN(lun int, size int64) string {
+	wwid := tg.addLUN(lun, size, false)
+	// LIO reads the attribute when the initiator asks for the
+	// thin-provisioning VPD page, after the LUN is linked.
+	lioWrite(tg.t, filepath.Join(tg.luns[lun].core, "attrib", "emulate_tpu"), "1")
+	return wwid
+}
+
+// LUNFile is the sparse file behind a LUN.
+func (tg *lioTarget) LUNFile(lun int) string { return tg.luns[lun].file }
+
 // AddCachedLUN exports a buffered fileio LUN, which reports a volatile
 // write cache, as arrays do: the initiator sends SYNCHRONIZE CACHE when
 // such a disk is removed.

@@ -46,9 +46,17 @@ func Listener(t testing.TB) *devices.Listener {
 // The client is closed and the agent stopped when the test ends.
 func StartAgent(t testing.TB, logger *slog.Logger, l *devices.Listener, transports ...agent.Transport) csi.NodeClient {
 	t.Helper()
+	return StartAgentState(t, logger, l, filepath.Join(t.TempDir(), "state"), transports...)
+}
+
+// StartAgentState is StartAgent with the agent's state directory given,
+// for a test that also runs what works on it beside serve (berth trim's
+// agent.TrimVolumes).
+func StartAgentState(t testing.TB, logger *slog.Logger, l *devices.Listener, stateDir string, transports ...agent.Transport) csi.NodeClient {
+	t.Helper()
 	dir := t.TempDir()
 	a, err := agent.New(agent.Config{
-		NodeID: "guest", StateDir: filepath.Join(dir, "state"), Logger: logger,
+		NodeID: "guest", StateDir: stateDir, Logger: logger,
 		Listener: l, Transports: transports,
 	})
 	if err != nil {
