@@ -50,6 +50,7 @@ func main() {
 		EnableBashCompletion: true,
 		Commands: []*cli.Command{
 			serveCommand(),
+			controllerCommand(),
 			trimCommand(),
 			doctor.Command(),
 			volumesCommand(),
@@ -226,13 +227,18 @@ func serve(c *cli.Context) error {
 	if euid := os.Geteuid(); euid != 0 {
 		return fmt.Errorf("berth serve must run as root (it mounts filesystems, formats and attaches block devices); running as uid %d", euid)
 	}
-	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGTERM, syscall.SIGINT)
+	ctx, stop := stopOnSignal(c.Context)
 	defer stop()
 	s, err := newServer(c)
 	if err != nil {
 		return err
 	}
 	return s.run(ctx)
+}
+
+// stopOnSignal returns a context that ends on SIGTERM or SIGINT.
+func stopOnSignal(ctx context.Context) (context.Context, context.CancelFunc) {
+	return signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
 }
 
 // server is what berth serve runs: the agent, its CSI socket, and the

@@ -319,24 +319,10 @@ func (a *Agent) Serve(ctx context.Context, lis net.Listener) error {
 	case <-ctx.Done():
 	}
 	a.ready.Store(false)
-	a.log.Info("stopping: waiting for calls in flight", slog.Duration("timeout", a.cfg.ShutdownTimeout))
 	if a.cfg.OnStopping != nil {
 		a.cfg.OnStopping()
 	}
-	done := make(chan struct{})
-	go func() {
-		s.GracefulStop()
-		close(done)
-	}()
-	t := time.NewTimer(a.cfg.ShutdownTimeout)
-	defer t.Stop()
-	select {
-	case <-done:
-	case <-t.C:
-		a.log.Warn("calls still in flight after the shutdown timeout; cutting them")
-		s.Stop()
-		<-done
-	}
+	stopGRPC(a.log, s, a.cfg.ShutdownTimeout)
 	if err := <-errc; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("serve gRPC: %w", err)
 	}
