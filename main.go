@@ -51,6 +51,7 @@ func main() {
 		Commands: []*cli.Command{
 			serveCommand(),
 			controllerCommand(),
+			takeoverCheckCommand(),
 			trimCommand(),
 			doctor.Command(),
 			volumesCommand(),
@@ -164,6 +165,7 @@ func serveCommand() *cli.Command {
 			&cli.IntFlag{Name: "iscsi-login-retry-max", Value: -1, EnvVars: []string{"BERTH_ISCSI_LOGIN_RETRY_MAX"}, Usage: "node.session.initial_login_retry_max for new iSCSI sessions (-1: open-iscsi's default)"},
 			&cli.DurationFlag{Name: "shutdown-timeout", Value: 30 * time.Second, EnvVars: []string{"BERTH_SHUTDOWN_TIMEOUT"}, Usage: "how long calls in flight may take to finish on SIGTERM"},
 			&cli.DurationFlag{Name: "trim-interval", EnvVars: []string{"BERTH_TRIM_INTERVAL"}, Usage: "trim the filesystem of every staged mount volume once per interval, each at its own offset into it (such as 24h; 0: never; see berth trim)"},
+			takeoverFlag(),
 		},
 		Action: serve,
 	}
@@ -313,6 +315,13 @@ func newServer(c *cli.Context) (_ *server, retErr error) {
 			}
 		},
 		OnStopping: func() { _ = systemd.Stopping() },
+	}
+	if c.Bool(takeoverFromKubernetes) {
+		t, err := newKubeTakeover(cfg.DriverName, nodeID)
+		if err != nil {
+			return nil, fmt.Errorf("--%s: %w", takeoverFromKubernetes, err)
+		}
+		cfg.Takeover = append(cfg.Takeover, t)
 	}
 	if c.String("probe-checks") != "" {
 		dc, err := probeConfig(c)

@@ -88,6 +88,10 @@ type Config struct {
 	// OnTrim, if set, is called with the result of each periodic trim
 	// (metrics).
 	OnTrim func(TrimResult)
+	// Takeover are the authorities a stage asks before it preempts
+	// another node's reservation (see TakeoverAuthority); without one
+	// that allows it, the stage refuses.
+	Takeover []TakeoverAuthority
 }
 
 // Agent is a configured CSI node plugin. Create it with New, run it with
