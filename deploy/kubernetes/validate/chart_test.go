@@ -87,10 +87,13 @@ func TestChartValues(t *testing.T) {
 	// Nothing else changed: every difference from the default rendering is
 	// under a field one of the values is for.
 	ds := "apps/v1 DaemonSet kube-system/berth-node.spec.template.spec."
+	ctl := "apps/v1 Deployment kube-system/berth-controller.spec.template.spec."
 	allowed := []string{
 		ds + "imagePullSecrets", ds + "nodeSelector", ds + "tolerations", ds + "priorityClassName",
 		ds + "containers[0].image", ds + "containers[0].args", ds + "containers[0].env",
 		ds + "containers[0].resources", ds + "containers[1].resources",
+		// The controller runs berth's image, with the same pull secrets.
+		ctl + "imagePullSecrets", ctl + "containers[0].image", ctl + "containers[0].imagePullPolicy",
 	}
 	for _, d := range Diff(splitObjects(t, helmTemplate(t, nil)), splitObjects(t, out)) {
 		if !slices.ContainsFunc(allowed, func(p string) bool { return strings.HasPrefix(d, p) }) {
