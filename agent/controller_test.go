@@ -118,8 +118,9 @@ func TestControllerPublishIdempotent(t *testing.T) {
 	if strings.Contains(logs.String(), "hunter2-secret") {
 		t.Errorf("a secret in the controller's log:\n%s", logs)
 	}
-	if !strings.Contains(logs.String(), "ControllerPublishVolume") {
-		t.Errorf("no log line for ControllerPublishVolume:\n%s", logs)
+	if !strings.Contains(logs.String(), "method=/csi.v1.Controller/ControllerPublishVolume volume_id=vol-1 node_id=node-b msg=done") &&
+		!strings.Contains(logs.String(), "msg=done method=/csi.v1.Controller/ControllerPublishVolume volume_id=vol-1 node_id=node-b") {
+		t.Errorf("no log line for ControllerPublishVolume with the volume and the node:\n%s", logs)
 	}
 }
 

@@ -150,6 +150,7 @@ func checkAttach(t *testing.T, what string, objs []object) {
 		{"storage.k8s.io", "volumeattachments", "get"}, {"storage.k8s.io", "volumeattachments", "list"},
 		{"storage.k8s.io", "volumeattachments", "watch"}, {"storage.k8s.io", "volumeattachments", "patch"},
 		{"storage.k8s.io", "volumeattachments/status", "patch"},
+		{"", "events", "create"}, {"", "events", "patch"},
 	} {
 		if !allows(objs, d.Namespace, sa, "", p.group, p.resource, p.verb) {
 			t.Errorf("%s: the attacher's account %s may not %s %s", what, sa, p.verb, p.resource)

@@ -193,7 +193,10 @@ fi
 kc delete namespace $NS --wait=true --timeout=180s >/dev/null
 until_ok 120 sh -c "[ -z \"\$(nsenter --net=$NSPATH -- $bin/kubectl --kubeconfig $S/admin.kubeconfig get pv -o name)\" ]"
 kc delete storageclass berth-restart >/dev/null
-left=$(awk '{print $2}' /proc/self/mounts | grep -E '^/var/lib/kubelet/(plugins/kubernetes.io/csi|pods)/' || true)
+# berth's own pods (kube-system) keep their volumes: the node's and the
+# controller's service-account tokens.
+own=$(kc -n kube-system get pods -o jsonpath='{range .items[*]}{.metadata.uid}{"\n"}{end}' | sed 's|^|/var/lib/kubelet/pods/|; s|$|/|')
+left=$(awk '{print $2}' /proc/self/mounts | grep -E '^/var/lib/kubelet/(plugins/kubernetes.io/csi|pods)/' | grep -v -F "${own:-/nonexistent/}" || true)
 loops=$(losetup -ln -O NAME,BACK-FILE | grep "$S/files" || true)
 files=$(ls "$S/files" 2>/dev/null)
 # The filesystem marks (<state-dir>/filesystems/) outlive the volumes by
