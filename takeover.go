@@ -19,7 +19,7 @@ import (
 const takeoverFromKubernetes = "takeover-from-kubernetes"
 
 func takeoverFlag() cli.Flag {
-	return &cli.BoolFlag{Name: takeoverFromKubernetes, EnvVars: []string{"BERTH_TAKEOVER_FROM_KUBERNETES"}, Usage: "let a stage that finds another node's reservation preempt it when the Kubernetes API shows the volume moved here (this node's VolumeAttachment attached; the holder's gone, or its Node deleted or tainted node.kubernetes.io/out-of-service); needs the pod's service-account token and RBAC get on volumeattachments, get and list on nodes"}
+	return &cli.BoolFlag{Name: takeoverFromKubernetes, EnvVars: []string{"BERTH_TAKEOVER_FROM_KUBERNETES"}, Usage: "let a stage that finds another node's reservation preempt it when the Kubernetes API shows the volume moved here (this node's VolumeAttachment attached; the holder's gone, or its Node deleted or tainted node.kubernetes.io/out-of-service); needs the pod's service-account token and RBAC get and list on volumeattachments and nodes"}
 }
 
 // nodeKey is the persistent-reservation key berth registers for a node:

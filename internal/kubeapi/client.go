@@ -59,7 +59,7 @@ func (e *apiError) Error() string {
 	case http.StatusUnauthorized:
 		return fmt.Sprintf("the API server refused the service-account token (401 %s: expired or revoked?)", e.message)
 	case http.StatusForbidden:
-		return fmt.Sprintf("forbidden (403 %s: the node's service account needs get on volumeattachments and get, list on nodes)", e.message)
+		return fmt.Sprintf("forbidden (403 %s: the node's service account needs get and list on volumeattachments and on nodes)", e.message)
 	}
 	return fmt.Sprintf("API server answered %d %s", e.code, e.message)
 }
@@ -163,6 +163,9 @@ type volumeAttachment struct {
 	Spec struct {
 		Attacher string `json:"attacher"`
 		NodeName string `json:"nodeName"`
+		Source   struct {
+			PersistentVolumeName string `json:"persistentVolumeName"`
+		} `json:"source"`
 	} `json:"spec"`
 	Status struct {
 		Attached bool `json:"attached"`
@@ -193,15 +196,16 @@ func (c *client) getVolumeAttachment(ctx context.Context, name string) (*volumeA
 	return &va, nil
 }
 
-// nodePageSize is the page size of the node list.
-const nodePageSize = 500
+// pageSize is the page size of a list.
+const pageSize = 500
 
-// listNodes reads every Node, page by page, each page a quorum read.
-func (c *client) listNodes(ctx context.Context) ([]node, error) {
-	var all []node
+// list reads every object of a collection, page by page, each page a
+// quorum read.
+func list[T any](ctx context.Context, c *client, path string) ([]T, error) {
+	var all []T
 	cont := ""
 	for {
-		q := url.Values{"limit": {fmt.Sprint(nodePageSize)}}
+		q := url.Values{"limit": {fmt.Sprint(pageSize)}}
 		if cont != "" {
 			q.Set("continue", cont)
 		}
@@ -209,9 +213,9 @@ func (c *client) listNodes(ctx context.Context) ([]node, error) {
 			Metadata struct {
 				Continue string `json:"continue"`
 			} `json:"metadata"`
-			Items []node `json:"items"`
+			Items []T `json:"items"`
 		}
-		if err := c.get(ctx, "/api/v1/nodes", q, &page); err != nil {
+		if err := c.get(ctx, path, q, &page); err != nil {
 			return nil, err
 		}
 		all = append(all, page.Items...)
@@ -220,4 +224,14 @@ func (c *client) listNodes(ctx context.Context) ([]node, error) {
 		}
 		cont = page.Metadata.Continue
 	}
+}
+
+// listNodes reads every Node.
+func (c *client) listNodes(ctx context.Context) ([]node, error) {
+	return list[node](ctx, c, "/api/v1/nodes")
+}
+
+// listVolumeAttachments reads every VolumeAttachment.
+func (c *client) listVolumeAttachments(ctx context.Context) ([]volumeAttachment, error) {
+	return list[volumeAttachment](ctx, c, "/apis/storage.k8s.io/v1/volumeattachments")
 }

@@ -100,7 +100,8 @@ type Decision struct {
 //     once no other node has it attached (its Multi-Attach check);
 //   - and the holder's node has no VolumeAttachment for the volume, or
 //     carries the out-of-service taint, or no Node has the holder's key
-//     any more (its Node object is deleted).
+//     any more (its Node object is deleted) and no VolumeAttachment of
+//     the volume's PersistentVolume names a node other than this one.
 //
 // Everything else refuses, and says why: an API error, a token that
 // cannot be read or is refused, a VolumeAttachment still there. A node
@@ -138,7 +139,7 @@ func (t *Takeover) Authorize(ctx context.Context, volumeID string, holder uint64
 	}
 	switch len(holders) {
 	case 0:
-		return Decision{Allowed: true, Reason: fmt.Sprintf("VolumeAttachment %s attaches the volume to this node, and no Node has the holder's key %#016x (its Node object is deleted)", own, holder)}
+		return t.holderGone(ctx, va, holder)
 	case 1:
 	default:
 		names := make([]string, len(holders))
@@ -170,6 +171,29 @@ func (t *Takeover) Authorize(ctx context.Context, volumeID string, holder uint64
 		state = "not attached yet"
 	}
 	return Decision{HolderNode: name, Reason: fmt.Sprintf("the holder %s still has VolumeAttachment %s (%s), is not tainted %s and its Node exists", name, theirs, state, TaintOutOfService)}
+}
+
+// holderGone decides when no Node has the holder's key: its Node object
+// was deleted, or the holder's berth runs under another node ID than its
+// Node's name (a misconfigured --node-id). The second must not pass for
+// the first, so the takeover is allowed only when no VolumeAttachment of
+// the volume's PersistentVolume names another node: a deleted node's are
+// deleted with it.
+func (t *Takeover) holderGone(ctx context.Context, own *volumeAttachment, holder uint64) Decision {
+	pv := own.Spec.Source.PersistentVolumeName
+	if pv == "" {
+		return Decision{Reason: fmt.Sprintf("no Node has the holder's key %#016x, and VolumeAttachment %s names no PersistentVolume, so its other attachments cannot be looked for", holder, own.Metadata.Name)}
+	}
+	vas, err := t.api.listVolumeAttachments(ctx)
+	if err != nil {
+		return Decision{Reason: fmt.Sprintf("no Node has the holder's key %#016x, and the VolumeAttachments cannot be listed to see that no other node has the volume: %v", holder, err)}
+	}
+	for _, va := range vas {
+		if va.Spec.Source.PersistentVolumeName == pv && va.Spec.Attacher == t.cfg.DriverName && va.Spec.NodeName != t.cfg.NodeName {
+			return Decision{Reason: fmt.Sprintf("no Node has the holder's key %#016x, but VolumeAttachment %s still gives %s to node %s (is the holder's berth --node-id its Node's name?)", holder, va.Metadata.Name, pv, va.Spec.NodeName)}
+		}
+	}
+	return Decision{Allowed: true, Reason: fmt.Sprintf("VolumeAttachment %s attaches the volume to this node, no Node has the holder's key %#016x (its Node object is deleted), and no VolumeAttachment of %s names another node", own.Metadata.Name, holder, pv)}
 }
 
 // notAttachedHere says why a VolumeAttachment is no evidence that the

@@ -12,6 +12,7 @@ import (
 	"encoding/json"
 	"encoding/pem"
 	"fmt"
+	"maps"
 	"math/big"
 	"net"
 	"net/http"
@@ -19,6 +20,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -65,15 +67,16 @@ type fakeAPI struct {
 	vas      map[string]map[string]any
 	nodes    []map[string]any
 	pageSize int
-	// fail maps a path prefix to the status it answers with.
-	fail map[string]int
+	// fail maps a path prefix to the status it answers with; failExact a
+	// whole path.
+	fail, failExact map[string]int
 	// hang makes every request wait until the client gives up.
 	hang     bool
 	requests []string
 }
 
 func newFakeAPI() *fakeAPI {
-	return &fakeAPI{token: "tok-1", vas: map[string]map[string]any{}, fail: map[string]int{}, pageSize: 2}
+	return &fakeAPI{token: "tok-1", vas: map[string]map[string]any{}, fail: map[string]int{}, failExact: map[string]int{}, pageSize: 2}
 }
 
 func (f *fakeAPI) addNode(name string, taints ...string) {
@@ -119,6 +122,10 @@ func (f *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		status(http.StatusBadRequest, "want a quorum GET")
 		return
 	}
+	if code, ok := f.failExact[r.URL.Path]; ok {
+		status(code, "injected")
+		return
+	}
 	for prefix, code := range f.fail {
 		if strings.HasPrefix(r.URL.Path, prefix) {
 			status(code, "injected")
@@ -134,19 +141,31 @@ func (f *fakeAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		}
 		json.NewEncoder(w).Encode(va)
 	case r.URL.Path == "/api/v1/nodes":
-		start := 0
-		if c := r.URL.Query().Get("continue"); c != "" {
-			fmt.Sscan(c, &start)
+		f.page(w, r, "NodeList", f.nodes)
+	case r.URL.Path == "/apis/storage.k8s.io/v1/volumeattachments":
+		var items []map[string]any
+		for _, name := range slices.Sorted(maps.Keys(f.vas)) {
+			items = append(items, f.vas[name])
 		}
-		end := min(start+f.pageSize, len(f.nodes))
-		md := map[string]any{}
-		if end < len(f.nodes) {
-			md["continue"] = fmt.Sprint(end)
-		}
-		json.NewEncoder(w).Encode(map[string]any{"kind": "NodeList", "metadata": md, "items": f.nodes[start:end]})
+		f.page(w, r, "VolumeAttachmentList", items)
 	default:
 		status(http.StatusNotFound, "no such path")
 	}
+}
+
+// page answers one page of a list, pageSize items from the continue
+// token on.
+func (f *fakeAPI) page(w http.ResponseWriter, r *http.Request, kind string, items []map[string]any) {
+	start := 0
+	if c := r.URL.Query().Get("continue"); c != "" {
+		fmt.Sscan(c, &start)
+	}
+	end := min(start+f.pageSize, len(items))
+	md := map[string]any{}
+	if end < len(items) {
+		md["continue"] = fmt.Sprint(end)
+	}
+	json.NewEncoder(w).Encode(map[string]any{"kind": kind, "metadata": md, "items": items[start:end]})
 }
 
 // newTestTakeover serves api over TLS and returns node's Takeover against
@@ -214,8 +233,10 @@ func TestTakeoverAllowed(t *testing.T) {
 	t.Run("holder node deleted", func(t *testing.T) {
 		api := movedCluster()
 		api.nodes = api.nodes[1:]
+		api.addVA("pvc-2", "node-c", true, false) // another volume's
+		api.addVA("pvc-3", "node-a", true, false)
 		tk, _ := newTestTakeover(t, api, "node-b")
-		wantDecision(t, tk.Authorize(ctx, "pvc-1", nodeKey("node-a")), true, "", "no Node has the holder's key")
+		wantDecision(t, tk.Authorize(ctx, "pvc-1", nodeKey("node-a")), true, "", "no Node has the holder's key", "no VolumeAttachment of pvc-1 names another node")
 	})
 	t.Run("holder on the last page", func(t *testing.T) {
 		api := newFakeAPI()
@@ -249,6 +270,22 @@ func TestTakeoverRefused(t *testing.T) {
 			holderNode: "node-a",
 			reason:     []string{"being detached"},
 		},
+		// The holder's berth runs as node-x on the Node node-a: no Node
+		// has node-x's key, but node-a still has the volume attached.
+		"holder under another node id": {
+			setup:  func(api *fakeAPI) { api.addVA("pvc-1", "node-a", true, false) },
+			reason: []string{"no Node has the holder's key", "still gives pvc-1 to node node-a", "--node-id"},
+		},
+		"holder unknown, attachments not listable": {
+			setup:  func(api *fakeAPI) { api.failExact["/apis/storage.k8s.io/v1/volumeattachments"] = http.StatusForbidden },
+			reason: []string{"cannot be listed", "403"},
+		},
+		"holder unknown, inline volume": {
+			setup: func(api *fakeAPI) {
+				api.vas[AttachmentName("pvc-1", driver, "node-b")]["spec"].(map[string]any)["source"] = map[string]any{"inlineVolumeSpec": map[string]any{}}
+			},
+			reason: []string{"names no PersistentVolume"},
+		},
 		"own attachment missing": {
 			setup:  func(api *fakeAPI) { delete(api.vas, AttachmentName("pvc-1", driver, "node-b")) },
 			reason: []string{"no VolumeAttachment", "0xb3e72e55d81a228c"},
@@ -273,7 +310,7 @@ func TestTakeoverRefused(t *testing.T) {
 		},
 		"attachments forbidden": {
 			setup:  func(api *fakeAPI) { api.fail["/apis/storage.k8s.io/"] = http.StatusForbidden },
-			reason: []string{"403", "get on volumeattachments"},
+			reason: []string{"403", "get and list on volumeattachments"},
 		},
 		"nodes forbidden": {
 			setup:  func(api *fakeAPI) { api.fail["/api/v1/nodes"] = http.StatusForbidden },
@@ -299,8 +336,11 @@ func TestTakeoverRefused(t *testing.T) {
 			tc.setup(api)
 			api.mu.Unlock()
 			h := holder
-			if name == "holder is this node" {
+			switch {
+			case name == "holder is this node":
 				h = nodeKey("node-b")
+			case strings.HasPrefix(name, "holder unknown") || name == "holder under another node id":
+				h = nodeKey("node-x")
 			}
 			start := time.Now()
 			wantDecision(t, tk.Authorize(ctx, "pvc-1", h), false, tc.holderNode, tc.reason...)

@@ -170,7 +170,8 @@ func checkAttach(t *testing.T, what string, objs []object) {
 	}
 	nsa := ds.Spec.Template.Spec.ServiceAccountName
 	for _, p := range []struct{ group, resource, verb string }{
-		{"storage.k8s.io", "volumeattachments", "get"}, {"", "nodes", "get"}, {"", "nodes", "list"},
+		{"storage.k8s.io", "volumeattachments", "get"}, {"storage.k8s.io", "volumeattachments", "list"},
+		{"", "nodes", "get"}, {"", "nodes", "list"},
 	} {
 		if !allows(objs, ds.Namespace, nsa, "", p.group, p.resource, p.verb) {
 			t.Errorf("%s: the node's account %s may not %s %s (--takeover-from-kubernetes)", what, nsa, p.verb, p.resource)
@@ -178,7 +179,7 @@ func checkAttach(t *testing.T, what string, objs []object) {
 	}
 	for _, p := range []struct{ group, resource, verb string }{
 		{"storage.k8s.io", "volumeattachments", "patch"}, {"", "nodes", "patch"}, {"", "nodes", "update"},
-		{"", "pods", "delete"}, {"", "secrets", "get"}, {"storage.k8s.io", "volumeattachments", "list"},
+		{"", "pods", "delete"}, {"", "secrets", "get"}, {"storage.k8s.io", "volumeattachments", "delete"},
 	} {
 		if allows(objs, ds.Namespace, nsa, ds.Namespace, p.group, p.resource, p.verb) {
 			t.Errorf("%s: the node's account %s may %s %s: it only reads", what, nsa, p.verb, p.resource)
