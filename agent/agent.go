@@ -1,8 +1,9 @@
 // Package agent serves the CSI Identity and Node services of berth over
-// a unix socket. It validates requests, serialises operations per volume,
-// keeps per-volume state on disk and composes the transports (file,
-// nvmeof, iscsi), package devices and package fs into the CSI volume
-// lifecycle. It is the only package that maps berth's errors to gRPC
+// a unix socket, and berth controller's Identity and Controller services
+// (Controller: ControllerPublishVolume only). It validates requests,
+// serialises operations per volume, keeps per-volume state on disk and
+// composes the transports (file, nvmeof, iscsi), package devices and
+// package fs into the CSI volume lifecycle. It is the only package that maps berth's errors to gRPC
 // status codes (see Code).
 //
 // berth implements CSI spec v1.12.0, not v1.13.0: v1.13.0 removed
