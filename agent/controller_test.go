@@ -197,3 +197,32 @@ func TestControllerRestUnimplemented(t *testing.T) {
 		}
 	}
 }
+
+// What ControllerPublishVolume answers, the CO hands to NodeStageVolume
+// and NodePublishVolume: a stage and a publish with it succeed, and a
+// repeated stage with it is the same stage.
+func TestPublishContextStages(t *testing.T) {
+	conn, _ := startController(t)
+	pub, err := csi.NewControllerClient(conn).ControllerPublishVolume(context.Background(), publishReq())
+	must(t, "ControllerPublishVolume", err)
+
+	a, _, _ := newFakeAgent(t)
+	n := &nodeServer{a: a}
+	ctx := context.Background()
+	dir := t.TempDir()
+	staging, target := filepath.Join(dir, "s"), filepath.Join(dir, "t")
+	must(t, "mkdir", mkdirAll(staging))
+	req := stageReq("vol-1", staging, "1")
+	req.PublishContext = pub.GetPublishContext()
+	for i := range 2 {
+		if _, err := n.NodeStageVolume(ctx, req); err != nil {
+			t.Fatalf("stage %d with publish_context %v: %v", i, req.PublishContext, err)
+		}
+	}
+	if _, err := n.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
+		VolumeId: "vol-1", StagingTargetPath: staging, TargetPath: target,
+		VolumeCapability: req.VolumeCapability, VolumeContext: req.VolumeContext, PublishContext: req.PublishContext,
+	}); err != nil {
+		t.Fatalf("publish with publish_context %v: %v", req.PublishContext, err)
+	}
+}

@@ -3,6 +3,7 @@ package validate
 import (
 	"bytes"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -412,7 +413,10 @@ func TestExamples(t *testing.T) {
 					t.Errorf("%s: nodeStageSecretRef %s/%s not in the example", where, r.Namespace, r.Name)
 				}
 			}
-			va := c.VolumeAttributes
+			// What the stage parses: the volume attributes and berth
+			// controller's publish_context.
+			va := maps.Clone(c.VolumeAttributes)
+			va[agent.PublishContextNode] = "node-a"
 			switch {
 			case va["transport"] == "iscsi" || va["iqn"] != "" || va["targetPortal"] != "":
 				transports["iscsi"] = true
