@@ -11,7 +11,10 @@
 # volume has its VolumeAttachment, under the name the kubelet computes
 # (csi- and the SHA-256 of volume handle, driver and node), attached by
 # the berth-controller Deployment's attacher with berth controller's
-# publish_context (the node); once no pod on the node uses the volume, the
+# publish_context (the node); a pod of the same ReadWriteOnce claim put on
+# a second Node (an object without a kubelet, which the attach-detach
+# controller manages like any node) gets the CO's Multi-Attach refusal and
+# no VolumeAttachment; once no pod on the node uses the volume, the
 # VolumeAttachment is deleted.
 # At the end, every pod and claim deleted: nothing is left staged,
 # published or attached, no loop device remains over the image files,
@@ -137,6 +140,47 @@ if until_ok 180 running p1 && [ "$(token p1)" = p1 ]; then
 	fi
 else
 	fail "pod p1 did not start"
+fi
+
+# 1b. a second node for the claim p1b uses: a Node object without a
+# kubelet, marked for the attach-detach controller as a kubelet marks its
+# node. The pod bound to it must get Multi-Attach (the check the CO skips
+# for drivers without attach) and no VolumeAttachment there.
+ghost=berth-e2e-ghost
+multi_attach() {
+	kc -n $NS get events --field-selector involvedObject.name=p4,reason=FailedAttachVolume -o jsonpath='{.items[*].message}' | grep -q 'Multi-Attach error'
+}
+if [ -n "${va1:-}" ] && running p1b; then
+	kc apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Node
+metadata:
+  name: $ghost
+  annotations: {volumes.kubernetes.io/controller-managed-attach-detach: "true"}
+  labels: {kubernetes.io/hostname: $ghost}
+EOF
+	kc apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: p4, namespace: $NS}
+spec:
+  nodeName: $ghost
+  containers:
+  - {name: c, image: registry.k8s.io/e2e-test-images/busybox:1.37.0-1, command: [sleep, "100000"], volumeMounts: [{name: v, mountPath: /data}]}
+  volumes: [{name: v, persistentVolumeClaim: {claimName: c1}}]
+EOF
+	handle=$(kc get pv "$pv1" -o jsonpath='{.spec.csi.volumeHandle}')
+	ghost_va=csi-$(printf '%s' "${handle}berth.csi.io$ghost" | sha256sum | cut -d' ' -f1)
+	if until_ok 60 multi_attach && detached "$ghost_va" && attached "$va1" && has_token p1b p1; then
+		ok "a second node's pod of ReadWriteOnce claim c1: Multi-Attach refused by the CO ($(kc -n $NS get events --field-selector involvedObject.name=p4,reason=FailedAttachVolume -o jsonpath='{.items[0].message}')), no VolumeAttachment on $ghost, p1b untouched"
+	else
+		fail "a second node's pod of ReadWriteOnce claim c1: no Multi-Attach refusal, or a VolumeAttachment $ghost_va: $(kc get volumeattachments -o wide 2>&1)"
+	fi
+	# No kubelet there to confirm the pod's end.
+	kc -n $NS delete pod p4 --grace-period=0 --force >/dev/null 2>&1
+	kc delete node $ghost --wait=true >/dev/null
+else
+	fail "p1b not running: no second node tried"
 fi
 
 # 2. the kubelet restarted.
