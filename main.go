@@ -50,6 +50,8 @@ func main() {
 		EnableBashCompletion: true,
 		Commands: []*cli.Command{
 			serveCommand(),
+			controllerCommand(),
+			takeoverCheckCommand(),
 			trimCommand(),
 			doctor.Command(),
 			volumesCommand(),
@@ -163,6 +165,7 @@ func serveCommand() *cli.Command {
 			&cli.IntFlag{Name: "iscsi-login-retry-max", Value: iscsi.DefaultLoginRetryMax, EnvVars: []string{"BERTH_ISCSI_LOGIN_RETRY_MAX"}, Usage: "node.session.initial_login_retry_max for new iSCSI sessions (-1: iscsid.conf's); a silent portal costs a stage (1 + this) * --iscsi-login-timeout"},
 			&cli.DurationFlag{Name: "shutdown-timeout", Value: 30 * time.Second, EnvVars: []string{"BERTH_SHUTDOWN_TIMEOUT"}, Usage: "how long calls in flight may take to finish on SIGTERM"},
 			&cli.DurationFlag{Name: "trim-interval", EnvVars: []string{"BERTH_TRIM_INTERVAL"}, Usage: "trim the filesystem of every staged mount volume once per interval, each at its own offset into it (such as 24h; 0: never; see berth trim)"},
+			takeoverFlag(),
 		},
 		Action: serve,
 	}
@@ -226,13 +229,18 @@ func serve(c *cli.Context) error {
 	if euid := os.Geteuid(); euid != 0 {
 		return fmt.Errorf("berth serve must run as root (it mounts filesystems, formats and attaches block devices); running as uid %d", euid)
 	}
-	ctx, stop := signal.NotifyContext(c.Context, syscall.SIGTERM, syscall.SIGINT)
+	ctx, stop := stopOnSignal(c.Context)
 	defer stop()
 	s, err := newServer(c)
 	if err != nil {
 		return err
 	}
 	return s.run(ctx)
+}
+
+// stopOnSignal returns a context that ends on SIGTERM or SIGINT.
+func stopOnSignal(ctx context.Context) (context.Context, context.CancelFunc) {
+	return signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
 }
 
 // server is what berth serve runs: the agent, its CSI socket, and the
@@ -307,6 +315,13 @@ func newServer(c *cli.Context) (_ *server, retErr error) {
 			}
 		},
 		OnStopping: func() { _ = systemd.Stopping() },
+	}
+	if c.Bool(takeoverFromKubernetes) {
+		t, err := newKubeTakeover(cfg.DriverName, nodeID)
+		if err != nil {
+			return nil, fmt.Errorf("--%s: %w", takeoverFromKubernetes, err)
+		}
+		cfg.Takeover = append(cfg.Takeover, t)
 	}
 	if c.String("probe-checks") != "" {
 		dc, err := probeConfig(c)

@@ -1,8 +1,9 @@
 // Package agent serves the CSI Identity and Node services of berth over
-// a unix socket. It validates requests, serialises operations per volume,
-// keeps per-volume state on disk and composes the transports (file,
-// nvmeof, iscsi), package devices and package fs into the CSI volume
-// lifecycle. It is the only package that maps berth's errors to gRPC
+// a unix socket, and berth controller's Identity and Controller services
+// (Controller: ControllerPublishVolume only). It validates requests,
+// serialises operations per volume, keeps per-volume state on disk and
+// composes the transports (file, nvmeof, iscsi), package devices and
+// package fs into the CSI volume lifecycle. It is the only package that maps berth's errors to gRPC
 // status codes (see Code).
 //
 // berth implements CSI spec v1.12.0, not v1.13.0: v1.13.0 removed
@@ -88,6 +89,10 @@ type Config struct {
 	// OnTrim, if set, is called with the result of each periodic trim
 	// (metrics).
 	OnTrim func(TrimResult)
+	// Takeover are the authorities a stage asks before it preempts
+	// another node's reservation (see TakeoverAuthority); without one
+	// that allows it, the stage refuses.
+	Takeover []TakeoverAuthority
 }
 
 // Agent is a configured CSI node plugin. Create it with New, run it with
@@ -319,24 +324,10 @@ func (a *Agent) Serve(ctx context.Context, lis net.Listener) error {
 	case <-ctx.Done():
 	}
 	a.ready.Store(false)
-	a.log.Info("stopping: waiting for calls in flight", slog.Duration("timeout", a.cfg.ShutdownTimeout))
 	if a.cfg.OnStopping != nil {
 		a.cfg.OnStopping()
 	}
-	done := make(chan struct{})
-	go func() {
-		s.GracefulStop()
-		close(done)
-	}()
-	t := time.NewTimer(a.cfg.ShutdownTimeout)
-	defer t.Stop()
-	select {
-	case <-done:
-	case <-t.C:
-		a.log.Warn("calls still in flight after the shutdown timeout; cutting them")
-		s.Stop()
-		<-done
-	}
+	stopGRPC(a.log, s, a.cfg.ShutdownTimeout)
 	if err := <-errc; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("serve gRPC: %w", err)
 	}

@@ -24,8 +24,8 @@ func (s *identityServer) GetPluginInfo(context.Context, *csi.GetPluginInfoReques
 	}, nil
 }
 
-// GetPluginCapabilities: berth is a node plugin only (no Controller
-// service). Volumes grow while mounted (ONLINE expansion), and when the
+// GetPluginCapabilities: berth serve is a node plugin only (no Controller
+// service: berth controller serves that, see Controller). Volumes grow while mounted (ONLINE expansion), and when the
 // node has a topology the CO must honour it.
 func (s *identityServer) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
 	caps := []*csi.PluginCapability{{

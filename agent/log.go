@@ -103,6 +103,7 @@ func requestAttrs(req any) []any {
 		stagingPather interface{ GetStagingTargetPath() string }
 		targetPather  interface{ GetTargetPath() string }
 		volumePather  interface{ GetVolumePath() string }
+		nodeIDer      interface{ GetNodeId() string }
 	)
 	if r, ok := req.(volumeIDer); ok && r.GetVolumeId() != "" {
 		attrs = append(attrs, slog.String("volume_id", r.GetVolumeId()))
@@ -115,6 +116,9 @@ func requestAttrs(req any) []any {
 	}
 	if r, ok := req.(volumePather); ok && r.GetVolumePath() != "" {
 		attrs = append(attrs, slog.String("volume_path", r.GetVolumePath()))
+	}
+	if r, ok := req.(nodeIDer); ok && r.GetNodeId() != "" {
+		attrs = append(attrs, slog.String("node_id", r.GetNodeId()))
 	}
 	return attrs
 }

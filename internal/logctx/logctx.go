@@ -10,6 +10,8 @@
 //	target_path          the CSI target path of the request
 //	volume_path          the CSI volume path of the request
 //	method               the gRPC method
+//	node_id              a CSI node ID: this node's, or the node a
+//	                     ControllerPublishVolume names
 //	target               the transport's name of the storage: iqn/lun,
 //	                     nqn/namespace, or the file's path
 //	portal, path         one way to the target (iSCSI portal, NVMe address)

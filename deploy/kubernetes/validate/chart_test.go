@@ -35,6 +35,7 @@ var valuesSet = map[string]any{
 	"livenessProbe": map[string]any{
 		"resources": map[string]any{"requests": map[string]any{"cpu": "5m", "memory": "16Mi"}},
 	},
+	"attacher": map[string]any{"image": "registry.example.com/csi-attacher:v4.13.0"},
 }
 
 // Each value of valuesSet reaches the field it is for, and nothing else
@@ -80,6 +81,13 @@ func TestChartValues(t *testing.T) {
 	if n := len(berth.Env); n < 2 || berth.Env[n-1].Name != "BERTH_TOPOLOGY" || berth.Env[n-1].Value != "topology.berth.csi.io/rack=r1" {
 		t.Errorf("berth env %v: want BERTH_TOPOLOGY last", berth.Env)
 	}
+	ctlSpec := deployment(t, decodeBytes(t, "helm template", out), "berth-controller").Spec.Template.Spec
+	if img := podContainer(t, ctlSpec, "csi-attacher").Image; img != "registry.example.com/csi-attacher:v4.13.0" {
+		t.Errorf("attacher image %s, want attacher.image's", img)
+	}
+	if img := podContainer(t, ctlSpec, "berth").Image; img != berth.Image {
+		t.Errorf("controller's berth image %s, want the DaemonSet's %s", img, berth.Image)
+	}
 	if berth.Env[0].Name != "NODE_NAME" {
 		t.Errorf("berth env %v: extraEnv must not displace NODE_NAME", berth.Env)
 	}
@@ -87,10 +95,14 @@ func TestChartValues(t *testing.T) {
 	// Nothing else changed: every difference from the default rendering is
 	// under a field one of the values is for.
 	ds := "apps/v1 DaemonSet kube-system/berth-node.spec.template.spec."
+	ctl := "apps/v1 Deployment kube-system/berth-controller.spec.template.spec."
 	allowed := []string{
 		ds + "imagePullSecrets", ds + "nodeSelector", ds + "tolerations", ds + "priorityClassName",
 		ds + "containers[0].image", ds + "containers[0].args", ds + "containers[0].env",
 		ds + "containers[0].resources", ds + "containers[1].resources",
+		// The controller runs berth's image, with the same pull secrets.
+		ctl + "imagePullSecrets", ctl + "containers[0].image", ctl + "containers[0].imagePullPolicy",
+		ctl + "containers[1].image",
 	}
 	for _, d := range Diff(splitObjects(t, helmTemplate(t, nil)), splitObjects(t, out)) {
 		if !slices.ContainsFunc(allowed, func(p string) bool { return strings.HasPrefix(d, p) }) {

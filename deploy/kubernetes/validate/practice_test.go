@@ -265,8 +265,8 @@ func TestHelmChartMatchesKustomize(t *testing.T) {
 	if d := Diff(k, h); len(d) > 0 {
 		t.Errorf("the chart and the kustomize base differ (kustomize vs helm):\n%s", strings.Join(d, "\n"))
 	}
-	if len(k) != 3 {
-		t.Errorf("%d objects, want the CSIDriver, the ServiceAccount and the DaemonSet", len(k))
+	if len(k) != 11 {
+		t.Errorf("%d objects, want 11: the CSIDriver; the node's ServiceAccount, ClusterRole, ClusterRoleBinding and DaemonSet; the controller's Deployment, ServiceAccount, ClusterRole, ClusterRoleBinding, Role and RoleBinding", len(k))
 	}
 }
 

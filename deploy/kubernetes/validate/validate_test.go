@@ -3,6 +3,7 @@ package validate
 import (
 	"bytes"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -12,6 +13,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
@@ -75,6 +77,16 @@ func decodeBytes(t *testing.T, name string, data []byte) []object {
 			obj = &storagev1.CSIDriver{}
 		case "apps/v1 DaemonSet":
 			obj = &appsv1.DaemonSet{}
+		case "apps/v1 Deployment":
+			obj = &appsv1.Deployment{}
+		case "rbac.authorization.k8s.io/v1 ClusterRole":
+			obj = &rbacv1.ClusterRole{}
+		case "rbac.authorization.k8s.io/v1 ClusterRoleBinding":
+			obj = &rbacv1.ClusterRoleBinding{}
+		case "rbac.authorization.k8s.io/v1 Role":
+			obj = &rbacv1.Role{}
+		case "rbac.authorization.k8s.io/v1 RoleBinding":
+			obj = &rbacv1.RoleBinding{}
 		case "v1 ServiceAccount":
 			obj = &corev1.ServiceAccount{}
 		case "v1 ConfigMap":
@@ -203,8 +215,8 @@ func TestDeployment(t *testing.T) {
 	if d.Name != driver {
 		t.Errorf("CSIDriver name %q, want %q (agent.DefaultDriverName)", d.Name, driver)
 	}
-	if d.Spec.AttachRequired == nil || *d.Spec.AttachRequired {
-		t.Error("CSIDriver attachRequired must be false: berth has no controller to attach")
+	if d.Spec.AttachRequired == nil || !*d.Spec.AttachRequired {
+		t.Error("CSIDriver attachRequired must be true: without attach Kubernetes does no Multi-Attach check, and a ReadWriteOnce volume is staged on two nodes")
 	}
 	if d.Spec.PodInfoOnMount == nil || *d.Spec.PodInfoOnMount {
 		t.Error("CSIDriver podInfoOnMount must be false")
@@ -215,13 +227,15 @@ func TestDeployment(t *testing.T) {
 
 	sas := only[corev1.ServiceAccount](t, objs)
 	dss := only[appsv1.DaemonSet](t, objs)
-	if len(dss) != 1 || len(sas) != 1 {
-		t.Fatalf("%d DaemonSets, %d ServiceAccounts; want 1 each", len(dss), len(sas))
+	if len(dss) != 1 || len(sas) != 2 {
+		t.Fatalf("%d DaemonSets, %d ServiceAccounts; want 1 and 2 (the node's, the controller's)", len(dss), len(sas))
 	}
 	ds := dss[0]
 	spec := ds.Spec.Template.Spec
-	if spec.ServiceAccountName != sas[0].Name || ds.Namespace != sas[0].Namespace {
-		t.Errorf("DaemonSet uses service account %s/%s, the manifest defines %s/%s", ds.Namespace, spec.ServiceAccountName, sas[0].Namespace, sas[0].Name)
+	if !slices.ContainsFunc(sas, func(sa *corev1.ServiceAccount) bool {
+		return sa.Name == spec.ServiceAccountName && sa.Namespace == ds.Namespace
+	}) {
+		t.Errorf("DaemonSet uses service account %s/%s, which the manifests do not define", ds.Namespace, spec.ServiceAccountName)
 	}
 	for k, v := range ds.Spec.Selector.MatchLabels {
 		if ds.Spec.Template.Labels[k] != v {
@@ -399,7 +413,10 @@ func TestExamples(t *testing.T) {
 					t.Errorf("%s: nodeStageSecretRef %s/%s not in the example", where, r.Namespace, r.Name)
 				}
 			}
-			va := c.VolumeAttributes
+			// What the stage parses: the volume attributes and berth
+			// controller's publish_context.
+			va := maps.Clone(c.VolumeAttributes)
+			va[agent.PublishContextNode] = "node-a"
 			switch {
 			case va["transport"] == "iscsi" || va["iqn"] != "" || va["targetPortal"] != "":
 				transports["iscsi"] = true

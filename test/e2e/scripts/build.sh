@@ -4,7 +4,8 @@
 # links or skips):
 #   bin/     kube-apiserver, kube-controller-manager, kube-scheduler,
 #            kubelet, kubectl, agnhost, e2e.test (build-k8s.sh);
-#            csi-provisioner, csi-resizer (their own wrapper modules);
+#            csi-provisioner, csi-resizer, csi-attacher (their own wrapper
+#            modules);
 #            csicontroller, livenessprobe, pause (this directory's programs)
 #   images/  the test images as docker archives (images.sh)
 # berth's image is make image's (bin/berth-image.tar), built by the Makefile.
@@ -22,7 +23,8 @@ GO=$GO "$here/scripts/build-k8s.sh"
 
 # The sidecars, each in its own module; skipped when the module is unchanged.
 for s in provisioner:github.com/kubernetes-csi/external-provisioner/v5/cmd/csi-provisioner \
-	resizer:github.com/kubernetes-csi/external-resizer/cmd/csi-resizer; do
+	resizer:github.com/kubernetes-csi/external-resizer/cmd/csi-resizer \
+	attacher:github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher; do
 	dir=${s%%:*} pkg=${s#*:} out=$bin/$(basename "$pkg")
 	stamp=$(cat "$here/$dir/go.mod" "$here/$dir/go.sum" | sha256sum | cut -c1-16)
 	if [ -x "$out" ] && [ "$(cat "$out.stamp" 2>/dev/null)" = "$stamp" ]; then

@@ -1,8 +1,10 @@
 #!/bin/bash
 # A single-node Kubernetes on this host for make e2e, and its tear-down.
 #
-#   cluster.sh up     start it and deploy berth (the DaemonSet), the test CSI
-#                     controller, external-provisioner and external-resizer
+#   cluster.sh up     start it and deploy berth (the DaemonSet, and the
+#                     berth-controller Deployment with the external-attacher),
+#                     the test CSI controller, external-provisioner and
+#                     external-resizer
 #   cluster.sh restart-kubelet   stop the kubelet and start it again
 #   cluster.sh down   stop everything and remove every trace: processes,
 #                     mounts, loop devices, cgroups, network namespaces, files
@@ -209,6 +211,10 @@ berth_registered() {
 	kc get csinode $NODE -o jsonpath='{.spec.drivers[*].name}' | grep -qw berth.csi.io
 }
 
+controller_available() {
+	[ "$(kc -n kube-system get deployment berth-controller -o jsonpath='{.status.availableReplicas}')" = 1 ]
+}
+
 up() {
 	[ "$(id -u)" = 0 ] || die "must run as root"
 	[ ! -e "$NSPATH" ] && [ ! -d "$R" ] || die "a cluster is up (or was not torn down): run $0 down"
@@ -283,6 +289,8 @@ up() {
 	wait_for "node Ready" 120 node_ready
 	kc apply -k "$here/deploy" >/dev/null
 	wait_for "berth in CSINode" 120 berth_registered
+	# attachRequired: no berth volume is staged before the attacher runs.
+	wait_for "berth-controller available" 120 controller_available
 
 	start csicontroller innet "$bin/csicontroller" -endpoint "$R/controller.sock" -file-root "$S/files"
 	wait_for csicontroller 30 test -S "$R/controller.sock"
@@ -321,7 +329,12 @@ down() {
 		kc delete pvc --all -A --wait=false >/dev/null 2>&1 || true
 		local i
 		for ((i = 0; i < 120; i++)); do
-			[ -z "$(kc get pods -A -o name 2>/dev/null | grep -v berth-node)" ] && [ -z "$(kc get pv -o name 2>/dev/null)" ] && break
+			[ -z "$(kc get pods -A -o name 2>/dev/null | grep -v -e berth-node -e berth-controller)" ] && [ -z "$(kc get pv -o name 2>/dev/null)" ] && break
+			sleep 1
+		done
+		# The attacher detaches (and drops its finalizer) only while it runs.
+		for ((i = 0; i < 60; i++)); do
+			[ -z "$(kc get volumeattachments -o name 2>/dev/null)" ] && break
 			sleep 1
 		done
 		kc delete -k "$here/deploy" --wait=true --timeout=90s >/dev/null 2>&1 || true

@@ -10,6 +10,8 @@
 #   jessie-dnsutils  a Debian root (mmdebstrap minbase): multiVolume's dd
 #                    uses oflag=nocache, which busybox dd refuses
 #   livenessprobe    test/e2e/livenessprobe, under the sidecar's name
+#   csi-attacher     the external-attacher build.sh builds (v4.13.0), for
+#                    the berth-controller Deployment
 set -euo pipefail
 export PATH=$PATH:/usr/sbin:/sbin
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -65,4 +67,5 @@ image nginx registry.k8s.io/e2e-test-images/nginx 1.14-4 "$bb" "" /bin/sh
 image agnhost registry.k8s.io/e2e-test-images/agnhost 2.56 "$bb" /agnhost pause "$bin/agnhost:/agnhost:0755"
 image jessie-dnsutils registry.k8s.io/e2e-test-images/jessie-dnsutils 1.7 "$deb" "" /bin/sh
 image livenessprobe registry.k8s.io/sig-storage/livenessprobe v2.15.0 "$empty" /livenessprobe "" "$bin/livenessprobe:/livenessprobe:0755"
+image csi-attacher registry.k8s.io/sig-storage/csi-attacher v4.13.0 "$empty" /csi-attacher "" "$bin/csi-attacher:/csi-attacher:0755"
 ls -s --block-size=M "$out"

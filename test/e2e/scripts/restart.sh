@@ -7,9 +7,18 @@
 #      pod deleted after it unmounts cleanly.
 #   3. berth is killed (SIGKILL) while a pod's volume is being staged: the
 #      container restarts and the pod starts with its data volume.
-# At the end, every pod and claim deleted: nothing is left staged or
-# published, no loop device remains over the image files, berth's state
-# directory holds no volume.
+# Along the way, the attach step (attachRequired: true): a running pod's
+# volume has its VolumeAttachment, under the name the kubelet computes
+# (csi- and the SHA-256 of volume handle, driver and node), attached by
+# the berth-controller Deployment's attacher with berth controller's
+# publish_context (the node); a pod of the same ReadWriteOnce claim put on
+# a second Node (an object without a kubelet, which the attach-detach
+# controller manages like any node) gets the CO's Multi-Attach refusal and
+# no VolumeAttachment; once no pod on the node uses the volume, the
+# VolumeAttachment is deleted.
+# At the end, every pod and claim deleted: nothing is left staged,
+# published or attached, no loop device remains over the image files,
+# berth's state directory holds no volume.
 # Prints "restart: N passed, N failed".
 set -uo pipefail
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:$PATH
@@ -69,16 +78,30 @@ EOF
 running() { [ "$(kc -n $NS get pod "$1" -o jsonpath='{.status.phase}')" = Running ]; }
 token() { kc -n $NS exec "$1" -- cat /data/token; }
 has_token() { [ "$(token "$1")" = "$2" ]; }
+node_pods=app.kubernetes.io/name=berth,app.kubernetes.io/component=node
 berth_ready() {
-	[ "$(kc -n kube-system get pods -l app.kubernetes.io/name=berth -o jsonpath='{.items[*].status.containerStatuses[?(@.name=="berth")].ready}')" = true ] &&
+	[ "$(kc -n kube-system get pods -l $node_pods -o jsonpath='{.items[*].status.containerStatuses[?(@.name=="berth")].ready}')" = true ] &&
 		kc get csinode berth-e2e-node -o jsonpath='{.spec.drivers[*].name}' | grep -qw berth.csi.io
 }
 gone() { ! kc -n $NS get pod "$1" >/dev/null 2>&1; }
+# va PV: the name of PV's VolumeAttachment on the node, as the kubelet and
+# the attach-detach controller compute it from the volume handle.
+va() {
+	local handle
+	handle=$(kc get pv "$1" -o jsonpath='{.spec.csi.volumeHandle}')
+	printf 'csi-%s' "$(printf '%s' "${handle}berth.csi.ioberth-e2e-node" | sha256sum | cut -d' ' -f1)"
+}
+attached() { # VA
+	[ "$(kc get volumeattachment "$1" -o jsonpath='{.status.attached}/{.spec.nodeName}/{.status.attachmentMetadata.berth\.csi\.io/node}')" = true/berth-e2e-node/berth-e2e-node ]
+}
+detached() { ! kc get volumeattachment "$1" >/dev/null 2>&1; } # VA
 
-# berth_pid: the pid of berth's container process on this host.
+# berth_pid: the pid of the node plugin's container process on this host
+# (not berth controller's).
 berth_pid() {
 	local id
-	id=$(ctr --address "$R/containerd.sock" -n k8s.io containers ls -q 'labels."io.kubernetes.container.name"==berth' | head -1)
+	id=$(kc -n kube-system get pods -l $node_pods -o jsonpath='{.items[0].status.containerStatuses[?(@.name=="berth")].containerID}')
+	id=${id#containerd://}
 	[ -n "$id" ] && ctr --address "$R/containerd.sock" -n k8s.io tasks ls | awk -v id="$id" '$1 == id && $3 == "RUNNING" { print $2 }'
 }
 
@@ -96,7 +119,14 @@ EOF
 claim c1
 pod p1 c1
 if until_ok 180 running p1 && [ "$(token p1)" = p1 ]; then
-	kc -n kube-system delete pod -l app.kubernetes.io/name=berth --wait=true >/dev/null
+	pv1=$(kc -n $NS get pvc c1 -o jsonpath='{.spec.volumeName}')
+	va1=$(va "$pv1")
+	if attached "$va1"; then
+		ok "attach: VolumeAttachment $va1 of $pv1 attached to the node, publish_context berth.csi.io/node=berth-e2e-node"
+	else
+		fail "attach: no attached VolumeAttachment $va1 for $pv1 with the node in its metadata: $(kc get volumeattachments -o wide 2>&1)"
+	fi
+	kc -n kube-system delete pod -l $node_pods --wait=true >/dev/null
 	if until_ok 120 berth_ready && [ "$(token p1)" = p1 ]; then
 		kc -n $NS delete pod p1 --wait=true >/dev/null
 		pod p1b c1
@@ -112,6 +142,47 @@ else
 	fail "pod p1 did not start"
 fi
 
+# 1b. a second node for the claim p1b uses: a Node object without a
+# kubelet, marked for the attach-detach controller as a kubelet marks its
+# node. The pod bound to it must get Multi-Attach (the check the CO skips
+# for drivers without attach) and no VolumeAttachment there.
+ghost=berth-e2e-ghost
+multi_attach() {
+	kc -n $NS get events --field-selector involvedObject.name=p4,reason=FailedAttachVolume -o jsonpath='{.items[*].message}' | grep -q 'Multi-Attach error'
+}
+if [ -n "${va1:-}" ] && running p1b; then
+	kc apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Node
+metadata:
+  name: $ghost
+  annotations: {volumes.kubernetes.io/controller-managed-attach-detach: "true"}
+  labels: {kubernetes.io/hostname: $ghost}
+EOF
+	kc apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: p4, namespace: $NS}
+spec:
+  nodeName: $ghost
+  containers:
+  - {name: c, image: registry.k8s.io/e2e-test-images/busybox:1.37.0-1, command: [sleep, "100000"], volumeMounts: [{name: v, mountPath: /data}]}
+  volumes: [{name: v, persistentVolumeClaim: {claimName: c1}}]
+EOF
+	handle=$(kc get pv "$pv1" -o jsonpath='{.spec.csi.volumeHandle}')
+	ghost_va=csi-$(printf '%s' "${handle}berth.csi.io$ghost" | sha256sum | cut -d' ' -f1)
+	if until_ok 60 multi_attach && detached "$ghost_va" && attached "$va1" && has_token p1b p1; then
+		ok "a second node's pod of ReadWriteOnce claim c1: Multi-Attach refused by the CO ($(kc -n $NS get events --field-selector involvedObject.name=p4,reason=FailedAttachVolume -o jsonpath='{.items[0].message}')), no VolumeAttachment on $ghost, p1b untouched"
+	else
+		fail "a second node's pod of ReadWriteOnce claim c1: no Multi-Attach refusal, or a VolumeAttachment $ghost_va: $(kc get volumeattachments -o wide 2>&1)"
+	fi
+	# No kubelet there to confirm the pod's end.
+	kc -n $NS delete pod p4 --grace-period=0 --force >/dev/null 2>&1
+	kc delete node $ghost --wait=true >/dev/null
+else
+	fail "p1b not running: no second node tried"
+fi
+
 # 2. the kubelet restarted.
 claim c2
 pod p2 c2
@@ -120,7 +191,15 @@ if until_ok 180 running p2 && [ "$(token p2)" = p2 ]; then
 	# The node's status may still be the old kubelet's: ask the new one,
 	# through exec, until it has taken the running pods over.
 	if until_ok 120 has_token p2 p2 && has_token p1b p1; then
+		pv2=$(kc -n $NS get pvc c2 -o jsonpath='{.spec.volumeName}')
+		va2=$(va "$pv2")
+		attached "$va2" && was_attached=1 || was_attached=0
 		kc -n $NS delete pod p2 --wait=true >/dev/null
+		if [ $was_attached = 1 ] && until_ok 60 gone p2 && until_ok 120 detached "$va2"; then
+			ok "attach: VolumeAttachment $va2 deleted once no pod used $pv2"
+		else
+			fail "attach: VolumeAttachment $va2 not attached while p2 ran, or still there after p2 was deleted"
+		fi
 		if until_ok 60 gone p2 && ! grep -q "/pods/.*/volumes/kubernetes.io~csi/.*" <(awk '{print $2}' /proc/self/mounts | grep "$(kc -n $NS get pvc c2 -o jsonpath='{.spec.volumeName}')"); then
 			ok "kubelet restarted: pods kept their data, a pod deleted afterwards was unpublished"
 		else
@@ -158,18 +237,23 @@ fi
 kc delete namespace $NS --wait=true --timeout=180s >/dev/null
 until_ok 120 sh -c "[ -z \"\$(nsenter --net=$NSPATH -- $bin/kubectl --kubeconfig $S/admin.kubeconfig get pv -o name)\" ]"
 kc delete storageclass berth-restart >/dev/null
-left=$(awk '{print $2}' /proc/self/mounts | grep -E '^/var/lib/kubelet/(plugins/kubernetes.io/csi|pods)/' || true)
+# berth's own pods (kube-system) keep their volumes: the node's and the
+# controller's service-account tokens.
+own=$(kc -n kube-system get pods -o jsonpath='{range .items[*]}{.metadata.uid}{"\n"}{end}' | sed 's|^|/var/lib/kubelet/pods/|; s|$|/|')
+left=$(awk '{print $2}' /proc/self/mounts | grep -E '^/var/lib/kubelet/(plugins/kubernetes.io/csi|pods)/' | grep -v -F "${own:-/nonexistent/}" || true)
 loops=$(losetup -ln -O NAME,BACK-FILE | grep "$S/files" || true)
 files=$(ls "$S/files" 2>/dev/null)
 # The filesystem marks (<state-dir>/filesystems/) outlive the volumes by
 # design: a node cannot tell a deleted volume from one whose storage lost
 # its filesystem (docs/guarantees.md). Every other record must be gone.
 state=$(find /var/lib/berth -type f -name '*.json' -not -path '/var/lib/berth/filesystems/*' 2>/dev/null)
+until_ok 120 sh -c "[ -z \"\$(nsenter --net=$NSPATH -- $bin/kubectl --kubeconfig $S/admin.kubeconfig get volumeattachments -o name)\" ]"
+vas=$(kc get volumeattachments -o name 2>/dev/null)
 marks=$(find /var/lib/berth/filesystems -type f -name '*.json' 2>/dev/null | wc -l)
-if [ -z "$left$loops$files$state" ]; then
-	ok "after deleting every pod and claim: no mount, loop device, image file or berth state left ($marks filesystem marks kept, as documented)"
+if [ -z "$left$loops$files$state$vas" ]; then
+	ok "after deleting every pod and claim: no mount, loop device, image file, VolumeAttachment or berth state left ($marks filesystem marks kept, as documented)"
 else
-	fail "left after deleting every pod and claim: mounts [$left] loops [$loops] files [$files] state [$state]"
+	fail "left after deleting every pod and claim: mounts [$left] loops [$loops] files [$files] state [$state] volumeattachments [$vas]"
 fi
 log "$((SECONDS - t0))s"
 echo "restart: $passed passed, $failed failed"
