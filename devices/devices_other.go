@@ -94,3 +94,27 @@ func (Roots) CheckDeviceMapper() error { return errUnsupported }
 
 // LoopBackingFile is only supported on Linux.
 func LoopBackingFile(*Device) (*os.File, int64, error) { return nil, 0, errUnsupported }
+
+// PR is only supported on Linux.
+type PR struct{}
+
+// OpenPR is only supported on Linux.
+func OpenPR(*Device) (*PR, error) { return nil, errUnsupported }
+
+// Close is only supported on Linux.
+func (*PR) Close() error { return errUnsupported }
+
+// Register is only supported on Linux.
+func (*PR) Register(uint64, uint64, bool) error { return errUnsupported }
+
+// Reserve is only supported on Linux.
+func (*PR) Reserve(uint64, PRType) error { return errUnsupported }
+
+// Release is only supported on Linux.
+func (*PR) Release(uint64, PRType) error { return errUnsupported }
+
+// Preempt is only supported on Linux.
+func (*PR) Preempt(uint64, uint64, PRType, bool) error { return errUnsupported }
+
+// ReadReservation is only supported on Linux.
+func (*PR) ReadReservation() (Reservation, error) { return Reservation{}, errUnsupported }
