@@ -250,9 +250,9 @@ type sgIOHdr struct {
 }
 
 const (
-	sgIO          = 0x2285 // SG_IO
-	sgDxferFromDev = -3    // SG_DXFER_FROM_DEV
-	sgTimeoutMs   = 30000
+	sgIO           = 0x2285 // SG_IO
+	sgDxferFromDev = -3     // SG_DXFER_FROM_DEV
+	sgTimeoutMs    = 30000
 )
 
 // readReservationSCSI reads READ KEYS and READ RESERVATION through SG_IO
