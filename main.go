@@ -51,6 +51,7 @@ func main() {
 		Commands: []*cli.Command{
 			serveCommand(),
 			trimCommand(),
+			takeoverCommand(),
 			doctor.Command(),
 			volumesCommand(),
 			versionCommand(),
@@ -307,6 +308,7 @@ func newServer(c *cli.Context) (_ *server, retErr error) {
 			}
 		},
 		OnStopping: func() { _ = systemd.Stopping() },
+		Takeover:   []agent.TakeoverAuthority{agent.NewOperatorAuthority(c.String(cliflags.StateDir))},
 	}
 	if c.String("probe-checks") != "" {
 		dc, err := probeConfig(c)

@@ -88,6 +88,11 @@ type Config struct {
 	// OnTrim, if set, is called with the result of each periodic trim
 	// (metrics).
 	OnTrim func(TrimResult)
+	// Takeover are asked, in order, whether a volume another node holds
+	// at the target has moved to this node (see TakeoverAuthority); the
+	// first that allows it decides. None: a stage never takes a volume
+	// over.
+	Takeover []TakeoverAuthority
 }
 
 // Agent is a configured CSI node plugin. Create it with New, run it with
@@ -112,6 +117,8 @@ type Agent struct {
 	// (devices.Lookup). Tests substitute them.
 	verify func(*devices.Device) error
 	lookup func(name string) (*devices.Device, error)
+	// pr issues the persistent-reservation commands of fencing.
+	pr prHost
 	// undoTimeout bounds the undo of a failed call (undoContext); 0
 	// means defaultUndoTimeout. Tests shorten it.
 	undoTimeout time.Duration
@@ -186,6 +193,7 @@ func New(cfg Config) (_ *Agent, retErr error) {
 		transports: make(map[string]Transport),
 		listener:   cfg.Listener,
 		verify:     (*devices.Device).Verify,
+		pr:         kernelPR{},
 	}
 	lock, err := lockStateDir(cfg.StateDir)
 	if err != nil {

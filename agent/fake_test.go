@@ -309,6 +309,9 @@ type fakeTransport struct {
 	replaced map[string]string
 	// replaceAtExpand, when set, is the WWID an Expand (a rescan) finds.
 	replaceAtExpand string
+	// kind, when set, is the Kind of the devices Attach returns (a
+	// device of a network transport is fenced).
+	kind string
 }
 
 // replacedWWID is the WWID the storage behind key has now, "" while it
@@ -381,6 +384,9 @@ func (t *fakeTarget) Attach(ctx context.Context) (*devices.Device, error) {
 	d := t.dev()
 	if w := t.ft.replacedWWID(t.key); w != "" {
 		d.ID.WWID = w
+	}
+	if t.ft.kind != "" {
+		d.ID.Kind = t.ft.kind
 	}
 	return d, nil
 }

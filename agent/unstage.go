@@ -58,6 +58,12 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	if err := n.releaseStagedDevice(ctx, rec, unreachable, locks, took); err != nil {
 		return nil, err
 	}
+	if rec.Fence != nil && rec.Fence.Key != 0 {
+		if err := n.blocking(ctx, "give back the reservation", locks, func() error { return n.a.unfence(ctx, rec, unreachable) }); err != nil {
+			return nil, err
+		}
+		took.mark("unfence")
+	}
 	if err := n.blocking(ctx, "detach", locks, func() error { return n.detach(ctx, rec, tr, target) }); err != nil {
 		return nil, err
 	}
