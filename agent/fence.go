@@ -185,7 +185,7 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 		if err := n.recordFence(s, mode, key); err != nil {
 			return err
 		}
-		if err := n.registerPaths(s, key); err != nil {
+		if err := n.registerPaths(s, key, ours); err != nil {
 			return err
 		}
 		s.took.mark("fence")
@@ -211,12 +211,12 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 			}
 			return n.refuseTakeover(ctx, s, f, key, ours, victim, d)
 		}
-		return n.takeOver(ctx, s, f, key, victim, others, d)
+		return n.takeOver(ctx, s, f, key, victim, ours, others, d)
 	}
 	if err := n.recordFence(s, mode, key); err != nil {
 		return err
 	}
-	if err := n.registerPaths(s, key); err != nil {
+	if err := n.registerPaths(s, key, ours); err != nil {
 		return err
 	}
 	if res.Holder != key {
@@ -245,14 +245,15 @@ func (n *nodeServer) recordFence(s *stageRun, mode string, key uint64) error {
 
 // registerPaths registers key on every path of the stage's device that
 // does not have it. A path registered with another key is refused and
-// left as it is: berth replaces no key it did not make.
-func (n *nodeServer) registerPaths(s *stageRun, key uint64) error {
+// left as it is: berth replaces no key it did not make. ours: the
+// device's keys include key, read before any registration of this call.
+func (n *nodeServer) registerPaths(s *stageRun, key uint64, ours bool) error {
 	paths, err := n.a.pr.paths(s.dev)
 	if err != nil {
 		return fmt.Errorf("volume %q: fence: %w", s.id, err)
 	}
 	for _, p := range paths {
-		if err := registerPath(n.a.pr, p, key); err != nil {
+		if err := registerPath(n.a.pr, p, key, ours); err != nil {
 			return n.fenceError(s, err)
 		}
 		s.registered = true
@@ -261,17 +262,24 @@ func (n *nodeServer) registerPaths(s *stageRun, key uint64) error {
 }
 
 // registerPath registers key through p. REGISTER with the old key 0 is
-// refused (a conflict) when the nexus is registered already; REGISTER
-// from key to key then succeeds only if that registration is ours.
-func registerPath(h prHost, p *devices.Device, key uint64) error {
+// refused (a conflict, which changes nothing) when the nexus is
+// registered already. Its key is then this node's if the device's keys
+// include it (ours; fenceStage refused keys berth did not make, and no
+// other node has this node's nexus), and nothing is changed: a repeated
+// stage leaves the target's generation as it was. Otherwise REGISTER from
+// key to key tells, succeeding only if the registration is this node's.
+func registerPath(h prHost, p *devices.Device, key uint64, ours bool) error {
 	f, err := h.open(p)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
 	err = f.Register(0, key, false)
-	if !errors.Is(err, devices.ErrReservationConflict) {
+	switch {
+	case !errors.Is(err, devices.ErrReservationConflict):
 		return err
+	case ours:
+		return nil
 	}
 	if err := f.Register(key, key, false); err != nil {
 		if errors.Is(err, devices.ErrReservationConflict) {
@@ -378,11 +386,11 @@ func (n *nodeServer) lostRace(ctx context.Context, s *stageRun, f prDevice, key 
 // takeOver preempts victim (and any other node's key registered) with
 // abort, so that their queued writes never land, and takes the
 // reservation.
-func (n *nodeServer) takeOver(ctx context.Context, s *stageRun, f prDevice, key, victim uint64, others []uint64, d TakeoverDecision) error {
+func (n *nodeServer) takeOver(ctx context.Context, s *stageRun, f prDevice, key, victim uint64, ours bool, others []uint64, d TakeoverDecision) error {
 	if err := n.recordFence(s, fenceReserve, key); err != nil {
 		return err
 	}
-	if err := n.registerPaths(s, key); err != nil {
+	if err := n.registerPaths(s, key, ours); err != nil {
 		return err
 	}
 	victims := []uint64{victim}

@@ -639,20 +639,28 @@ func TestFenceUnsupportedAndOptOut(t *testing.T) {
 	must(t, "unstage", a.unstage())
 }
 
-// berth restarted on the holder: the repeated stage changes nothing, and
+// berth restarted on the holder: the repeated stage (a raw block one,
+// which goes through the fence again) changes nothing at the target, and
 // the unstage after the restart gives the reservation back.
 func TestFenceRestart(t *testing.T) {
 	tgt := newFakePRTarget()
 	a := newFenceNode(t, "node-a", tgt)
-	must(t, "stage", a.stage(snw, nil))
+	c := blockCap(snw)
+	must(t, "stage", a.stageCap(c, nil))
 	st, err := openStore(filepath.Join(a.a.cfg.StateDir, "volumes"))
 	must(t, "reopen state", err)
 	a.a.state = st
 	a.a.locks = newInflight()
-	gen := len(tgt.ops)
-	must(t, "stage after the restart", a.stage(snw, nil))
-	if len(tgt.ops) != gen || tgt.holderKey() != NodeKey("node-a") {
-		t.Fatalf("the repeated stage issued %v", tgt.ops[gen:])
+	gen := tgt.gen
+	must(t, "stage after the restart", a.stageCap(c, nil))
+	if tgt.gen != gen || tgt.holderKey() != NodeKey("node-a") || !a.registered(tgt) {
+		t.Fatalf("the repeated stage changed the target: generation %d -> %d, ops %v", gen, tgt.gen, tgt.ops)
+	}
+	// A path that appeared since (a new session) is registered.
+	a.pr.npaths = 3
+	must(t, "stage with a new path", a.stageCap(c, nil))
+	if !a.registered(tgt) {
+		t.Fatalf("the new path is not registered: %x", tgt.keysOf("node-a"))
 	}
 	must(t, "unstage", a.unstage())
 	if len(tgt.regs) != 0 {

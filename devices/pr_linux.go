@@ -140,7 +140,9 @@ func (p *PR) ReadReservation() (Reservation, error) {
 	if prReadIoctls.Load() != 2 {
 		r, err := p.readIoctl()
 		switch {
-		case errors.Is(err, unix.ENOTTY):
+		case errors.Is(err, unix.ENOTTY), errors.Is(err, unix.EINVAL):
+			// An ioctl the kernel does not know: ENOTTY from the block
+			// layer, EINVAL from sd's scsi_ioctl before 6.19.
 			prReadIoctls.Store(2)
 		case err != nil:
 			return Reservation{}, p.prErr("read reservation", err)
