@@ -327,7 +327,7 @@ func newServer(c *cli.Context) (_ *server, retErr error) {
 			out := make([]metrics.Volume, 0, len(vs))
 			for _, v := range vs {
 				if v.Staged {
-					out = append(out, metrics.Volume{ID: v.ID, Transport: v.Transport, Paths: v.Paths, Abnormal: v.Abnormal})
+					out = append(out, metrics.Volume{ID: v.ID, Transport: v.Transport, Paths: v.Paths, Abnormal: v.Abnormal, Unfenced: v.Unfenced})
 				}
 			}
 			return out

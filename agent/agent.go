@@ -367,6 +367,9 @@ type VolumeStatus struct {
 	// Paths counts the volume's storage paths by state ("live": 2,
 	// "connecting": 1), for transports that report them.
 	Paths map[string]int
+	// Unfenced: staged with fencing opted out (volume_context fencing
+	// "none").
+	Unfenced bool
 }
 
 // Volumes returns the state of every volume in the agent's records, for
@@ -381,7 +384,7 @@ func (a *Agent) Volumes(ctx context.Context) []VolumeStatus {
 		out = append(out, VolumeStatus{
 			ID: r.VolumeID, Transport: r.Transport, Staged: r.Staged,
 			Abnormal: c.Abnormal, Message: c.Message, Targets: len(r.Publishes),
-			Paths: a.pathStates(ctx, r, t),
+			Paths: a.pathStates(ctx, r, t), Unfenced: r.unfenced(),
 		})
 	}
 	return out

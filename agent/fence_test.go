@@ -635,6 +635,9 @@ func TestFenceUnsupportedAndOptOut(t *testing.T) {
 	if c := a.condition(t); c.Abnormal || !strings.Contains(c.Message, "unfenced") {
 		t.Fatalf("condition %+v", c)
 	}
+	if vs := a.a.Volumes(context.Background()); len(vs) != 1 || !vs[0].Unfenced {
+		t.Fatalf("Volumes: %+v, want the volume unfenced (the metric)", vs)
+	}
 	wantFenceCode(t, "restage asking for fencing", a.stage(snw, nil), codes.AlreadyExists)
 	must(t, "unstage", a.unstage())
 }

@@ -31,7 +31,7 @@ const (
 
 type prRegistration struct {
 	OldKey, NewKey uint64
-	Flags, pad     uint32
+	Flags, _       uint32
 }
 
 type prReservation struct {
@@ -45,8 +45,8 @@ type prPreempt struct {
 }
 
 type prClear struct {
-	Key        uint64
-	Flags, pad uint32
+	Key      uint64
+	Flags, _ uint32
 }
 
 type prReadKeys struct {
