@@ -40,6 +40,10 @@ const (
 	// fenceNone: volume_context fencing "none": staged unfenced, and
 	// reported so.
 	fenceNone = "none"
+	// fenceUnavailable: this berth cannot read the device's reservation
+	// (an NVMe namespace before devices reads the Reservation Report):
+	// staged unfenced as before fencing, and reported so.
+	fenceUnavailable = "unavailable"
 )
 
 // fenceType is the reservation berth takes.
@@ -122,8 +126,11 @@ func fenceModeOf(d *devices.Device, mode csi.VolumeCapability_AccessMode_Mode, o
 	default:
 		return ""
 	}
-	if optOut {
+	switch {
+	case optOut:
 		return fenceNone
+	case !devices.ReservationReadable(d):
+		return fenceUnavailable
 	}
 	return m
 }
@@ -148,14 +155,18 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 		return nil
 	}
 	rec := s.rec
-	if mode == fenceNone {
-		if rec.Fence == nil || rec.Fence.Mode != fenceNone {
-			rec.Fence = &fenceRecord{Mode: fenceNone}
+	if mode == fenceNone || mode == fenceUnavailable {
+		if rec.Fence == nil || rec.Fence.Mode != mode {
+			rec.Fence = &fenceRecord{Mode: mode}
 			if err := n.a.state.put(rec); err != nil {
 				return err
 			}
 		}
-		s.log.WarnContext(ctx, "staged without fencing (volume_context fencing: none): another node that stages this volume can write it too")
+		why := "volume_context fencing: none"
+		if mode == fenceUnavailable {
+			why = "this berth cannot read the reservations of " + s.dev.ID.Kind + " devices yet"
+		}
+		s.log.WarnContext(ctx, "staged without fencing ("+why+"): another node that stages this volume can write it too")
 		return nil
 	}
 	key := NodeKey(n.a.cfg.NodeID)
@@ -508,8 +519,16 @@ func (a *Agent) fenceCondition(rec *volumeRecord) *csi.VolumeCondition {
 	return nil
 }
 
-// unfenced reports whether a volume was staged with fencing opted out.
-func (rec *volumeRecord) unfenced() bool { return rec.Fence != nil && rec.Fence.Mode == fenceNone }
+// unfenced reports whether a volume that fencing applies to was staged
+// without it: opted out, or a device whose reservation this berth cannot
+// read.
+func (rec *volumeRecord) unfenced() bool {
+	return rec.Fence != nil && (rec.Fence.Mode == fenceNone || rec.Fence.Mode == fenceUnavailable)
+}
+
+// optedOut reports whether a volume was staged with volume_context
+// fencing "none".
+func (rec *volumeRecord) optedOut() bool { return rec.Fence != nil && rec.Fence.Mode == fenceNone }
 
 // undoFence gives back the fence a failed stage took, before its detach.
 func (n *nodeServer) undoFence(ctx context.Context, s *stageRun) error {

@@ -728,3 +728,31 @@ func TestOperatorTakeover(t *testing.T) {
 		t.Fatalf("holder %#x", tgt.holderKey())
 	}
 }
+
+// An NVMe namespace, whose reservation this berth cannot read yet, stages
+// unfenced and says so; the target is not touched.
+func TestFenceNVMeUnavailable(t *testing.T) {
+	if devices.ReservationReadable(&devices.Device{ID: devices.Identity{Kind: devices.KindNVMe}}) {
+		t.Skip("devices reads NVMe reservations: NVMe volumes are fenced")
+	}
+	tgt := newFakePRTarget()
+	a := newFenceNode(t, "node-a", tgt)
+	a.tr.kind = devices.KindNVMe
+	lookup := a.a.lookup
+	a.a.lookup = func(name string) (*devices.Device, error) {
+		d, err := lookup(name)
+		if err == nil {
+			d.ID.Kind = devices.KindNVMe
+		}
+		return d, err
+	}
+	must(t, "stage", a.stage(snw, nil))
+	must(t, "repeated stage", a.stage(snw, nil))
+	if c := a.condition(t); c.Abnormal || !strings.Contains(c.Message, "unfenced") {
+		t.Fatalf("condition %+v", c)
+	}
+	if a.pr.opens != 0 {
+		t.Fatal("the reservation was touched")
+	}
+	must(t, "unstage", a.unstage())
+}

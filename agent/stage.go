@@ -243,7 +243,7 @@ func (n *nodeServer) checkStage(ctx context.Context, s *stageRun) error {
 		if (s.rec.Crypt != nil) != (s.enc != nil) {
 			return errdefs.AlreadyExists("volume %q: staged with %s=%t, the request asks for %t", s.id, ContextEncrypted, s.rec.Crypt != nil, s.enc != nil)
 		}
-		if s.rec.Fence != nil && s.rec.unfenced() != (s.fencing == fenceNone) {
+		if s.rec.Fence != nil && s.rec.Fence.Mode != fenceUnavailable && s.rec.optedOut() != (s.fencing == fenceNone) {
 			return errdefs.AlreadyExists("volume %q: staged with %s %q, the request asks for %q", s.id, ContextFencing, s.rec.Fence.Mode, s.fencing)
 		}
 	} else if owner, ok := n.a.state.pathOwner(s.staging); ok {

@@ -95,6 +95,9 @@ func (Roots) CheckDeviceMapper() error { return errUnsupported }
 // LoopBackingFile is only supported on Linux.
 func LoopBackingFile(*Device) (*os.File, int64, error) { return nil, 0, errUnsupported }
 
+// ReservationReadable is only supported on Linux.
+func ReservationReadable(*Device) bool { return false }
+
 // PR is only supported on Linux.
 type PR struct{}
 

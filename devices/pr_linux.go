@@ -188,6 +188,13 @@ func (p *PR) readIoctl() (Reservation, error) {
 	return r, nil
 }
 
+// ReservationReadable reports whether berth can read d's reservation
+// (ReadReservation): SCSI disks and dm-multipath maps always, NVMe
+// namespaces once readReservationNVMe reads the Reservation Report.
+func ReservationReadable(d *Device) bool {
+	return d.ID.Kind != KindNVMe || nvmeReservationReport
+}
+
 // ioctlPR issues a PR ioctl. Kernels before 6.2 return a SCSI result (a
 // positive number) from sd rather than an errno; scsiResultError names
 // it.
@@ -204,10 +211,15 @@ func ioctlPR[T any](f *os.File, req uint, arg *T) error {
 
 // prErr names the operation and maps the kernel's answer to berth's
 // errors: a reservation conflict, a target or kernel that has no
-// reservations.
+// reservations. A positive answer of an NVMe device is an NVMe status
+// (kernels before 6.2), not a SCSI result.
 func (p *PR) prErr(op string, err error) error {
 	if err == nil {
 		return nil
+	}
+	var sr scsiResultError
+	if p.dev.ID.Kind == KindNVMe && errors.As(err, &sr) {
+		return fmt.Errorf("%s %s: %w", op, p.dev.Path, nvmeStatusError(int(sr)))
 	}
 	return fmt.Errorf("%s %s: %w", op, p.dev.Path, prKernelError(err))
 }

@@ -123,6 +123,19 @@ func (e scsiResultError) classify() error {
 	return e
 }
 
+// nvmeStatusError classifies the NVMe status the kernel's NVMe PR
+// ioctls return before 6.2 (status code type and code in the low 11
+// bits, DNR and More above).
+func nvmeStatusError(st int) error {
+	switch sc := st & 0x7ff; sc {
+	case 0x83: // Reservation Conflict
+		return fmt.Errorf("%w (NVMe status %#x)", ErrReservationConflict, st)
+	case 0x01, 0x02: // Invalid Command Opcode, Invalid Field in Command
+		return fmt.Errorf("NVMe status %#x: the controller has no reservations: %w", st, errdefs.ErrUnsupported)
+	}
+	return fmt.Errorf("NVMe status %#x", st)
+}
+
 // senseError describes the sense data of a CHECK CONDITION. ILLEGAL
 // REQUEST (a target that does not implement the command) wraps
 // errdefs.ErrUnsupported.

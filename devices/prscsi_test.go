@@ -106,6 +106,12 @@ func TestSenseAndResults(t *testing.T) {
 	if err := scsiResultError(0x70000).classify(); !errors.Is(err, errdefs.ErrUnavailable) {
 		t.Errorf("result host byte: %v", err)
 	}
+	if err := nvmeStatusError(0x83); !errors.Is(err, ErrReservationConflict) {
+		t.Errorf("NVMe 0x83: %v", err)
+	}
+	if err := nvmeStatusError(0x4001); !errors.Is(err, errdefs.ErrUnsupported) {
+		t.Errorf("NVMe 0x4001: %v", err)
+	}
 }
 
 func TestPRInCDB(t *testing.T) {

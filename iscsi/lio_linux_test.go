@@ -59,6 +59,14 @@ func newLIOTarget(t *testing.T, portals ...string) *lioTarget {
 	vm.RequireGuest(t)
 	n := lioSeq.Add(1)
 	tg := &lioTarget{t: t, IQN: fmt.Sprintf("iqn.2003-01.org.linux-iscsi.berth:t%d", n), tpgs: map[int]string{}, luns: map[int]*lioLUN{}}
+	// LIO keeps APTPL registrations (berth's fencing asks for APTPL
+	// through sd) under its dbroot's pr directory, which it never
+	// creates: without it every REGISTER reports failure.
+	if b, err := os.ReadFile(filepath.Join(lioRoot, "dbroot")); err == nil {
+		if err := os.MkdirAll(filepath.Join(strings.TrimSpace(string(b)), "pr"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
 	base := filepath.Join(lioRoot, "iscsi", tg.IQN)
 	if err := os.MkdirAll(base, 0o755); err != nil {
 		t.Fatalf("LIO: create target (is iscsi_target_mod loaded?): %v", err)
