@@ -170,6 +170,16 @@ func (tg *lioTarget) ReplaceLUN(lun int, size int64) string {
 // BackingFile is the file behind LUN lun.
 func (tg *lioTarget) BackingFile(lun int) string { return tg.luns[lun].file }
 
+// PR reads attribute attr of the LUN's persistent-reservation state
+// (pr/res_holder, res_pr_registered_i_pts, ...).
+func (tg *lioTarget) PR(lun int, attr string) string {
+	b, err := os.ReadFile(filepath.Join(tg.luns[lun].core, "pr", attr))
+	if err != nil {
+		tg.t.Errorf("LIO: read pr/%s: %v", attr, err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
 // Grow enlarges a LUN's backing file and tells the loop device.
 func (tg *lioTarget) Grow(lun int, size int64) {
 	l := tg.luns[lun]
