@@ -54,6 +54,8 @@ type fakeFS struct {
 	unmountGate chan struct{}
 	// events lists "unmount <path>" and "flush <device>" in order.
 	events []string
+	// flushErr, when set, makes FlushBuffers fail.
+	flushErr error
 }
 
 // fakePartial is what an interrupted mkfs leaves.
@@ -255,7 +257,7 @@ func (f *fakeFS) FlushBuffers(dev string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.events = append(f.events, "flush "+dev)
-	return nil
+	return f.flushErr
 }
 
 func (f *fakeFS) eventLog() []string {

@@ -434,6 +434,9 @@ func TestFenceTwoNodes(t *testing.T) {
 	}
 
 	ops := len(tgt.ops)
+	// Its buffers cannot be written any more: the flush fails, which
+	// does not hold up the unstage of a preempted node.
+	a.host.flushErr = errors.New("fake: EIO")
 	must(t, "unstage on the preempted A", a.unstage())
 	must(t, "unstage on A again", a.unstage())
 	if tgt.holderKey() != keyB || !b.registered(tgt) {
@@ -445,6 +448,11 @@ func TestFenceTwoNodes(t *testing.T) {
 		}
 	}
 
+	b.host.flushErr = errors.New("fake: EIO")
+	if err := b.unstage(); err == nil {
+		t.Fatal("a failed flush of the holder's device was ignored")
+	}
+	b.host.flushErr = nil
 	must(t, "unstage on B", b.unstage())
 	if tgt.holderKey() != 0 || len(tgt.regs) != 0 {
 		t.Fatalf("after B's unstage: holder %#x, registrations %v", tgt.holderKey(), tgt.regs)
