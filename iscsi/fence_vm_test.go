@@ -123,6 +123,20 @@ func TestVMFencing(t *testing.T) {
 	check("same-generation")
 	do(a, "unstage-blk")
 	check("free-blk")
+	// 3 to 5 with a filesystem: A writes files and hangs, B takes the
+	// filesystem over (replaying A's journal), A's fsyncs fail once it
+	// goes on, and the target's copy is a clean filesystem without any
+	// of A's records after the fence.
+	do(a, "fs-writer")
+	check("fs-a-holds")
+	a.Pause()
+	do(b, "takeover-fs")
+	check("fs-b-holds")
+	a.Resume()
+	do(a, "fs-resumed")
+	check("fs-b-holds")
+	do(b, "release-fs")
+	check("fs-oracle")
 	// The cost: stage times with and without fencing.
 	do(a, "timings")
 	for _, m := range []*vm.Machine{tgt, a, b} {
@@ -182,6 +196,10 @@ func TestFenceGuestTarget(t *testing.T) {
 			}
 		}},
 		{"free-blk", func() { free(1) }},
+		{"fs-a-holds", func() { holds(0, fenceIQNA, fenceIQNB) }},
+		{"fs-b-holds", func() { holds(0, fenceIQNB, fenceIQNA) }},
+		{"fs-b-holds", func() { holds(0, fenceIQNB, fenceIQNA) }},
+		{"fs-oracle", func() { fenceFSOracle(t, x.BackingDevice(0)) }},
 	}
 	if os.Getenv("BERTH_FENCE_REPRO") == "1" {
 		steps = steps[:3]
@@ -221,6 +239,54 @@ func fenceOracle(t *testing.T, dev string) {
 	t.Logf("oracle: %d records from node-a after node-b's fence, %d fence markers of %d blocks", fromA, markers, fenceRegion)
 	if fromA != 0 || markers != fenceRegion {
 		t.Errorf("oracle: %d records of the fenced node reached the medium after the fence (want 0), %d of %d markers left", fromA, markers, fenceRegion)
+	}
+}
+
+// fenceFSOracle checks the ext4 LUN's backing store after node-b took
+// the filesystem over and let it go: e2fsck -fn finds it clean, and no
+// record of node-a above the last one node-b saw at the takeover (its
+// /b-fence file) is anywhere on the device, but the one whose data
+// node-a may have written before the fence without committing it
+// (node-a writes one file at a time and fsyncs it before the next).
+func fenceFSOracle(t *testing.T, dev string) {
+	if out, err := exec.Command("blockdev", "--flushbufs", dev).CombinedOutput(); err != nil {
+		t.Fatalf("blockdev --flushbufs: %v: %s", err, out)
+	}
+	if out, err := exec.Command("e2fsck", "-fn", dev).CombinedOutput(); err != nil {
+		t.Errorf("e2fsck -fn %s after the takeover: %v\n%s", dev, err, out)
+	} else {
+		t.Logf("e2fsck -fn: clean")
+	}
+	raw, err := os.ReadFile(dev)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// node-b's /b-fence, found by its contents (the guest has no
+	// debugfs; the iblock backend holds the device, which cannot be
+	// mounted here).
+	k := bytes.Index(raw, []byte("B-FENCE seen="))
+	if k < 0 {
+		t.Fatal("node-b's b-fence record is not on the device")
+	}
+	var seen int
+	if _, err := fmt.Sscanf(string(raw[k:k+32]), "B-FENCE seen=%d", &seen); err != nil {
+		t.Fatalf("b-fence: %v", err)
+	}
+	onDisk := 0
+	for rest := raw; ; {
+		i := bytes.Index(rest, []byte("FENCE-REC node-a seq="))
+		if i < 0 {
+			break
+		}
+		rest = rest[i+len("FENCE-REC node-a seq="):]
+		var seq int
+		if _, err := fmt.Sscanf(string(rest[:min(len(rest), 12)]), "%d", &seq); err == nil && seq > seen+1 {
+			onDisk++
+		}
+	}
+	t.Logf("fs oracle: node-b saw node-a's records up to %d; records of node-a above the next one on the device: %d", seen, onDisk)
+	if onDisk != 0 {
+		t.Errorf("fs oracle: %d of node-a's records written after the fence reached the medium", onDisk)
 	}
 }
 
@@ -471,7 +537,7 @@ func TestFenceGuestNodeA(t *testing.T) {
 	n := newFenceNode(t, "node-a")
 	fsVol := n.vol("vol-fs", "0", csitest.MountCap("ext4"))
 	blk := n.vol("vol-blk", "1", csitest.BlockCap())
-	var w *fenceWriter
+	var w, fw *fenceWriter
 	var before int64
 	vm.SignalHost("ready")
 	steps := []fenceStep{
@@ -529,6 +595,27 @@ func TestFenceGuestNodeA(t *testing.T) {
 			n.mustStage(blk)
 		}},
 		{"unstage-blk", func() { n.mustUnstage(blk) }},
+		{"fs-writer", func() {
+			n.mustStage(fsVol)
+			fw = startFileWriter(t, fsVol.staging)
+			for fw.ok.Load() < 10 && fw.failed.Load() == 0 {
+				time.Sleep(20 * time.Millisecond)
+			}
+		}},
+		{"fs-resumed", func() {
+			time.Sleep(2 * time.Second)
+			before := fw.ok.Load()
+			time.Sleep(5 * time.Second)
+			fw.halt()
+			t.Logf("node-a after the filesystem takeover: %d fsyncs succeeded, %d failed (last: %v)", fw.ok.Load()-before, fw.failed.Load(), fw.lastErr.Load())
+			if fw.ok.Load() != before || fw.failed.Load() == 0 {
+				t.Errorf("node-a: %d fsyncs succeeded after it was fenced, %d failed; want none and some", fw.ok.Load()-before, fw.failed.Load())
+			}
+			if c := n.condition(fsVol); c == nil || !c.Abnormal {
+				t.Errorf("node-a: condition %+v, want abnormal", c)
+			}
+			n.mustUnstage(fsVol)
+		}},
 		{"timings", func() {
 			for _, fencing := range []string{"reservation", "none"} {
 				var ds []string
@@ -596,9 +683,71 @@ func TestFenceGuestNodeB(t *testing.T) {
 			writeMarkers(t, blk.target, "node-b")
 		}},
 		{"unstage-blk", func() { n.mustUnstage(blk) }},
+		{"takeover-fs", func() {
+			out, err := exec.Command("berth", "takeover", "--state-dir", n.stateDir, "--volume-id", fsVol.id, "--from-node", "node-a").CombinedOutput()
+			if err != nil {
+				t.Fatalf("berth takeover: %v: %s", err, out)
+			}
+			d := n.mustStage(fsVol)
+			t.Logf("node-b: takeover stage of vol-fs in %v", d.Round(time.Millisecond))
+			// The last of node-a's records this node sees, for the oracle.
+			ents, _ := os.ReadDir(fsVol.staging)
+			seen := -1
+			for _, e := range ents {
+				var seq int
+				if _, err := fmt.Sscanf(e.Name(), "a-%d", &seq); err == nil && seq > seen {
+					seen = seq
+				}
+			}
+			if err := writeSynced(filepath.Join(fsVol.staging, "b-fence"), fmt.Sprintf("B-FENCE seen=%d\n", seen)); err != nil {
+				t.Errorf("write b-fence: %v", err)
+			}
+			t.Logf("node-b: node-a's records up to %d at the takeover", seen)
+		}},
+		{"release-fs", func() { n.mustUnstage(fsVol) }},
 	}
 	if os.Getenv("BERTH_FENCE_REPRO") == "1" {
 		steps = steps[:2]
 	}
 	fenceSteps(t, steps)
+}
+
+// startFileWriter writes node-a's records as files a-<seq> in dir, each
+// written and fsynced; a failed fsync counts as a failed write.
+func startFileWriter(t *testing.T, dir string) *fenceWriter {
+	w := &fenceWriter{stop: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(w.done)
+		for seq := 0; ; seq++ {
+			select {
+			case <-w.stop:
+				return
+			default:
+			}
+			if err := writeSynced(filepath.Join(dir, fmt.Sprintf("a-%d", seq)), fmt.Sprintf("FENCE-REC node-a seq=%d\n", seq)); err != nil {
+				w.failed.Add(1)
+				w.lastErr.Store(err.Error())
+				time.Sleep(50 * time.Millisecond)
+				continue
+			}
+			w.ok.Add(1)
+		}
+	}()
+	return w
+}
+
+func writeSynced(p, s string) error {
+	f, err := os.OpenFile(p, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
+	if err != nil {
+		return err
+	}
+	if _, err := f.WriteString(s); err != nil {
+		f.Close()
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
 }
