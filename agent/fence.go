@@ -446,7 +446,7 @@ func (n *nodeServer) stillFenced(s *stageRun) error {
 // preempted says by whom the volume's fence was taken away, "" while it
 // holds (or cannot be read: the transport's health says why).
 func (a *Agent) preempted(rec *volumeRecord) string {
-	if rec.Fence == nil || rec.Fence.Key == 0 {
+	if rec.Fence == nil || rec.Fence.Key == 0 || a.pr == nil {
 		return ""
 	}
 	d := a.recordedDevice(rec.Device)

@@ -428,6 +428,13 @@ func TestFenceTwoNodes(t *testing.T) {
 	if c := b.condition(t); c.Abnormal {
 		t.Fatalf("B's condition: %+v", c)
 	}
+	// The metrics and berth volumes read the condition too.
+	if vs := a.a.Volumes(context.Background()); len(vs) != 1 || !vs[0].Abnormal || !strings.Contains(vs[0].Message, "preempted") {
+		t.Fatalf("A's Volumes: %+v", vs)
+	}
+	if msg := (&Agent{lookup: a.a.lookup}).preempted(a.record(t)); msg != "" {
+		t.Fatalf("an agent without reservation commands says %q", msg)
+	}
 	wantFenceCode(t, "repeated stage on the preempted A", a.stage(snw, nil), codes.FailedPrecondition, "preempted")
 	if len(tgt.keysOf("node-a")) != 0 {
 		t.Fatal("the preempted node registered again")

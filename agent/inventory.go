@@ -197,6 +197,7 @@ func Inventory(ctx context.Context, cfg InventoryConfig) (*NodeInventory, error)
 		host:       newHostFS(),
 		transports: make(map[string]Transport),
 		lookup:     cfg.Roots.Lookup,
+		pr:         kernelPR{},
 	}
 	for _, t := range cfg.Transports {
 		a.transports[t.Name()] = t
