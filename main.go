@@ -53,6 +53,7 @@ func main() {
 			controllerCommand(),
 			takeoverCheckCommand(),
 			trimCommand(),
+			takeoverCommand(),
 			doctor.Command(),
 			volumesCommand(),
 			versionCommand(),
@@ -315,6 +316,7 @@ func newServer(c *cli.Context) (_ *server, retErr error) {
 			}
 		},
 		OnStopping: func() { _ = systemd.Stopping() },
+		Takeover:   []agent.TakeoverAuthority{agent.NewOperatorAuthority(c.String(cliflags.StateDir))},
 	}
 	if c.Bool(takeoverFromKubernetes) {
 		t, err := newKubeTakeover(cfg.DriverName, nodeID)
@@ -340,7 +342,7 @@ func newServer(c *cli.Context) (_ *server, retErr error) {
 			out := make([]metrics.Volume, 0, len(vs))
 			for _, v := range vs {
 				if v.Staged {
-					out = append(out, metrics.Volume{ID: v.ID, Transport: v.Transport, Paths: v.Paths, Abnormal: v.Abnormal})
+					out = append(out, metrics.Volume{ID: v.ID, Transport: v.Transport, Paths: v.Paths, Abnormal: v.Abnormal, Unfenced: v.Unfenced})
 				}
 			}
 			return out

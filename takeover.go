@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/binary"
 	"fmt"
 	"strconv"
 	"strings"
@@ -22,17 +20,6 @@ func takeoverFlag() cli.Flag {
 	return &cli.BoolFlag{Name: takeoverFromKubernetes, EnvVars: []string{"BERTH_TAKEOVER_FROM_KUBERNETES"}, Usage: "let a stage that finds another node's reservation preempt it when the Kubernetes API shows the volume moved here (this node's VolumeAttachment attached; the holder's gone, or its Node deleted or tainted node.kubernetes.io/out-of-service); needs the pod's service-account token and RBAC get and list on volumeattachments and nodes"}
 }
 
-// nodeKey is the persistent-reservation key berth registers for a node:
-// 0xB3E7 in the top 16 bits (berth's mark, so that berth never touches
-// keys it did not make), then the first 6 bytes, big-endian, of
-// SHA-256("berth-node:" + nodeID).
-func nodeKey(nodeID string) uint64 {
-	sum := sha256.Sum256([]byte("berth-node:" + nodeID))
-	var b [8]byte
-	copy(b[2:], sum[:6])
-	return 0xB3E7<<48 | binary.BigEndian.Uint64(b[:])
-}
-
 // kubeTakeover is the Kubernetes API as an agent.TakeoverAuthority.
 type kubeTakeover struct {
 	nodeID string
@@ -44,7 +31,7 @@ var _ agent.TakeoverAuthority = kubeTakeover{}
 // newKubeTakeover is the authority of --takeover-from-kubernetes for
 // node nodeID, from the pod's environment.
 func newKubeTakeover(driver, nodeID string) (kubeTakeover, error) {
-	k, err := kubeapi.NewInCluster(kubeapi.Config{DriverName: driver, NodeName: nodeID, NodeKey: nodeKey})
+	k, err := kubeapi.NewInCluster(kubeapi.Config{DriverName: driver, NodeName: nodeID, NodeKey: agent.NodeKey})
 	if err != nil {
 		return kubeTakeover{}, err
 	}
@@ -111,5 +98,5 @@ func parseHolder(s string) uint64 {
 			return k
 		}
 	}
-	return nodeKey(s)
+	return agent.NodeKey(s)
 }

@@ -13,10 +13,10 @@ import (
 // The key of a node: `printf %s berth-node:node-a | sha256sum` begins
 // 2e55d81a228c; berth's mark 0xB3E7 above it.
 func TestNodeKey(t *testing.T) {
-	if got, want := nodeKey("node-a"), uint64(0xB3E72e55d81a228c); got != want {
-		t.Fatalf("nodeKey(node-a) = %#x, want %#x", got, want)
+	if got, want := agent.NodeKey("node-a"), uint64(0xB3E72e55d81a228c); got != want {
+		t.Fatalf("agent.NodeKey(node-a) = %#x, want %#x", got, want)
 	}
-	if nodeKey("node-a") == nodeKey("node-b") {
+	if agent.NodeKey("node-a") == agent.NodeKey("node-b") {
 		t.Fatal("two nodes, one key")
 	}
 	for _, s := range []string{"node-a", "0xb3e72e55d81a228c", "0XB3E72E55D81A228C"} {
@@ -34,12 +34,12 @@ func TestKubeTakeoverOtherNode(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := a.AuthorizeTakeover(context.Background(), agent.TakeoverRequest{VolumeID: "v", NodeID: "node-c", Holder: nodeKey("node-a")})
+	d, err := a.AuthorizeTakeover(context.Background(), agent.TakeoverRequest{VolumeID: "v", NodeID: "node-c", Holder: agent.NodeKey("node-a")})
 	if err != nil || d.Allowed || !strings.Contains(d.Reason, "node-c") {
 		t.Fatalf("decision %+v, %v: want a refusal naming node-c", d, err)
 	}
 	// The API at port 1 answers nothing: refused, not an error.
-	d, err = a.AuthorizeTakeover(context.Background(), agent.TakeoverRequest{VolumeID: "v", NodeID: "node-b", Holder: nodeKey("node-a")})
+	d, err = a.AuthorizeTakeover(context.Background(), agent.TakeoverRequest{VolumeID: "v", NodeID: "node-b", Holder: agent.NodeKey("node-a")})
 	if err != nil || d.Allowed || d.Reason == "" {
 		t.Fatalf("decision %+v, %v: want a refusal with a reason", d, err)
 	}

@@ -89,9 +89,10 @@ type Config struct {
 	// OnTrim, if set, is called with the result of each periodic trim
 	// (metrics).
 	OnTrim func(TrimResult)
-	// Takeover are the authorities a stage asks before it preempts
-	// another node's reservation (see TakeoverAuthority); without one
-	// that allows it, the stage refuses.
+	// Takeover are asked, in order, whether a volume another node holds
+	// at the target has moved to this node (see TakeoverAuthority); the
+	// first that allows it decides. None: a stage never takes a volume
+	// over.
 	Takeover []TakeoverAuthority
 }
 
@@ -117,6 +118,8 @@ type Agent struct {
 	// (devices.Lookup). Tests substitute them.
 	verify func(*devices.Device) error
 	lookup func(name string) (*devices.Device, error)
+	// pr issues the persistent-reservation commands of fencing.
+	pr prHost
 	// undoTimeout bounds the undo of a failed call (undoContext); 0
 	// means defaultUndoTimeout. Tests shorten it.
 	undoTimeout time.Duration
@@ -191,6 +194,7 @@ func New(cfg Config) (_ *Agent, retErr error) {
 		transports: make(map[string]Transport),
 		listener:   cfg.Listener,
 		verify:     (*devices.Device).Verify,
+		pr:         kernelPR{},
 	}
 	lock, err := lockStateDir(cfg.StateDir)
 	if err != nil {
@@ -350,6 +354,9 @@ type VolumeStatus struct {
 	// Paths counts the volume's storage paths by state ("live": 2,
 	// "connecting": 1), for transports that report them.
 	Paths map[string]int
+	// Unfenced: staged with fencing opted out (volume_context fencing
+	// "none").
+	Unfenced bool
 }
 
 // Volumes returns the state of every volume in the agent's records, for
@@ -364,7 +371,7 @@ func (a *Agent) Volumes(ctx context.Context) []VolumeStatus {
 		out = append(out, VolumeStatus{
 			ID: r.VolumeID, Transport: r.Transport, Staged: r.Staged,
 			Abnormal: c.Abnormal, Message: c.Message, Targets: len(r.Publishes),
-			Paths: a.pathStates(ctx, r, t),
+			Paths: a.pathStates(ctx, r, t), Unfenced: r.unfenced(),
 		})
 	}
 	return out

@@ -54,6 +54,8 @@ type fakeFS struct {
 	unmountGate chan struct{}
 	// events lists "unmount <path>" and "flush <device>" in order.
 	events []string
+	// flushErr, when set, makes FlushBuffers fail.
+	flushErr error
 }
 
 // fakePartial is what an interrupted mkfs leaves.
@@ -255,7 +257,7 @@ func (f *fakeFS) FlushBuffers(dev string) error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.events = append(f.events, "flush "+dev)
-	return nil
+	return f.flushErr
 }
 
 func (f *fakeFS) eventLog() []string {
@@ -309,6 +311,9 @@ type fakeTransport struct {
 	replaced map[string]string
 	// replaceAtExpand, when set, is the WWID an Expand (a rescan) finds.
 	replaceAtExpand string
+	// kind, when set, is the Kind of the devices Attach returns (a
+	// device of a network transport is fenced).
+	kind string
 }
 
 // replacedWWID is the WWID the storage behind key has now, "" while it
@@ -381,6 +386,9 @@ func (t *fakeTarget) Attach(ctx context.Context) (*devices.Device, error) {
 	d := t.dev()
 	if w := t.ft.replacedWWID(t.key); w != "" {
 		d.ID.WWID = w
+	}
+	if t.ft.kind != "" {
+		d.ID.Kind = t.ft.kind
 	}
 	return d, nil
 }

@@ -90,6 +90,10 @@ type InventoryVolume struct {
 	// record does not name (made outside berth, or propagated).
 	OtherMounts []string        `json:"otherMounts,omitempty"`
 	Usage       *InventoryUsage `json:"usage,omitempty"`
+	// Fencing is the volume's fencing at the target: "reservation",
+	// "registrant", "none" (opted out: unfenced), or "" (none applies: a
+	// node-local device, a reader-only mode).
+	Fencing string `json:"fencing,omitempty"`
 	// Abnormal and Message are the volume condition NodeGetVolumeStats
 	// would report.
 	Abnormal bool   `json:"abnormal"`
@@ -193,6 +197,7 @@ func Inventory(ctx context.Context, cfg InventoryConfig) (*NodeInventory, error)
 		host:       newHostFS(),
 		transports: make(map[string]Transport),
 		lookup:     cfg.Roots.Lookup,
+		pr:         kernelPR{},
 	}
 	for _, t := range cfg.Transports {
 		a.transports[t.Name()] = t
@@ -418,6 +423,9 @@ func (a *Agent) inventoryVolume(ctx context.Context, r *volumeRecord, mounts []*
 		}
 	}
 
+	if r.Fence != nil {
+		v.Fencing = r.Fence.Mode
+	}
 	c := a.conditionAt(ctx, r, t, targets)
 	v.Abnormal, v.Message = c.Abnormal, c.Message
 	return v

@@ -60,6 +60,8 @@ type stageRequest struct {
 	target      Target
 	ident       string             // the storage's identity, "" when it cannot be looked at now
 	mkfs        berthfs.MkfsParams // the geometry of a filesystem the stage makes
+	fencing     string             // volume_context "fencing": fenceReserve or fenceNone
+	pctx        map[string]string  // publish_context, for a TakeoverAuthority
 }
 
 // stageRun is the state of one NodeStageVolume call between its steps:
@@ -81,6 +83,8 @@ type stageRun struct {
 	dev     *devices.Device // the attached device
 	vdev    *devices.Device // the device that holds the filesystem: dev, or its dm-crypt mapping
 	freshFS bool            // vdev is a new LUKS mapping, berth formats it
+
+	registered bool // this call registered the node's reservation key (see fenceStage)
 }
 
 // NodeStageVolume attaches the volume's storage and, for a mount volume,
@@ -123,6 +127,9 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 
 	s.took.mark("prepare")
 	if err := n.attachDevice(ctx, s); err != nil {
+		return nil, err
+	}
+	if err := n.fenceStage(ctx, s); err != nil {
 		return nil, err
 	}
 	if err := n.openMapping(ctx, s); err != nil {
@@ -171,6 +178,10 @@ func (n *nodeServer) validateStage(req *csi.NodeStageVolumeRequest) (stageReques
 			return s, err
 		}
 	}
+	if s.fencing, err = parseFencing(s.vctx); err != nil {
+		return s, err
+	}
+	s.pctx = req.GetPublishContext()
 	if s.enc, err = parseEncryption(s.vctx); err != nil {
 		return s, err
 	}
@@ -231,6 +242,9 @@ func (n *nodeServer) checkStage(ctx context.Context, s *stageRun) error {
 		}
 		if (s.rec.Crypt != nil) != (s.enc != nil) {
 			return errdefs.AlreadyExists("volume %q: staged with %s=%t, the request asks for %t", s.id, ContextEncrypted, s.rec.Crypt != nil, s.enc != nil)
+		}
+		if s.rec.Fence != nil && s.rec.Fence.Mode != fenceUnavailable && s.rec.optedOut() != (s.fencing == fenceNone) {
+			return errdefs.AlreadyExists("volume %q: staged with %s %q, the request asks for %q", s.id, ContextFencing, s.rec.Fence.Mode, s.fencing)
 		}
 	} else if owner, ok := n.a.state.pathOwner(s.staging); ok {
 		return errdefs.AlreadyExists("staging_target_path %q: in use by volume %q", s.staging, owner)
@@ -309,6 +323,9 @@ func (n *nodeServer) stagedAlready(ctx context.Context, s *stageRun) (bool, erro
 		if n.a.recordedDevice(rec.Device) == nil || (rec.Crypt != nil && n.a.recordedDevice(rec.Crypt.Mapping) == nil) {
 			return false, errdefs.FailedPrecondition("volume %q: its device %s (or its dm-crypt mapping) is gone (target lost or LUN removed) while its filesystem is mounted at %q; the filesystem is dead: NodeUnstageVolume, then stage again", s.id, rec.Device.path(), s.staging)
 		}
+		if err := n.stillFenced(s); err != nil {
+			return false, err
+		}
 		return true, nil
 	case !errors.Is(err, errdefs.ErrNotFound):
 		return false, err
@@ -341,6 +358,8 @@ func (n *nodeServer) undoStage(ctx context.Context, s *stageRun) {
 		defer cancel()
 		if err := n.closeMapping(uctx, rec); err != nil {
 			errs = append(errs, fmt.Errorf("undo open: %w", err))
+		} else if err := n.undoFence(uctx, s); err != nil {
+			errs = append(errs, fmt.Errorf("undo fence: %w", err))
 		} else if err := n.detach(uctx, rec, s.tr, s.target); err != nil {
 			errs = append(errs, fmt.Errorf("undo attach: %w", err))
 		} else if err := n.a.state.remove(s.id); err != nil {

@@ -187,6 +187,10 @@ type volumeRecord struct {
 	// dm-crypt mapping sits on Device and holds the filesystem (or is
 	// the raw block device published).
 	Crypt *cryptRecord `json:"crypt,omitempty"`
+	// Fence is the volume's fencing at the target (see fenceStage), nil
+	// for a volume that has none (a loop device, a reader-only mode) and
+	// in records of earlier versions.
+	Fence *fenceRecord `json:"fence,omitempty"`
 }
 
 // cryptRecord is the dm-crypt state of an encrypted volume.
@@ -263,6 +267,10 @@ func (r *volumeRecord) clone() *volumeRecord {
 			cr.Mapping = &d
 		}
 		c.Crypt = &cr
+	}
+	if r.Fence != nil {
+		f := *r.Fence
+		c.Fence = &f
 	}
 	c.Publishes = make(map[string]publishRecord, len(r.Publishes))
 	for k, v := range r.Publishes {

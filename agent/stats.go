@@ -90,10 +90,19 @@ func (a *Agent) conditionOf(ctx context.Context, rec *volumeRecord, t Target) *c
 	if rec.Crypt != nil && a.recordedDevice(rec.Crypt.Mapping) == nil {
 		return &csi.VolumeCondition{Abnormal: true, Message: fmt.Sprintf("dm-crypt mapping %s of device %s is gone or changed since stage", rec.Crypt.Name, d.Path)}
 	}
+	if c := a.fenceCondition(rec); c != nil {
+		return c
+	}
 	if rec.AccessType != "block" {
 		if err := a.checkStagingMount(rec); err != nil {
 			return &csi.VolumeCondition{Abnormal: true, Message: err.Error()}
 		}
+	}
+	switch {
+	case rec.optedOut():
+		return &csi.VolumeCondition{Abnormal: false, Message: "volume is attached and mounted; unfenced (volume_context fencing: none): the target does not keep other nodes from writing it"}
+	case rec.unfenced():
+		return &csi.VolumeCondition{Abnormal: false, Message: "volume is attached and mounted; unfenced (this berth cannot read the device's reservations yet): the target does not keep other nodes from writing it"}
 	}
 	return &csi.VolumeCondition{Abnormal: false, Message: "volume is attached and mounted"}
 }

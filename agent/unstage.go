@@ -58,6 +58,12 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	if err := n.releaseStagedDevice(ctx, rec, unreachable, locks, took); err != nil {
 		return nil, err
 	}
+	if rec.Fence != nil && rec.Fence.Key != 0 {
+		if err := n.blocking(ctx, "give back the reservation", locks, func() error { return n.a.unfence(ctx, rec, unreachable) }); err != nil {
+			return nil, err
+		}
+		took.mark("unfence")
+	}
 	if err := n.blocking(ctx, "detach", locks, func() error { return n.detach(ctx, rec, tr, target) }); err != nil {
 		return nil, err
 	}
@@ -174,7 +180,14 @@ func (n *nodeServer) releaseStagedDevice(ctx context.Context, rec *volumeRecord,
 		// A device that fails I/O could only fail the flush.
 		if !unreachable {
 			if err := n.blocking(ctx, "flush "+d.Path, locks, func() error { return n.a.host.FlushBuffers(d.Path) }); err != nil {
-				return err
+				// A node that another preempted cannot write: what
+				// the flush could not write never reaches the storage,
+				// and the unstage goes on.
+				msg := n.a.preempted(rec)
+				if msg == "" {
+					return err
+				}
+				logFrom(ctx, n.a.log).WarnContext(ctx, "the flush failed: the volume was "+msg+"; what it held is lost", slog.String("error", err.Error()))
 			}
 		}
 		took.mark("flush")

@@ -1,5 +1,7 @@
 package devices
 
+import "fmt"
+
 // PRType is a persistent reservation's type, numbered as the kernel's
 // block layer numbers them (enum pr_type in linux/pr.h), whatever the
 // transport's own encoding (SCSI's PERSISTENT RESERVE type codes, NVMe's
@@ -37,4 +39,27 @@ type Reservation struct {
 	Holder uint64
 	// Type is the reservation's type, 0 when the device is not reserved.
 	Type PRType
+}
+
+// PRPaths are the devices through which d's registrations are made, one
+// I_T nexus (or NVMe host) each: the sd disks under a dm-multipath map,
+// or d itself (an sd disk, an NVMe head, whose controllers share the
+// host's registration).
+func PRPaths(d *Device) ([]*Device, error) {
+	if d.ID.Kind != KindDM {
+		return []*Device{d}, nil
+	}
+	names, err := d.roots.Slaves(d.Name)
+	if err != nil {
+		return nil, fmt.Errorf("paths of %s: %w", d.Path, err)
+	}
+	paths := make([]*Device, 0, len(names))
+	for _, n := range names {
+		p, err := d.roots.Lookup(n)
+		if err != nil {
+			return nil, fmt.Errorf("path %s of %s: %w", n, d.Path, err)
+		}
+		paths = append(paths, p)
+	}
+	return paths, nil
 }

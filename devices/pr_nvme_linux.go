@@ -65,9 +65,18 @@ const (
 	// Retry).
 	nvmeStatusMask        = 0x7ff
 	nvmeSCInvalidOpcode   = 0x001 // the controller has no reservations (ONCS bit 5 clear)
+	nvmeSCInvalidField    = 0x002 // Invalid Field in Command
 	nvmeSCHostIDInconsist = 0x018 // Host Identifier Inconsistent Format
 	nvmeSCResvConflict    = 0x083 // Reservation Conflict
 )
+
+// nvmeReservationReport says whether the agent may rely on NVMe
+// reservations: readReservationNVMe reads the Reservation Report, but a
+// node also needs an NVMe unregister (IOC_PR_REGISTER to key 0 replaces the
+// key with 0 on NVMe, the host stays a registrant) before its volumes are
+// fenced. Until then ReservationReadable is false for NVMe devices and the
+// agent stages them unfenced, saying so.
+const nvmeReservationReport = false
 
 // nvmeResvReportStart is the first Reservation Report buffer: the header
 // and 63 registrants, one page. A larger registrant count grows it.
@@ -164,18 +173,16 @@ func nvmeStatusError(status uint32) error {
 	case nvmeSCHostIDInconsist:
 		return fmt.Errorf("the target refuses the extended data structure (NVMe status %#x, host identifier inconsistent format): %w",
 			status, errdefs.ErrUnsupported)
+	case nvmeSCInvalidField:
+		return fmt.Errorf("the controller has no reservations (NVMe status %#x, invalid field in command): %w",
+			status, errdefs.ErrUnsupported)
 	case nvmeSCResvConflict:
-		return fmt.Errorf("NVMe status %#x: %w", status, errReservationConflict)
+		return fmt.Errorf("%w (NVMe status %#x)", ErrReservationConflict, status)
 	}
 	return fmt.Errorf("NVMe status %#x: %w", status, errNVMeStatus)
 }
 
-var (
-	errNVMeStatus = errors.New("the NVMe command failed")
-	// errReservationConflict: the target refused a command with a
-	// reservation conflict (NVMe status 0x83).
-	errReservationConflict = fmt.Errorf("reservation conflict: %w", errdefs.ErrFailedPrecondition)
-)
+var errNVMeStatus = errors.New("the NVMe command failed")
 
 // parseNVMeReservationReport decodes an extended Reservation Status data
 // structure (NVMe Base Specification, Reservation Report command) in b. It

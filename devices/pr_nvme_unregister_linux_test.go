@@ -20,7 +20,7 @@ import (
 // 0 the kernel sends Register, which conflicts with the key-0
 // registration.
 // A host that is not registered, or registered with another key, gets an
-// error wrapping errReservationConflict. Unregistering the holder of a
+// error wrapping ErrReservationConflict. Unregistering the holder of a
 // registrants-only reservation releases it.
 //
 // Only the tests call it so far: the NVMe unregistration of an unstage

@@ -463,7 +463,7 @@ func TestGuestNVMeResvHosts(t *testing.T) {
 		t.Errorf("unregister B: %v", err)
 	}
 	wantReservation(t, a, []uint64{a.key}, a.key, PRWriteExclusiveRegOnly)
-	if err := unregisterNVMe(b.f, b.key); !errors.Is(err, errReservationConflict) {
+	if err := unregisterNVMe(b.f, b.key); !errors.Is(err, ErrReservationConflict) {
 		t.Errorf("unregister B, not registered: %v, want a reservation conflict", err)
 	} else {
 		t.Logf("unregister B, not registered: %v", err)
@@ -507,7 +507,7 @@ func TestGuestNVMeResvHosts(t *testing.T) {
 	}
 	wantErrno(t, "B writes after the preempt", b.write('B'), nil)
 	wantResult(t, "reserve by A after the preempt", a.reserve(PRWriteExclusiveRegOnly), prResult{status: prStatusConflict})
-	if err := unregisterNVMe(a.f, a.key); !errors.Is(err, errReservationConflict) {
+	if err := unregisterNVMe(a.f, a.key); !errors.Is(err, ErrReservationConflict) {
 		t.Errorf("unregister A after the preempt: %v, want a reservation conflict", err)
 	} else {
 		t.Logf("unregister A after the preempt: %v", err)

@@ -59,6 +59,14 @@ func newLIOTarget(t *testing.T, portals ...string) *lioTarget {
 	vm.RequireGuest(t)
 	n := lioSeq.Add(1)
 	tg := &lioTarget{t: t, IQN: fmt.Sprintf("iqn.2003-01.org.linux-iscsi.berth:t%d", n), tpgs: map[int]string{}, luns: map[int]*lioLUN{}}
+	// LIO keeps APTPL registrations (berth's fencing asks for APTPL
+	// through sd) under its dbroot's pr directory, which it never
+	// creates: without it every REGISTER reports failure.
+	if b, err := os.ReadFile(filepath.Join(lioRoot, "dbroot")); err == nil {
+		if err := os.MkdirAll(filepath.Join(strings.TrimSpace(string(b)), "pr"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
 	base := filepath.Join(lioRoot, "iscsi", tg.IQN)
 	if err := os.MkdirAll(base, 0o755); err != nil {
 		t.Fatalf("LIO: create target (is iscsi_target_mod loaded?): %v", err)
@@ -175,6 +183,16 @@ func (tg *lioTarget) ReplaceLUN(lun int, size int64) string {
 
 // BackingFile is the file behind LUN lun.
 func (tg *lioTarget) BackingFile(lun int) string { return tg.luns[lun].file }
+
+// PR reads attribute attr of the LUN's persistent-reservation state
+// (pr/res_holder, res_pr_registered_i_pts, ...).
+func (tg *lioTarget) PR(lun int, attr string) string {
+	b, err := os.ReadFile(filepath.Join(tg.luns[lun].core, "pr", attr))
+	if err != nil {
+		tg.t.Errorf("LIO: read pr/%s: %v", attr, err)
+	}
+	return strings.TrimSpace(string(b))
+}
 
 // Grow enlarges a LUN's backing file and tells the loop device.
 func (tg *lioTarget) Grow(lun int, size int64) {

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/berth-csi/berth/agent"
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/fs"
 	"github.com/berth-csi/berth/iscsi"
@@ -166,6 +167,14 @@ func TestMultipathISCSIAgentUnstageDeadPaths(t *testing.T) {
 	}
 	if f := mapFeatures(t, dm.ID.DMName); !strings.Contains(f, "queue_if_no_path") {
 		t.Fatalf("map %s does not queue: %s", dm.ID.DMName, f)
+	}
+	// Fencing registered the node's key through both paths of the map
+	// and holds the reservation.
+	key := fmt.Sprintf("Key: %#016x", agent.NodeKey("guest"))
+	if reg := lt.PR(0, "res_pr_registered_i_pts"); strings.Count(reg, key) != 2 || !strings.Contains(lt.PR(0, "res_pr_type"), "Registrants Only") {
+		t.Errorf("want the node's key registered on both paths and holding Write Exclusive – Registrants Only: %s; %s", reg, lt.PR(0, "res_pr_type"))
+	} else {
+		t.Logf("LIO: %s", reg)
 	}
 	// Whatever happens below, the map stops queueing when the test
 	// ends, so that nothing stays blocked in the guest.

@@ -33,6 +33,7 @@ type Volume struct {
 	Transport string         // "iscsi", "nvmeof", "file"
 	Paths     map[string]int // number of paths per state, e.g. "live": 2, "failed": 1
 	Abnormal  bool           // what NodeGetVolumeStats reports as volume condition
+	Unfenced  bool           // staged with fencing opted out (volume_context fencing: "none")
 }
 
 // VolumeLister returns the volumes staged on this node. It is called on
@@ -182,6 +183,9 @@ var (
 	descAbnormal = prometheus.NewDesc("berth_volume_abnormal",
 		"1 when a staged volume is abnormal: the volume condition NodeGetVolumeStats reports (target connection, device identity, staging mount, every publish mount).",
 		[]string{"volume_id", "transport"}, nil)
+	descUnfenced = prometheus.NewDesc("berth_volume_unfenced",
+		"1 when a staged volume opted out of fencing (volume_context fencing: \"none\"): the target does not keep another node from writing it.",
+		[]string{"volume_id", "transport"}, nil)
 )
 
 // mountTableReads counts the process's reads of its mount table, which
@@ -202,6 +206,7 @@ func (c *volumeCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- descStaged
 	ch <- descPaths
 	ch <- descAbnormal
+	ch <- descUnfenced
 }
 
 func (c *volumeCollector) Collect(ch chan<- prometheus.Metric) {
@@ -220,5 +225,10 @@ func (c *volumeCollector) Collect(ch chan<- prometheus.Metric) {
 			abnormal = 1
 		}
 		ch <- prometheus.MustNewConstMetric(descAbnormal, prometheus.GaugeValue, abnormal, v.ID, v.Transport)
+		unfenced := 0.0
+		if v.Unfenced {
+			unfenced = 1
+		}
+		ch <- prometheus.MustNewConstMetric(descUnfenced, prometheus.GaugeValue, unfenced, v.ID, v.Transport)
 	}
 }

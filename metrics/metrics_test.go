@@ -58,7 +58,7 @@ func scrape(t *testing.T, url string) string {
 func TestMetricsOverGRPCAndHTTP(t *testing.T) {
 	vols := []Volume{
 		{ID: "pvc-a", Transport: "iscsi", Paths: map[string]int{"live": 1, "failed": 1}, Abnormal: false},
-		{ID: "pvc-b", Transport: "nvmeof", Paths: map[string]int{"live": 2}, Abnormal: true},
+		{ID: "pvc-b", Transport: "nvmeof", Paths: map[string]int{"live": 2}, Abnormal: true, Unfenced: true},
 	}
 	m := New("berth.test", func(context.Context) []Volume { return vols })
 
@@ -128,6 +128,8 @@ func TestMetricsOverGRPCAndHTTP(t *testing.T) {
 		`berth_volume_paths{state="live",transport="nvmeof",volume_id="pvc-b"} 2`,
 		`berth_volume_abnormal{transport="iscsi",volume_id="pvc-a"} 0`,
 		`berth_volume_abnormal{transport="nvmeof",volume_id="pvc-b"} 1`,
+		`berth_volume_unfenced{transport="iscsi",volume_id="pvc-a"} 0`,
+		`berth_volume_unfenced{transport="nvmeof",volume_id="pvc-b"} 1`,
 		"# TYPE berth_mount_table_reads_total counter",
 		fmt.Sprintf("berth_mount_table_reads_total %d", fs.MountTableReads()),
 	}

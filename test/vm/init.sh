@@ -37,8 +37,15 @@ prepare() {
 		modprobe -a virtio_pci virtio_net || fail "cannot load virtio_net"
 		i=0
 		for a in $BERTH_VM_NICS; do
-			ip link set "eth$i" up || fail "no eth$i"
-			ip addr add "$a" dev "eth$i" || fail "cannot set $a on eth$i"
+			# NIC i is the one whose MAC ends in i (machine.go): the
+			# kernel may name the NICs in another order.
+			suffix=$(printf ':%02x' "$i")
+			dev=eth$i
+			for n in /sys/class/net/eth*; do
+				case "$(cat "$n/address")" in *"$suffix") dev=${n##*/} ;; esac
+			done
+			ip link set "$dev" up || fail "no $dev"
+			ip addr add "$a" dev "$dev" || fail "cannot set $a on $dev"
 			i=$((i + 1))
 		done
 	fi

@@ -18,6 +18,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -577,6 +578,27 @@ func (m *Machine) Kill() {
 	m.mu.Unlock()
 	if cmd != nil && cmd.Process != nil {
 		cmd.Process.Kill()
+	}
+}
+
+// Pause freezes the guest's QEMU process (SIGSTOP): its vCPUs and
+// devices stop as a hung node's do, its network peers see it go silent,
+// and Resume lets it go on where it was, its clock behind.
+func (m *Machine) Pause() { m.signal(syscall.SIGSTOP) }
+
+// Resume lets a paused guest go on (SIGCONT).
+func (m *Machine) Resume() { m.signal(syscall.SIGCONT) }
+
+func (m *Machine) signal(sig syscall.Signal) {
+	m.t.Helper()
+	m.mu.Lock()
+	cmd := m.cmd
+	m.mu.Unlock()
+	if cmd == nil || cmd.Process == nil {
+		m.t.Fatalf("vm %s: not running", m.name)
+	}
+	if err := cmd.Process.Signal(sig); err != nil {
+		m.t.Fatalf("vm %s: %v: %v", m.name, sig, err)
 	}
 }
 

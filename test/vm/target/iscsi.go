@@ -88,6 +88,15 @@ func NewISCSITarget(t testing.TB, cfg ISCSIConfig) *ISCSITarget {
 		dir:  filepath.Join(lioRoot, "iscsi", cfg.IQN),
 		tpgs: map[string]string{},
 	}
+	// LIO keeps the persistent reservations of APTPL registrations (the
+	// kernel's sd asks for APTPL) under its dbroot's pr directory, which
+	// it never creates: without it every REGISTER reports failure while
+	// taking effect.
+	if b, err := os.ReadFile(filepath.Join(lioRoot, "dbroot")); err == nil {
+		if err := os.MkdirAll(filepath.Join(strings.TrimSpace(string(b)), "pr"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if _, err := os.Stat(filepath.Join(lioRoot, "iscsi")); os.IsNotExist(err) {
 		mustMkdir(t, filepath.Join(lioRoot, "iscsi"))
 	}
@@ -194,6 +203,20 @@ func (x *ISCSITarget) LUN(i int) ISCSILUN {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	return x.luns[i].ISCSILUN
+}
+
+// PR reads attribute attr of LUN i's persistent-reservation state in
+// configfs (pr/res_holder, res_pr_type, res_pr_registered_i_pts,
+// res_pr_generation).
+func (x *ISCSITarget) PR(i int, attr string) string {
+	x.mu.Lock()
+	dir := x.luns[i].devDir
+	x.mu.Unlock()
+	b, err := os.ReadFile(filepath.Join(dir, "pr", attr))
+	if err != nil {
+		x.t.Errorf("read LUN %d's pr/%s: %v", i, attr, err)
+	}
+	return strings.TrimSpace(string(b))
 }
 
 // BackingDevice is the loop device behind LUN i.
