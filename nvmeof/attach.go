@@ -67,6 +67,20 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 	if err := tg.checkKernelAuth(ctrls); err != nil {
 		return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 	}
+	var tc *tlsConn
+	if tg.vol.TLS {
+		if tc, err = tg.prepareTLS(ctx, host, ctrls); err != nil {
+			return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
+		}
+		defer func() {
+			if retErr != nil && tc.inserted {
+				// Runs after the undo of the connects below (defers
+				// run last in, first out): the key goes with the
+				// last controller of the subsystem.
+				tg.dropKeys(context.WithoutCancel(ctx), host.NQN)
+			}
+		}()
+	}
 
 	results := make([]pathResult, len(tg.vol.Paths))
 	var wg sync.WaitGroup
@@ -74,7 +88,7 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			results[i] = tg.attachPath(ctx, host, ctrls, p)
+			results[i] = tg.attachPath(ctx, host, ctrls, p, tc)
 		}()
 	}
 	wg.Wait()
@@ -172,7 +186,7 @@ func (tg *Target) verify(dev *devices.Device) error {
 }
 
 // attachPath reuses the controller for p or connects a new one.
-func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Controller, p Path) pathResult {
+func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Controller, p Path, tc *tlsConn) pathResult {
 	t := tg.t
 	r := pathResult{path: p}
 	rp, err := tg.resolve(ctx, p)
@@ -194,6 +208,10 @@ func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Con
 			r.err = err
 			return r
 		}
+		if err := tg.checkTLSReuse(c, tc); err != nil {
+			r.err = err
+			return r
+		}
 		logctx.From(ctx, t.log).Debug("nvmeof: reusing controller", "target", tg.Key(), "path", p.String(), "controller", c)
 		r.ctrl = c
 		return r
@@ -211,6 +229,9 @@ func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Con
 	}
 	if tg.auth != nil {
 		o.DHCHAPSecret, o.DHCHAPCtrlSecret = tg.auth.Host, tg.auth.Ctrl
+	}
+	if tc != nil {
+		o.TLS, o.TLSKey, o.Keyring = true, tc.key, tc.keyring
 	}
 	s, err := o.Encode()
 	if err != nil {
@@ -230,6 +251,10 @@ func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Con
 				r.err = err
 				return r
 			}
+			if err := tg.checkTLSReuse(c, tc); err != nil {
+				r.err = err
+				return r
+			}
 			r.ctrl = c
 			return r
 		}
@@ -239,6 +264,9 @@ func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Con
 	if errors.Is(err, errRefused) && tg.authRefused(ctx, rp) {
 		r.err = errAuthRefused(host.NQN)
 		return r
+	}
+	if err != nil && tc != nil {
+		err = tg.tlsConnectError(ctx, rp, err)
 	}
 	if err != nil {
 		r.err = fmt.Errorf("%w (hostnqn %s)", err, host.NQN)

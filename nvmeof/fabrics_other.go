@@ -17,6 +17,12 @@ var errDuplicate = errors.New("a controller with these options already exists")
 
 var errRefused = errors.New("connection refused")
 
+var errNoHandshake = errors.New("no TLS handshake daemon")
+
+var errTimedOut = errors.New("timed out")
+
+func fabricsOptions(string) (string, error) { return "", errNotLinux }
+
 var errNotLinux = fmt.Errorf("NVMe over Fabrics needs Linux: %w", errdefs.ErrUnsupported)
 
 func fabricsConnect(context.Context, string, string) (int, error)             { return 0, errNotLinux }
