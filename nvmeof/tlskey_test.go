@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io/fs"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -116,9 +118,21 @@ func TestTLSIdentity(t *testing.T) {
 // subsystem, read back in TestTLSGuestDerive.
 var deriveVectors = []struct {
 	key, host, sub, psk string
-}{}
+}{
+	{"NVMeTLSkey-1:01:Ys2DvDmWGPsFy5f+G5pX5QZst4hyw8TPDFrkSy4ht6hUctWA:", "nqn.2014-08.org.nvmexpress:uuid:5d2a7e1c-0b7e-4f0e-9a51-2c7c3b0f8e01", "nqn.2026-01.io.berth:tls",
+		"7534181a1a49caee622c8dd8f39154e3edb68df905b4ffb72c2e4e4b033b60dc"},
+	{"NVMeTLSkey-1:01:Ys2DvDmWGPsFy5f+G5pX5QZst4hyw8TPDFrkSy4ht6hUctWA:", "nqn.2026-01.io.berth:host-x", "nqn.2026-01.io.berth:tls",
+		"c294e3a64088271b4ad4b773d0e70473174276a8d05a2a90fb0d77a5f1f2ec26"},
+	{"NVMeTLSkey-1:02:pST5typ7o5o3MAothgY8BaFbqLbzvxFinDF2c1oSHQYPnmgqHWpw720W0gzSp+4rGD4m4g==:", "nqn.2014-08.org.nvmexpress:uuid:5d2a7e1c-0b7e-4f0e-9a51-2c7c3b0f8e01", "nqn.2026-01.io.berth:tls",
+		"cd03df5525241279d4e83356ca215bc2f830f8a26dd8e5b264e96d3ac6bcf1c8f44cc1e902e8213f6677a6953f16cb4c"},
+	{"NVMeTLSkey-1:02:pST5typ7o5o3MAothgY8BaFbqLbzvxFinDF2c1oSHQYPnmgqHWpw720W0gzSp+4rGD4m4g==:", "nqn.2026-01.io.berth:host-x", "nqn.2026-01.io.berth:tls",
+		"57659dfd651f71bd59a19ba65b5244d86706a68b3e15a4ad040570a0eee501b46a2a7724b8cbd11f1ddb989f51240419"},
+}
 
 func TestTLSDerive(t *testing.T) {
+	if len(deriveVectors) == 0 {
+		t.Fatal("no vectors")
+	}
 	for _, v := range deriveVectors {
 		k, err := ParseTLSKey(SecretTLSKey, v.key)
 		if err != nil {
@@ -267,5 +281,32 @@ func TestReadTLSKey(t *testing.T) {
 	}
 	if _, err := s.readTLSKey("nvme2"); err == nil {
 		t.Error("nvme2: no error for a bad serial")
+	}
+}
+
+// The option list of /dev/nvme-fabrics on 6.12 (with TLS) and the same
+// without the TLS options (6.1 has neither; it lists fewer options).
+const (
+	fabricsOpts612 = "instance=-1,cntlid=-1,transport=%s,traddr=%s,trsvcid=%s,nqn=%s,queue_size=%d,nr_io_queues=%d,reconnect_delay=%d,ctrl_loss_tmo=%d,keep_alive_tmo=%d,hostnqn=%s,host_traddr=%s,host_iface=%s,hostid=%s,duplicate_connect,disable_sqflow,hdr_digest,data_digest,nr_write_queues=%d,nr_poll_queues=%d,tos=%d,keyring=%d,tls_key=%d,fast_io_fail_tmo=%d,discovery,dhchap_secret=%s,dhchap_ctrl_secret=%s,tls\n"
+	fabricsOptsNoTLS = "instance=-1,cntlid=-1,transport=%s,traddr=%s,trsvcid=%s,nqn=%s,queue_size=%d,nr_io_queues=%d,reconnect_delay=%d,ctrl_loss_tmo=%d,keep_alive_tmo=%d,hostnqn=%s,host_traddr=%s,host_iface=%s,hostid=%s,duplicate_connect,disable_sqflow,hdr_digest,data_digest,nr_write_queues=%d,nr_poll_queues=%d,tos=%d,fast_io_fail_tmo=%d,discovery,dhchap_secret=%s,dhchap_ctrl_secret=%s\n"
+)
+
+func TestTLSSupported(t *testing.T) {
+	for _, c := range []struct {
+		opts string
+		want error
+	}{{fabricsOpts612, nil}, {fabricsOptsNoTLS, errdefs.ErrUnsupported}} {
+		dev := filepath.Join(t.TempDir(), "nvme-fabrics")
+		if err := os.WriteFile(dev, []byte(c.opts), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		tr, err := NewTransport(Options{FabricsDevice: dev})
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = tr.tlsSupported()
+		if c.want == nil && err != nil || c.want != nil && (!errors.Is(err, c.want) || !strings.Contains(err.Error(), "CONFIG_NVME_TCP_TLS")) {
+			t.Errorf("tlsSupported: %v, want %v", err, c.want)
+		}
 	}
 }

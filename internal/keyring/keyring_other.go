@@ -15,7 +15,9 @@ const ProcKeys = "/proc/keys"
 func List() ([]Key, error) { return nil, fmt.Errorf("kernel keys: %w", errdefs.ErrUnsupported) }
 
 // FindKeyring is not supported on this OS.
-func FindKeyring(string) (int, error) { return 0, fmt.Errorf("kernel keys: %w", errdefs.ErrUnsupported) }
+func FindKeyring(string) (int, error) {
+	return 0, fmt.Errorf("kernel keys: %w", errdefs.ErrUnsupported)
+}
 
 // Possessor acts on one keyring as its possessor.
 type Possessor struct{}
