@@ -39,9 +39,9 @@ const (
 	// case with both has a host of its own.
 	tlsAuthHostID  = "6e3b8f2d-1c8f-4a1f-8b62-3d8d4c1f9f12"
 	tlsAuthHostNQN = "nqn.2014-08.org.nvmexpress:uuid:" + tlsAuthHostID
-	tlsNQN      = "nqn.2026-01.io.berth:tls"
-	tlsAuthNQN  = "nqn.2026-01.io.berth:tls-auth"
-	tlsPlainNQN = "nqn.2026-01.io.berth:tls-plain"
+	tlsNQN         = "nqn.2026-01.io.berth:tls"
+	tlsAuthNQN     = "nqn.2026-01.io.berth:tls-auth"
+	tlsPlainNQN    = "nqn.2026-01.io.berth:tls-plain"
 )
 
 // testSecret makes an interchange-format key (prefix "NVMeTLSkey-1:hh:"
@@ -566,4 +566,3 @@ func captureWrite(t *testing.T, dev string) bool {
 }
 
 func htons(v uint16) uint16 { return v<<8 | v>>8 }
-
