@@ -2,6 +2,7 @@ package nvmeof
 
 import (
 	"context"
+	"crypto/subtle"
 	"errors"
 	"fmt"
 	"net"
@@ -258,14 +259,7 @@ func (tg *Target) dropKeys(ctx context.Context, host string) {
 
 // equalSecret compares two payloads in constant time.
 func equalSecret(a, b []byte) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	var d byte
-	for i := range a {
-		d |= a[i] ^ b[i]
-	}
-	return d == 0
+	return subtle.ConstantTimeCompare(a, b) == 1
 }
 
 // readTLSKey returns the serial of the PSK a controller was connected

@@ -4,7 +4,6 @@ import (
 	"crypto/hkdf"
 	"crypto/sha256"
 	"crypto/sha512"
-	"crypto/subtle"
 	"encoding/base64"
 	"encoding/binary"
 	"fmt"
@@ -113,11 +112,6 @@ func (k *TLSKey) String() string {
 
 // Format prints String for every verb, so that no verb prints the key.
 func (k TLSKey) Format(f fmt.State, _ rune) { fmt.Fprint(f, (&k).String()) }
-
-// equal compares two keys in constant time.
-func (k *TLSKey) equal(o *TLSKey) bool {
-	return k.hash == o.hash && subtle.ConstantTimeCompare(k.key, o.key) == 1
-}
 
 // cipher is the hash of the TLS cipher suite the PSK is for, as the
 // identity names it: 1 for TLS_AES_128_GCM_SHA256, 2 for
