@@ -566,3 +566,36 @@ func captureWrite(t *testing.T, dev string) bool {
 }
 
 func htons(v uint16) uint16 { return v<<8 | v>>8 }
+
+// TestGuestTLSNoKernel stages a TLS volume on a kernel without NVMe/TCP
+// TLS (the default guest: Debian 12's 6.1 has no CONFIG_NVME_TCP_TLS):
+// the stage fails before any connect, naming the kernel option, and
+// nothing is connected. It fails on a kernel with TLS, where
+// TestVMNVMeoFTLS runs the TLS cases.
+func TestGuestTLSNoKernel(t *testing.T) {
+	vm.RequireGuest(t)
+	ctx := guestContext(t)
+	tr := guestTransport(t, nil)
+	target.LoadModules(t, "nvme_tcp")
+	opts, err := fabricsOptions(DefaultFabricsDevice)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("kernel %s: connect options %s", os.Getenv("BERTH_VM_KERNEL"), opts)
+	if tr.tlsSupported() == nil {
+		t.Fatalf("this kernel has NVMe/TCP TLS: the test is for a kernel without it; TestVMNVMeoFTLS runs the TLS cases")
+	}
+	nqn := "nqn.2026-01.io.berth:notls"
+	target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{"127.0.0.1:4472"}})
+	tg, err := tr.Parse(map[string]string{"nqn": nqn, "nsid": "1", "traddr": "127.0.0.1", "trsvcid": "4472", "tls": "true"},
+		map[string]string{SecretTLSKey: tlsKey1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = tg.Attach(ctx)
+	t.Logf("attach: %v", err)
+	if !errors.Is(err, errdefs.ErrUnsupported) || !strings.Contains(err.Error(), "CONFIG_NVME_TCP_TLS") {
+		t.Errorf("Attach: %v, want ErrUnsupported naming CONFIG_NVME_TCP_TLS", err)
+	}
+	wantControllers(t, nqn, 0)
+}

@@ -284,8 +284,9 @@ func TestReadTLSKey(t *testing.T) {
 	}
 }
 
-// The option list of /dev/nvme-fabrics on 6.12 (with TLS) and the same
-// without the TLS options (6.1 has neither; it lists fewer options).
+// The option lists of /dev/nvme-fabrics measured on Debian 13's 6.12
+// (with TLS) and Debian 12's 6.1.0-57 (without; it lists dhchap_secret
+// all the same, though built without in-band authentication).
 const (
 	fabricsOpts612   = "instance=-1,cntlid=-1,transport=%s,traddr=%s,trsvcid=%s,nqn=%s,queue_size=%d,nr_io_queues=%d,reconnect_delay=%d,ctrl_loss_tmo=%d,keep_alive_tmo=%d,hostnqn=%s,host_traddr=%s,host_iface=%s,hostid=%s,duplicate_connect,disable_sqflow,hdr_digest,data_digest,nr_write_queues=%d,nr_poll_queues=%d,tos=%d,keyring=%d,tls_key=%d,fast_io_fail_tmo=%d,discovery,dhchap_secret=%s,dhchap_ctrl_secret=%s,tls\n"
 	fabricsOptsNoTLS = "instance=-1,cntlid=-1,transport=%s,traddr=%s,trsvcid=%s,nqn=%s,queue_size=%d,nr_io_queues=%d,reconnect_delay=%d,ctrl_loss_tmo=%d,keep_alive_tmo=%d,hostnqn=%s,host_traddr=%s,host_iface=%s,hostid=%s,duplicate_connect,disable_sqflow,hdr_digest,data_digest,nr_write_queues=%d,nr_poll_queues=%d,tos=%d,fast_io_fail_tmo=%d,discovery,dhchap_secret=%s,dhchap_ctrl_secret=%s\n"
