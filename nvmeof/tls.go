@@ -115,6 +115,8 @@ func (tg *Target) prepareTLS(ctx context.Context, host HostIdentity, ctrls []Con
 	}
 	defer clear(psk)
 	c := &tlsConn{}
+	tg.t.keyMu.Lock()
+	defer tg.t.keyMu.Unlock()
 	err = keyring.Possess(nvme, func(p keyring.Possessor) error {
 		ring, err := p.AddKeyring(berthKeyring)
 		if err != nil {
@@ -234,6 +236,8 @@ func (tg *Target) dropKeys(ctx context.Context, host string) {
 	if err != nil {
 		return
 	}
+	tg.t.keyMu.Lock()
+	defer tg.t.keyMu.Unlock()
 	err = keyring.Possess(nvme, func(p keyring.Possessor) error {
 		ring, err := p.Search("keyring", berthKeyring)
 		if err != nil || ring == 0 {

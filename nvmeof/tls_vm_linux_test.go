@@ -324,6 +324,38 @@ func TestTLSGuest(t *testing.T) {
 		if err := plain.Detach(ctx); err != nil {
 			t.Fatal(err)
 		}
+
+		// A TLS controller and a volume of the subsystem with another
+		// PSK: refused, and the controller's key stays as it was.
+		first := parse(vc("required", "nsid", "2"), secrets1)
+		mustAttach(t, ctx, first)
+		cs := wantControllers(t, tlsNQN, 1)
+		key := berthKey(t, "NVMe0R01 "+tlsHostNQN+" "+tlsNQN)
+		other := parse(vc("required", "nsid", "3"), map[string]string{SecretTLSKey: tlsKey2})
+		_, err = other.Attach(ctx)
+		t.Logf("a volume with another PSK next to a TLS controller: %v", err)
+		if !errors.Is(err, errdefs.ErrFailedPrecondition) || !strings.Contains(err.Error(), cs[0].Name) {
+			t.Errorf("Attach: %v, want FailedPrecondition naming %s", err, cs[0].Name)
+		}
+		after = wantControllers(t, tlsNQN, 1)
+		if after[0].Name != cs[0].Name || after[0].State != StateLive {
+			t.Errorf("the other volume's controller changed: %+v, was %+v", after[0], cs[0])
+		}
+		if got := berthKey(t, "NVMe0R01 "+tlsHostNQN+" "+tlsNQN); got != key {
+			t.Errorf("berth's key is %08x, was %08x", got, key)
+		}
+		// The controller still does I/O with its key: a write goes
+		// through a reconnect of its queues.
+		if err := os.WriteFile("/sys/class/nvme/"+cs[0].Name+"/reset_controller", []byte("1"), 0); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 30*time.Second, cs[0].Name+" live after a reset", func() bool {
+			b, _ := os.ReadFile("/sys/class/nvme/" + cs[0].Name + "/state")
+			return strings.TrimSpace(string(b)) == StateLive
+		})
+		if err := first.Detach(ctx); err != nil {
+			t.Fatal(err)
+		}
 	})
 
 	refused := func(t *testing.T, tg *Target, nqn string, want error, text string) {

@@ -69,6 +69,10 @@ type Transport struct {
 	// tlsOnce reads the kernel's connect options once for tlsErr.
 	tlsOnce sync.Once
 	tlsErr  error
+	// keyMu serializes the keyring work of every subsystem: two
+	// add_key calls that each find no "berth" keyring would make two,
+	// the second displacing the first (and the keys in it) from .nvme.
+	keyMu sync.Mutex
 
 	mu sync.Mutex
 	// released holds the keys of volumes this process has detached (and
