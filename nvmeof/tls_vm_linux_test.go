@@ -2,6 +2,7 @@ package nvmeof
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/base64"
 	"encoding/binary"
@@ -205,7 +206,9 @@ func TestTLSGuest(t *testing.T) {
 
 	t.Run("TwoPaths", func(t *testing.T) {
 		tg := parse(vc("required", "targets", tlsPorts["required"]+","+tlsPorts["required2"]), secrets1)
-		mustAttach(t, ctx, tg)
+		if _, err := tg.Attach(ctx); err != nil {
+			t.Fatal(err)
+		}
 		cs := wantControllers(t, tlsNQN, 2)
 		key := berthKey(t, "NVMe0R01 "+tlsHostNQN+" "+tlsNQN)
 		for _, c := range cs {
@@ -213,10 +216,42 @@ func TestTLSGuest(t *testing.T) {
 				t.Errorf("controller %s: tls_key %08x, want berth's key %08x", c.Name, got, key)
 			}
 		}
-		if err := tg.Detach(ctx); err != nil {
+		// A second volume of the subsystem with the same PSK reuses
+		// both controllers; while it is staged, the first one's
+		// unstage keeps them and the key.
+		var staged stagedList
+		tr := tlsTransport(t, &logs, &logMu, tlsHostNQN, tlsHostID, &staged)
+		vc1 := vc("required", "targets", tlsPorts["required"]+","+tlsPorts["required2"])
+		vc2 := vc("required", "targets", tlsPorts["required"]+","+tlsPorts["required2"], "nsid", "2")
+		staged.set(vc1, vc2)
+		second, err := tr.Parse(vc2, secrets1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mustAttach(t, ctx, second)
+		if again := wantControllers(t, tlsNQN, 2); again[0].Name != cs[0].Name && again[0].Name != cs[1].Name {
+			t.Errorf("the second volume did not reuse the controllers: %+v, were %+v", again, cs)
+		}
+		first, err := tr.Parse(vc1, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		staged.set(vc2)
+		if err := first.Detach(ctx); err != nil {
+			t.Fatal(err)
+		}
+		wantControllers(t, tlsNQN, 2)
+		if k := berthKey(t, "NVMe0R01 "+tlsHostNQN+" "+tlsNQN); k != key {
+			t.Errorf("berth's key is %08x after the first volume's unstage, want %08x kept for the second", k, key)
+		}
+		staged.set()
+		if err := second.Detach(ctx); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, tlsNQN, 0)
+		if k := berthKey(t, "NVMe0R01 "+tlsHostNQN+" "+tlsNQN); k != 0 {
+			t.Errorf("berth's key %08x is left after the last unstage", k)
+		}
 	})
 
 	t.Run("WithDHCHAP", func(t *testing.T) {
@@ -397,7 +432,7 @@ func TestTLSGuest(t *testing.T) {
 
 // tlsTransport is guestTransport with the host identity the target
 // knows and a log kept for the leak check.
-func tlsTransport(t *testing.T, logs *bytes.Buffer, mu *sync.Mutex, hostNQN, hostID string) *Transport {
+func tlsTransport(t *testing.T, logs *bytes.Buffer, mu *sync.Mutex, hostNQN, hostID string, staged ...*stagedList) *Transport {
 	t.Helper()
 	l, err := devices.NewListener()
 	if err != nil {
@@ -405,7 +440,12 @@ func tlsTransport(t *testing.T, logs *bytes.Buffer, mu *sync.Mutex, hostNQN, hos
 	}
 	t.Cleanup(func() { l.Close() })
 	w := lockedWriter{mu: mu, w: logs, t: t}
+	var list func(context.Context) ([]map[string]string, error)
+	if len(staged) > 0 {
+		list = staged[0].list
+	}
 	tr, err := NewTransport(Options{
+		Staged:           list,
 		Listener:         l,
 		Host:             &HostIdentity{NQN: hostNQN, ID: hostID},
 		NamespaceTimeout: 10 * time.Second,
