@@ -73,10 +73,11 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 			return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 		}
 		defer func() {
-			if retErr != nil && tc.inserted {
+			if retErr != nil && tg.tlsKey != nil {
 				// Runs after the undo of the connects below (defers
-				// run last in, first out): the key goes with the
-				// last controller of the subsystem.
+				// run last in, first out): berth's key goes with the
+				// last controller of the subsystem, also one an
+				// earlier stage left.
 				tg.dropKeys(context.WithoutCancel(ctx), host.NQN)
 			}
 		}()
