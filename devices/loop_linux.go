@@ -14,6 +14,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/blockdev"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -187,20 +188,12 @@ func RefreshLoopCapacity(ctx context.Context, dev *Device) (int64, error) {
 	if err := unix.IoctlSetInt(int(lf.Fd()), unix.LOOP_SET_CAPACITY, 0); err != nil {
 		return 0, fmt.Errorf("refresh capacity of %s: LOOP_SET_CAPACITY: %w", dev.Path, err)
 	}
-	size, err := blockDeviceSize(lf)
+	size, err := blockdev.Size(lf)
 	if err != nil {
 		return 0, fmt.Errorf("refresh capacity of %s: %w", dev.Path, err)
 	}
 	dev.Size = size
 	return size, nil
-}
-
-func blockDeviceSize(f *os.File) (int64, error) {
-	var size uint64
-	if err := ioctlPtr(f, unix.BLKGETSIZE64, &size); err != nil {
-		return 0, fmt.Errorf("BLKGETSIZE64: %w", err)
-	}
-	return int64(size), nil
 }
 
 // LoopBackingFile opens the file the loop device d shows, for reading,
@@ -225,8 +218,8 @@ func LoopBackingFile(d *Device) (*os.File, int64, error) {
 		return nil, 0, fmt.Errorf("%s: %w", d.Path, err)
 	}
 	defer lf.Close()
-	if err := unix.IoctlSetInt(int(lf.Fd()), unix.BLKFLSBUF, 0); err != nil {
-		return nil, 0, fmt.Errorf("BLKFLSBUF %s: %w", d.Path, err)
+	if err := blockdev.DropCache(lf); err != nil {
+		return nil, 0, fmt.Errorf("%s: %w", d.Path, err)
 	}
 	info, err := unix.IoctlLoopGetStatus64(int(lf.Fd()))
 	if err != nil {
@@ -238,7 +231,7 @@ func LoopBackingFile(d *Device) (*os.File, int64, error) {
 	if loopDiff(info) != "" {
 		return nil, 0, nil
 	}
-	size, err := blockDeviceSize(lf)
+	size, err := blockdev.Size(lf)
 	if err != nil {
 		return nil, 0, fmt.Errorf("%s: %w", d.Path, err)
 	}

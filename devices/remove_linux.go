@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/blockdev"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -39,15 +40,7 @@ func FlushDevice(ctx context.Context, dev *Device) error {
 			return
 		}
 		defer f.Close()
-		if err := f.Sync(); err != nil {
-			done <- fmt.Errorf("fsync: %w", err)
-			return
-		}
-		if err := unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0); err != nil {
-			done <- fmt.Errorf("BLKFLSBUF: %w", err)
-			return
-		}
-		done <- nil
+		done <- blockdev.Flush(f)
 	}()
 	select {
 	case err := <-done:

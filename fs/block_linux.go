@@ -8,6 +8,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/blockdev"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -22,14 +23,11 @@ func BlockDeviceSize(devPath string) (int64, error) {
 		return 0, fmt.Errorf("device size %s: %w", devPath, err)
 	}
 	defer f.Close()
-	n, err := unix.IoctlGetUint64(int(f.Fd()), unix.BLKGETSIZE64)
+	n, err := blockdev.Size(f)
 	if err != nil {
-		return 0, fmt.Errorf("device size %s: ioctl BLKGETSIZE64: %w", devPath, err)
+		return 0, fmt.Errorf("device size %s: %w", devPath, err)
 	}
-	if n > math.MaxInt64 {
-		return 0, fmt.Errorf("device size %s: %d bytes overflows int64", devPath, n)
-	}
-	return int64(n), nil
+	return n, nil
 }
 
 // FlushBuffers writes the device's dirty buffers to the medium and drops
@@ -44,11 +42,8 @@ func FlushBuffers(devPath string) error {
 		return fmt.Errorf("flush %s: %w", devPath, err)
 	}
 	defer f.Close()
-	if err := f.Sync(); err != nil {
-		return fmt.Errorf("flush %s: fsync: %w", devPath, err)
-	}
-	if err := unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0); err != nil {
-		return fmt.Errorf("flush %s: ioctl BLKFLSBUF: %w", devPath, err)
+	if err := blockdev.Flush(f); err != nil {
+		return fmt.Errorf("flush %s: %w", devPath, err)
 	}
 	return nil
 }
@@ -125,12 +120,8 @@ func SetDeviceReadOnly(devPath string, ro bool) error {
 		return fmt.Errorf("set read-only=%t on %s: %w", ro, devPath, err)
 	}
 	defer f.Close()
-	v := 0
-	if ro {
-		v = 1
-	}
-	if err := unix.IoctlSetPointerInt(int(f.Fd()), unix.BLKROSET, v); err != nil {
-		err = fmt.Errorf("set read-only=%t on %s: ioctl BLKROSET: %w", ro, devPath, err)
+	if err := blockdev.SetReadOnly(f, ro); err != nil {
+		err = fmt.Errorf("set read-only=%t on %s: %w", ro, devPath, err)
 		if k := errnoKind(err); k != nil {
 			err = fmt.Errorf("%w: %w", err, k)
 		}
@@ -151,11 +142,11 @@ func DeviceReadOnly(devPath string) (bool, error) {
 		return false, fmt.Errorf("read-only state of %s: %w", devPath, err)
 	}
 	defer f.Close()
-	v, err := unix.IoctlGetInt(int(f.Fd()), unix.BLKROGET)
+	ro, err := blockdev.ReadOnly(f)
 	if err != nil {
-		return false, fmt.Errorf("read-only state of %s: ioctl BLKROGET: %w", devPath, err)
+		return false, fmt.Errorf("read-only state of %s: %w", devPath, err)
 	}
-	return v != 0, nil
+	return ro, nil
 }
 
 // openDevice opens a block device or file and names the sentinel for the

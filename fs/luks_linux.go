@@ -7,6 +7,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/blockdev"
 	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
@@ -100,15 +101,14 @@ func blockGeometry(devPath string) (logical int, size int64, err error) {
 		return 0, 0, err
 	}
 	defer f.Close()
-	logical, err = unix.IoctlGetInt(int(f.Fd()), unix.BLKSSZGET)
-	if err != nil {
-		return 0, 0, fmt.Errorf("ioctl BLKSSZGET: %w", err)
+	if logical, err = blockdev.LogicalBlockSize(f); err != nil {
+		return 0, 0, err
 	}
-	n, err := unix.IoctlGetUint64(int(f.Fd()), unix.BLKGETSIZE64)
+	n, err := blockdev.Size(f)
 	if err != nil {
-		return 0, 0, fmt.Errorf("ioctl BLKGETSIZE64: %w", err)
+		return 0, 0, err
 	}
-	return logical, int64(n), nil
+	return logical, n, nil
 }
 
 // CheckCryptsetup checks that cryptsetup is installed.

@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/blockdev"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/kmutex"
 )
@@ -99,15 +100,15 @@ func openForProbe(path string) (*os.File, int64, error) {
 	}
 	size := fi.Size()
 	if fi.Mode()&os.ModeDevice != 0 {
-		n, err := unix.IoctlGetUint64(int(f.Fd()), unix.BLKGETSIZE64)
+		n, err := blockdev.Size(f)
 		if err != nil {
 			f.Close()
-			return nil, 0, fmt.Errorf("probe %s: ioctl BLKGETSIZE64: %w", path, err)
+			return nil, 0, fmt.Errorf("probe %s: %w", path, err)
 		}
-		size = int64(n)
+		size = n
 		// Where the cache cannot be dropped, Probe's own reads still
 		// bypass it.
-		_ = unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0)
+		_ = blockdev.DropCache(f)
 	}
 	return f, size, nil
 }

@@ -32,7 +32,9 @@ import (
 // unix socket, as `berth serve` wires it, and returns a client of it.
 func startAgent(t testing.TB, logger *slog.Logger) csi.NodeClient {
 	l := csitest.Listener(t)
-	tr, err := iscsi.New(iscsi.Options{Listener: l, Logger: logger})
+	// The login settings berth serve gives every session by default.
+	tr, err := iscsi.New(iscsi.Options{Listener: l, Logger: logger, Params: map[string]int{
+		iscsi.ParamLoginTimeout: iscsi.DefaultLoginTimeout, iscsi.ParamLoginRetryMax: iscsi.DefaultLoginRetryMax}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -221,7 +223,9 @@ func TestBenchGuestISCSI(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	l := csitest.Listener(t)
-	tr, err := iscsi.New(iscsi.Options{Listener: l, Logger: logger})
+	// The login settings berth serve gives every session by default.
+	tr, err := iscsi.New(iscsi.Options{Listener: l, Logger: logger, Params: map[string]int{
+		iscsi.ParamLoginTimeout: iscsi.DefaultLoginTimeout, iscsi.ParamLoginRetryMax: iscsi.DefaultLoginRetryMax}})
 	if err != nil {
 		t.Fatal(err)
 	}

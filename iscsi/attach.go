@@ -8,6 +8,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/berth-csi/berth/devices"
@@ -62,23 +63,35 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 			}
 		}
 	}()
-	var fatal error
-	for _, p := range paths {
-		pd, err := t.attachPath(ctx, v, p)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("portal %s: %w", p, err))
-			if errors.Is(err, errdefs.ErrPermissionDenied) || errors.Is(err, errdefs.ErrFailedPrecondition) ||
-				errors.Is(err, errdefs.ErrNotFound) || ctx.Err() != nil {
-				// Wrong credentials, wrong LUN or WWID: the next portal
-				// of the same target will say the same.
-				fatal = err
+	// A multipath volume needs every path: the logins run at once, so that
+	// a portal that does not answer costs the stage its login timeout
+	// once, not once per portal. A single-path volume takes the first
+	// portal that answers, in the order listed.
+	results := make([]pathResult, len(paths))
+	if multipath {
+		var wg sync.WaitGroup
+		for i, p := range paths {
+			wg.Go(func() { results[i].pd, results[i].err = t.attachPath(ctx, v, p, paths) })
+		}
+		wg.Wait()
+	} else {
+		for i, p := range paths {
+			results[i].pd, results[i].err = t.attachPath(ctx, v, p, paths[i+1:])
+			if results[i].err == nil || fatalAttachError(ctx, results[i].err) {
+				results = results[:i+1]
 				break
 			}
+		}
+	}
+	var fatal error
+	for i, r := range results {
+		if r.err == nil {
+			attached = append(attached, r.pd)
 			continue
 		}
-		attached = append(attached, pd)
-		if !multipath {
-			break
+		errs = append(errs, fmt.Errorf("portal %s: %w", paths[i], r.err))
+		if fatalAttachError(ctx, r.err) {
+			fatal = r.err
 		}
 	}
 	if len(attached) == 0 {
@@ -115,6 +128,69 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 		return attached[0].dev, nil
 	}
 	return t.waitMap(ctx, wwid, attached)
+}
+
+// silentWindow is how long a portal whose login timed out (no answer: a
+// firewall that drops packets, a dead switch port, a hung target) is left
+// out of the attaches of its target's volumes, while another portal may
+// serve them. A login holds its portal's lock, so without it the stages
+// of several LUNs behind one silent portal wait for it in turn: three at
+// once took 14, 28 and 39 s.
+const silentWindow = 30 * time.Second
+
+// silentSince reports how long ago a login through p timed out, when that
+// is within silentWindow and one of others has not timed out as lately.
+func (t *Transport) silentSince(v *Volume, p path, others []path) (time.Duration, bool) {
+	t.silentMu.Lock()
+	defer t.silentMu.Unlock()
+	now := time.Now()
+	recent := func(q path) (time.Duration, bool) {
+		at, ok := t.silent[q.key(v.IQN, v.Iface)]
+		return now.Sub(at), ok && now.Sub(at) < silentWindow
+	}
+	since, ok := recent(p)
+	if !ok {
+		return 0, false
+	}
+	for _, q := range others {
+		if q.key(v.IQN, v.Iface) == p.key(v.IQN, v.Iface) {
+			continue
+		}
+		if _, silent := recent(q); !silent {
+			return since, true
+		}
+	}
+	return 0, false
+}
+
+// noteSilent records whether a login through p timed out.
+func (t *Transport) noteSilent(v *Volume, p path, err error) {
+	t.silentMu.Lock()
+	defer t.silentMu.Unlock()
+	key := p.key(v.IQN, v.Iface)
+	switch code := command.ExitCode(err); {
+	case err == nil:
+		delete(t.silent, key)
+	case code == ISCSI_ERR_TRANS_TIMEOUT || code == ISCSI_ERR_PDU_TIMEOUT:
+		if t.silent == nil {
+			t.silent = make(map[string]time.Time)
+		}
+		t.silent[key] = time.Now()
+	}
+}
+
+// pathResult is the outcome of one path's attach.
+type pathResult struct {
+	pd  *pathDevice
+	err error
+}
+
+// fatalAttachError reports whether err of one portal's attach fails the
+// whole attach: wrong credentials, wrong LUN or WWID (the next portal of
+// the same target will say the same), or the call's end.
+func fatalAttachError(ctx context.Context, err error) bool {
+	return errors.Is(err, errdefs.ErrPermissionDenied) || errors.Is(err, errdefs.ErrFailedPrecondition) ||
+		errors.Is(err, errdefs.ErrNotFound) || ctx.Err() != nil
 }
 
 // pathDevice is one attached path: its session and SCSI disk.
@@ -182,8 +258,10 @@ func (t *Transport) findSession(target string, p path, iface string) (*Session, 
 }
 
 // attachPath logs in through one portal (or reuses the session), scans the
-// LUN and waits for its disk.
-func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathDevice, retErr error) {
+// LUN and waits for its disk. others are the volume's other portals that
+// may serve it instead: while one of them has not timed out lately, a
+// portal whose login timed out within silentWindow is not tried again.
+func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []path) (_ *pathDevice, retErr error) {
 	start := time.Now()
 	key := p.key(v.IQN, v.Iface)
 	held, err := t.locks.Hold(ctx, key)
@@ -196,11 +274,19 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path) (_ *pathD
 	if err != nil {
 		return nil, err
 	}
+	if sess == nil {
+		if since, ok := t.silentSince(v, p, others); ok {
+			return nil, fmt.Errorf("not tried: a login through it timed out %s ago; it is tried again after %s: %w",
+				since.Round(time.Second), silentWindow, errdefs.ErrUnavailable)
+		}
+	}
 	// removed: the WWID check took out a disk this attach did not scan
 	// in (another storage object now behind the LUN number).
 	loggedIn, scanned, removed := false, false, false
 	if sess == nil {
-		if err := t.login(ctx, v, p); err != nil {
+		err := t.login(ctx, v, p)
+		t.noteSilent(v, p, err)
+		if err != nil {
 			return nil, err
 		}
 		loggedIn = true
@@ -367,27 +453,13 @@ func (t *Transport) recordSettings(v *Volume) []setting {
 	return set
 }
 
-// login creates the node record for exactly this target and portal, writes
-// its settings and credentials, and logs in.
+// login has iscsiadm create the node record for exactly this target and
+// portal (`-o new`: it copies iscsid.conf's node.* settings into it), writes
+// its settings and credentials into it in place, and logs in.
 func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error) {
 	start := time.Now()
-	// On the default interface berth writes the record itself, as
-	// iscsiadm would; otherwise (or before open-iscsi made its record
-	// directory) iscsiadm creates it and berth adds the settings.
-	native, file := false, ""
-	if v.Iface == "default" {
-		f, err := t.db.createNodeRecord(ctx, v.IQN, p.IP, p.Port, p.TPGT, t.recordSettings(v))
-		switch {
-		case err == nil:
-			native, file = true, f
-		case !errors.Is(err, errdefs.ErrNotFound):
-			return err
-		}
-	}
-	if !native {
-		if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeNew(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...); err != nil {
-			return t.iscsiadmError("create node record", err)
-		}
+	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeNew(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...); err != nil {
+		return t.iscsiadmError("create node record", err)
 	}
 	defer func() {
 		logctx.From(ctx, t.log).Debug("iSCSI login", "portal", p.String(), "duration", time.Since(start), "error", retErr)
@@ -395,34 +467,21 @@ func (t *Transport) login(ctx context.Context, v *Volume, p path) (retErr error)
 	defer func() {
 		if retErr != nil {
 			// Leave no record (and no credentials) behind for a login
-			// that did not happen: the file berth wrote, and whatever
-			// record iscsiadm knows of.
-			if native {
-				if err := t.db.remove(context.WithoutCancel(ctx), file); err != nil {
-					logctx.From(ctx, t.log).Warn("delete node record after failed login", "target", v, "portal", p.String(), "error", err)
-				}
-			}
+			// that did not happen.
 			if _, err := t.run.run(context.WithoutCancel(ctx), t.opts.Iscsiadm, argsNodeDelete(v.IQN, p.IP, p.Port, v.Iface)...); err != nil && command.ExitCode(err) != ISCSI_ERR_NO_OBJS_FOUND {
 				logctx.From(ctx, t.log).Warn("delete node record after failed login", "target", v, "portal", p.String(), "error", err)
 			}
 		}
 	}()
-	if !native {
-		files, err := t.db.nodeRecordFiles(v.IQN, p.IP, p.Port, v.Iface)
-		if err != nil {
-			return fmt.Errorf("iscsiadm created the node record of %s at %s, but berth cannot find it (name open-iscsi's record directory with --iscsi-node-dir): %w", v.IQN, p, err)
-		}
-		if err := t.db.update(ctx, files, t.recordSettings(v)); err != nil {
-			return err
-		}
+	files, err := t.db.nodeRecordFiles(v.IQN, p.IP, p.Port, v.Iface)
+	if err != nil {
+		return fmt.Errorf("iscsiadm created the node record of %s at %s, but berth cannot find it (name open-iscsi's record directory with --iscsi-node-dir): %w", v.IQN, p, err)
+	}
+	if err := t.db.update(ctx, files, t.recordSettings(v)); err != nil {
+		return err
 	}
 	failpoint.Hit("iscsi.record_written")
-	_, err := t.run.run(ctx, t.opts.Iscsiadm, argsNodeLogin(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...)
-	if native && command.ExitCode(err) == ISCSI_ERR_NO_OBJS_FOUND {
-		dir, _ := t.db.nodeDir()
-		return fmt.Errorf("log in to %s at %s: iscsiadm found no node record, though berth wrote it in %s: this iscsiadm keeps its records elsewhere: name its directory with --iscsi-node-dir: %w",
-			v.IQN, p, dir, errdefs.ErrUnavailable)
-	}
+	_, err = t.run.run(ctx, t.opts.Iscsiadm, argsNodeLogin(v.IQN, p.IP, p.Port, p.TPGT, v.Iface)...)
 	if err != nil && command.ExitCode(err) != ISCSI_ERR_SESS_EXISTS {
 		return t.iscsiadmError(fmt.Sprintf("log in to %s at %s", v.IQN, p), err)
 	}

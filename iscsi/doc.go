@@ -6,21 +6,16 @@
 // For each portal the volume names (and only those; SendTargets discovery
 // runs only when the volume asks for it, and stores nothing):
 //
-//  1. The node record is created for exactly this target and portal, as
-//     `iscsiadm -m node -o new -T <iqn> -p <ip:port[,tpgt]> -I <iface>`
-//     would. Host names are resolved first: sysfs and node records know
-//     portals by address. On the default interface berth writes the record
-//     itself, in open-iscsi's layout and under its database lock: the
-//     node.* settings of iscsid.conf (which iscsiadm copies into every new
-//     record), the target, portal and interface, and the settings of step
-//     2, in one 0600 file. Otherwise, before open-iscsi has made its
-//     record directory, and when berth cannot see iscsid.conf, iscsiadm
-//     creates the record.
-//  2. The record holds node.startup = manual, node.session.scan = manual,
-//     the session parameters and the CHAP credentials; a record iscsiadm
-//     created is edited in place under the lock. Credentials never travel
-//     in an argument vector (world-readable in /proc/<pid>/cmdline), a log
-//     line or an error; the file is mode 0600.
+//  1. iscsiadm creates the node record for exactly this target and portal
+//     (`iscsiadm -m node -o new -T <iqn> -p <ip:port[,tpgt]> -I <iface>`,
+//     which copies iscsid.conf's node.* settings into it). Host names are
+//     resolved first: sysfs and node records know portals by address.
+//  2. berth edits the record in place, under open-iscsi's database lock:
+//     node.startup = manual, node.session.scan = manual, the session
+//     parameters and the CHAP credentials. Credentials never travel in an
+//     argument vector (world-readable in /proc/<pid>/cmdline), a log line
+//     or an error; the file is mode 0600 before they are written. A login
+//     that fails has iscsiadm delete the record again.
 //  3. iscsiadm -m node ... --login. Exit code 24 (ISCSI_ERR_LOGIN_AUTH_FAILED)
 //     becomes errdefs.ErrPermissionDenied, iscsid trouble
 //     errdefs.ErrUnavailable with what to do.

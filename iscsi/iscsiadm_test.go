@@ -110,7 +110,24 @@ func (f *fakeRunner) run(ctx context.Context, name string, args ...string) ([]by
 		if err := os.MkdirAll(dir, 0o755); err != nil {
 			return nil, err
 		}
-		return nil, os.WriteFile(filepath.Join(dir, iface), []byte(sampleRecord), 0o644)
+		return nil, os.WriteFile(filepath.Join(dir, iface), []byte(sampleRecord), 0o600)
+	}
+	if strings.Contains(joined, "-o delete") && args[1] == "node" {
+		var target, portal string
+		for i := 0; i+1 < len(args); i++ {
+			switch args[i] {
+			case "-T":
+				target = args[i+1]
+			case "-p":
+				portal = args[i+1]
+			}
+		}
+		hp, _, _ := strings.Cut(portal, ",")
+		host, port, _ := strings.Cut(hp, ":")
+		matches, _ := filepath.Glob(filepath.Join(f.nodes, target, host+","+port+"*"))
+		for _, m := range matches {
+			os.RemoveAll(m)
+		}
 	}
 	return nil, nil
 }
@@ -252,9 +269,11 @@ func TestInflightRemoval(t *testing.T) {
 	}
 }
 
-// With open-iscsi's record directory in place, berth writes the record
-// itself: one iscsiadm run (the login), the secrets only in the record.
-func TestLoginWritesRecordItself(t *testing.T) {
+// iscsiadm creates the record (-o new: iscsid.conf's node.* settings), and
+// berth writes its settings and the secrets into it in place: two iscsiadm
+// runs, neither with a secret in its arguments; a failed login has
+// iscsiadm delete the record again, secrets and all.
+func TestLoginRecordByIscsiadm(t *testing.T) {
 	v, err := ParseVolume(ctxWith("sessionCHAPAuth", "true"), chapSecrets)
 	if err != nil {
 		t.Fatal(err)
@@ -262,63 +281,49 @@ func TestLoginWritesRecordItself(t *testing.T) {
 	fr := &fakeRunner{}
 	tr := testTransport(t, fr)
 	fr.nodes = tr.db.nodes
-	tr.db.conf = filepath.Join(t.TempDir(), "iscsid.conf")
-	if err := os.WriteFile(tr.db.conf, []byte("node.session.cmds_max = 64\nnode.session.scan = auto\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.MkdirAll(tr.db.nodes, 0o755); err != nil {
-		t.Fatal(err)
-	}
 	if err := tr.login(context.Background(), v, path{Portal: v.Portals[0], IP: "10.0.0.1"}); err != nil {
 		t.Fatal(err)
 	}
-	if len(fr.argv) != 1 || !slices.Contains(fr.argv[0], "--login") {
-		t.Fatalf("want only the login, got %q", fr.argv)
+	if len(fr.argv) != 2 || !slices.Contains(fr.argv[0], "new") || !slices.Contains(fr.argv[1], "--login") {
+		t.Fatalf("want iscsiadm -o new, then the login; got %q", fr.argv)
 	}
-	b, err := os.ReadFile(filepath.Join(tr.db.nodes, testIQN, "10.0.0.1,3260"))
+	files, err := tr.db.nodeRecordFiles(testIQN, "10.0.0.1", 3260, "default")
+	if err != nil || len(files) != 1 {
+		t.Fatalf("record files = %q, %v", files, err)
+	}
+	b, err := os.ReadFile(files[0])
 	if err != nil {
 		t.Fatal(err)
 	}
 	rec := parseRecord(b)
 	for k, want := range map[string]string{
-		"node.session.cmds_max": "64", "node.session.scan": "manual", "node.startup": "manual",
+		"node.session.scan": "manual", "node.startup": "manual",
 		SecretSessionPassword: "s3cret-Passw0rd", ParamReplacementTimeout: "20",
 	} {
 		if rec[k] != want {
 			t.Errorf("record %s = %q, want %q", k, rec[k], want)
 		}
 	}
+	if st, err := os.Stat(files[0]); err != nil || st.Mode().Perm() != 0o600 {
+		t.Errorf("record mode %v (%v), want 0600: it holds the secret", st.Mode().Perm(), err)
+	}
 }
 
-// A failed login leaves nothing of the record berth wrote, secrets
-// included, whether the target refused or iscsiadm looked elsewhere.
-func TestLoginFailureRemovesWrittenRecord(t *testing.T) {
-	for code, want := range map[int]string{
-		ISCSI_ERR_LOGIN_AUTH_FAILED: "CHAP authentication failed",
-		ISCSI_ERR_NO_OBJS_FOUND:     "keeps its records elsewhere",
-	} {
-		v, err := ParseVolume(ctxWith("sessionCHAPAuth", "true"), chapSecrets)
-		if err != nil {
-			t.Fatal(err)
-		}
-		fr := &fakeRunner{fail: map[string]int{"--login": code}}
-		tr := testTransport(t, fr)
-		fr.nodes = tr.db.nodes
-		tr.db.conf = filepath.Join(t.TempDir(), "iscsid.conf")
-		if err := os.WriteFile(tr.db.conf, nil, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.MkdirAll(tr.db.nodes, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		err = tr.login(context.Background(), v, path{Portal: v.Portals[0], IP: "10.0.0.1"})
-		if err == nil || !strings.Contains(err.Error(), want) {
-			t.Fatalf("exit %d: got %v, want %q", code, err, want)
-		}
-		ents, _ := os.ReadDir(tr.db.nodes)
-		if len(ents) != 0 {
-			t.Fatalf("exit %d: %s still holds %v", code, tr.db.nodes, ents)
-		}
+// A failed login leaves no record behind, secrets included.
+func TestLoginFailureRemovesRecord(t *testing.T) {
+	v, err := ParseVolume(ctxWith("sessionCHAPAuth", "true"), chapSecrets)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fr := &fakeRunner{fail: map[string]int{"--login": ISCSI_ERR_LOGIN_AUTH_FAILED}}
+	tr := testTransport(t, fr)
+	fr.nodes = tr.db.nodes
+	err = tr.login(context.Background(), v, path{Portal: v.Portals[0], IP: "10.0.0.1"})
+	if err == nil || !strings.Contains(err.Error(), "CHAP authentication failed") {
+		t.Fatalf("got %v, want the CHAP failure", err)
+	}
+	if files, _ := tr.db.nodeRecordFiles(testIQN, "10.0.0.1", 3260, "default"); len(files) != 0 {
+		t.Fatalf("records left after the failed login: %q", files)
 	}
 }
 

@@ -120,26 +120,6 @@ func recordKey(line string) (string, bool) {
 	return line[:i], true
 }
 
-// recordLines returns the "name = value" lines of a record or of
-// iscsid.conf in order, values trimmed; comments and other lines are
-// skipped.
-func recordLines(rec []byte) []setting {
-	var set []setting
-	for _, line := range strings.Split(string(rec), "\n") {
-		line = strings.TrimSpace(line)
-		name, ok := recordKey(line)
-		if !ok {
-			continue
-		}
-		rest := strings.TrimLeft(line[len(name):], " \t")
-		if !strings.HasPrefix(rest, "=") {
-			continue
-		}
-		set = append(set, setting{name, strings.TrimSpace(rest[1:])})
-	}
-	return set
-}
-
 // recordDB is open-iscsi's record database on the node.
 type recordDB struct {
 	// nodes is the node record directory; "" = the first existing of
@@ -147,8 +127,6 @@ type recordDB struct {
 	nodes string
 	// lockDir holds open-iscsi's database lock ("lock", "lock.write").
 	lockDir string
-	// conf is iscsid.conf; "" = defaultConfFile.
-	conf string
 	// walks orders berth's own record changes against the iscsiadm
 	// commands it runs (see recordsRunner); nil in tests of the file
 	// format alone.
@@ -315,117 +293,6 @@ func (db *recordDB) fileLock(ctx context.Context) (func(), error) {
 // lockWait bounds the wait for open-iscsi's database lock.
 const lockWait = 10 * time.Second
 
-// defaultConfFile is open-iscsi's configuration. `iscsiadm -m node -o new`
-// copies its node.* settings into each record it creates: a record read
-// later starts from built-in defaults, not from this file.
-const defaultConfFile = "/etc/iscsi/iscsid.conf"
-
-// confNodeSettings returns the node.* settings of an iscsid.conf, in file
-// order. A missing file has none.
-func confNodeSettings(path string) ([]setting, error) {
-	b, err := os.ReadFile(path)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("read open-iscsi configuration: %w", err)
-	}
-	var set []setting
-	for _, st := range recordLines(b) {
-		if strings.HasPrefix(st.name, "node.") && st.value != "" && !strings.ContainsRune(st.value, 0) {
-			set = append(set, st)
-		}
-	}
-	return set, nil
-}
-
-// createNodeRecord writes the record of target at address:port (tpgt, or
-// -1 when unknown) on the default iface, as `iscsiadm -m node -o new`
-// does: the node.* settings of iscsid.conf, the target, portal and
-// interface, then set. It replaces the records of the same target, portal
-// and iface. The file is written under open-iscsi's database lock with
-// mode 0600 from the start. ErrNotFound when the node record directory
-// does not exist yet (only iscsiadm knows where it is created) or berth
-// cannot see iscsid.conf.
-func (db *recordDB) createNodeRecord(ctx context.Context, target, address string, port, tpgt int, set []setting) (string, error) {
-	dir, err := db.nodeDir()
-	if err != nil {
-		return "", fmt.Errorf("%w: %w", err, errdefs.ErrNotFound)
-	}
-	if st, err := os.Stat(dir); err != nil || !st.IsDir() {
-		return "", fmt.Errorf("node record directory %s: not there yet: %w", dir, errdefs.ErrNotFound)
-	}
-	conf := db.conf
-	if conf == "" {
-		conf = defaultConfFile
-	}
-	// Without the configuration iscsiadm reads, berth cannot give the
-	// record its defaults: iscsiadm must create it.
-	if _, err := os.Stat(conf); err != nil {
-		return "", fmt.Errorf("open-iscsi configuration %s: %w: %w", conf, err, errdefs.ErrNotFound)
-	}
-	defaults, err := confNodeSettings(conf)
-	if err != nil {
-		return "", err
-	}
-	var base bytes.Buffer
-	base.WriteString(recordBegin + "\n")
-	for _, s := range defaults {
-		fmt.Fprintf(&base, "%s = %s\n", s.name, s.value)
-	}
-	base.WriteString(recordEnd + "\n")
-	identity := []setting{
-		{"node.name", target},
-		{"node.tpgt", strconv.Itoa(tpgt)},
-		{"node.discovery_type", "static"},
-		{"iface.iscsi_ifacename", "default"},
-		{"iface.transport_name", "tcp"},
-		{"node.conn[0].address", address},
-		{"node.conn[0].port", strconv.Itoa(port)},
-	}
-	rec, err := setRecordValues(base.Bytes(), append(identity, set...))
-	if err != nil {
-		return "", err
-	}
-	// open-iscsi's layout: a file named after the portal when the portal
-	// group is unknown, else a directory per portal group with a file per
-	// interface.
-	portal := filepath.Join(dir, target, address+","+strconv.Itoa(port))
-	file := portal
-	if tpgt >= 0 {
-		file = filepath.Join(portal+","+strconv.Itoa(tpgt), "default")
-	}
-	for _, name := range []string{target, address} {
-		if name == "" || name == "." || name == ".." || strings.ContainsAny(name, "/\x00") {
-			return "", fmt.Errorf("node record for %q at %q: not a file name: %w", target, address, errdefs.ErrInvalidArgument)
-		}
-	}
-
-	unlock, err := db.lock(ctx)
-	if err != nil {
-		return "", err
-	}
-	defer unlock()
-	old, err := db.nodeRecordFiles(target, address, port, "default")
-	if err != nil && !errors.Is(err, errdefs.ErrNotFound) {
-		return "", err
-	}
-	for _, f := range old {
-		if err := removeRecord(f, dir); err != nil {
-			return "", fmt.Errorf("replace node record %s: %w", f, err)
-		}
-	}
-	if err := os.MkdirAll(filepath.Dir(file), 0o700); err != nil {
-		return "", fmt.Errorf("create node record: %w", err)
-	}
-	if err := writeRecord(file, rec); err != nil {
-		// No partial record, which iscsiadm would misread.
-		removeRecord(file, dir)
-		return "", fmt.Errorf("create node record %s: %w", file, err)
-	}
-	return file, nil
-}
-
 // writeRecord writes a record file, new or not, mode 0600 before any
 // content.
 func writeRecord(file string, rec []byte) error {
@@ -444,32 +311,4 @@ func writeRecord(file string, rec []byte) error {
 		return err
 	}
 	return f.Close()
-}
-
-// removeRecord deletes a record file and the portal group and target
-// directories it leaves empty, up to the node record directory.
-func removeRecord(file, nodes string) error {
-	if err := os.Remove(file); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return err
-	}
-	for d := filepath.Dir(file); d != nodes && strings.HasPrefix(d, nodes+string(filepath.Separator)); d = filepath.Dir(d) {
-		if os.Remove(d) != nil {
-			break // not empty
-		}
-	}
-	return nil
-}
-
-// remove deletes a record berth wrote, under open-iscsi's database lock.
-func (db *recordDB) remove(ctx context.Context, file string) error {
-	dir, err := db.nodeDir()
-	if err != nil {
-		return err
-	}
-	unlock, err := db.lock(ctx)
-	if err != nil {
-		return err
-	}
-	defer unlock()
-	return removeRecord(file, dir)
 }

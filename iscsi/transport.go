@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"time"
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -62,6 +63,11 @@ type Transport struct {
 	// testHookDiskWait, when set, runs before an attach waits for the
 	// disk of the LUN it scanned in or found.
 	testHookDiskWait func(lun int)
+
+	silentMu sync.Mutex
+	// silent holds, for each path key, when a login through it last
+	// timed out (see silentSince).
+	silent map[string]time.Time
 }
 
 // New returns the transport. It does not touch the node: readiness is

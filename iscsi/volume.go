@@ -42,6 +42,18 @@ const (
 	ParamLoginRetryMax      = "node.session.initial_login_retry_max"
 )
 
+// berth serve's defaults for the initial login, in place of open-iscsi's
+// (15 s and 8 retries): iscsiadm tries a login 1 + retries times, each
+// bounded by the login timeout, so a portal that drops every packet (no
+// RST) costs a stage 15 s instead of 120 s, while a portal that answers
+// logs in within a second. A multipath volume's portals log in at once;
+// a single-path volume tries them in order, so its second portal still
+// answers within 30 s of the stage when the first is silent.
+const (
+	DefaultLoginTimeout  = 5
+	DefaultLoginRetryMax = 2
+)
+
 // paramRanges bounds each session parameter (seconds or a count).
 var paramRanges = map[string][2]int{
 	ParamReplacementTimeout: {0, 86400},

@@ -84,13 +84,18 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 	}
 
 	results := make([]pathResult, len(tg.vol.Paths))
+	skip := tg.skipSilent(time.Now())
 	var wg sync.WaitGroup
 	for i, p := range tg.vol.Paths {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
+		if since, ok := skip[p.String()]; ok {
+			results[i] = pathResult{path: p, err: fmt.Errorf("not tried: a connect through it found it silent %s ago; it is tried again after %s: %w",
+				since.Round(time.Second), silentWindow, errdefs.ErrUnavailable)}
+			continue
+		}
+		wg.Go(func() {
 			results[i] = tg.attachPath(ctx, host, ctrls, p, tc)
-		}()
+			tg.noteSilent(p, results[i].err)
+		})
 	}
 	wg.Wait()
 
@@ -157,6 +162,47 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 		return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 	}
 	return dev, nil
+}
+
+// silentWindow is how long a path that did not answer a connect is left
+// out of the stages of its subsystem's volumes, while another path may
+// serve them. Connects of one subsystem run one after the other (its
+// lock), so without it every stage of a volume of that subsystem waits for
+// the silent path in turn: four at once over a path that accepts and never
+// answers took 11, 21, 31 and 42 s.
+const silentWindow = 30 * time.Second
+
+// skipSilent returns the volume's paths found silent within silentWindow,
+// with how long ago, unless every path was: then all are tried.
+func (tg *Target) skipSilent(now time.Time) map[string]time.Duration {
+	t := tg.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	skip := make(map[string]time.Duration)
+	for _, p := range tg.vol.Paths {
+		at, ok := t.silent[tg.vol.NQN+" "+p.String()]
+		if ok && now.Sub(at) < silentWindow {
+			skip[p.String()] = now.Sub(at)
+		}
+	}
+	if len(skip) == len(tg.vol.Paths) {
+		return nil
+	}
+	return skip
+}
+
+// noteSilent records whether a connect through p found it silent.
+func (tg *Target) noteSilent(p Path, err error) {
+	t := tg.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	key := tg.vol.NQN + " " + p.String()
+	switch {
+	case errors.Is(err, errSilent):
+		t.silent[key] = time.Now()
+	case err == nil:
+		delete(t.silent, key)
+	}
 }
 
 // pathResult is the outcome of attaching one path.

@@ -32,10 +32,6 @@ var errRefused = errors.New("connection refused")
 // handshake upcall found no tlshd listening.
 var errNoHandshake = errors.New("no TLS handshake daemon")
 
-// errTimedOut marks an ETIMEDOUT connect: an unreachable target, or,
-// with tls, a TLS handshake that failed.
-var errTimedOut = errors.New("timed out")
-
 // fabricsOptions reads the option list the kernel's connect interface
 // prints before any connect ("instance=-1,cntlid=-1,transport=%s,...").
 func fabricsOptions(dev string) (string, error) {
@@ -48,6 +44,12 @@ func fabricsOptions(dev string) (string, error) {
 	}
 	return strings.TrimSpace(string(b)), nil
 }
+
+// errSilent marks a connect to a path that did not answer: no SYN-ACK
+// (the kernel gives up after one SYN retry, about 3 s) or no ICResp to the
+// NVMe/TCP initialization (10 s), as a path behind a firewall that drops
+// packets, a dead switch port or a hung target looks.
+var errSilent = errors.New("the path did not answer")
 
 // connectResult is what one write to /dev/nvme-fabrics produced.
 type connectResult struct {
@@ -117,10 +119,13 @@ func connectError(err error) error {
 			errno, errdefs.ErrUnsupported)
 	case unix.ESRCH:
 		return fmt.Errorf("connect: %w (%v)", errNoHandshake, errno)
-	case unix.ETIMEDOUT:
-		return fmt.Errorf("connect: target unreachable, or a TLS handshake that failed (%v): %w: %w", errno, errTimedOut, errdefs.ErrUnavailable)
-	case unix.EHOSTUNREACH, unix.ENETUNREACH, unix.EHOSTDOWN:
-		return fmt.Errorf("connect: target unreachable (%v): %w", errno, errdefs.ErrUnavailable)
+	case unix.ETIMEDOUT, unix.EHOSTUNREACH, unix.ENETUNREACH, unix.EHOSTDOWN:
+		// With tls, ETIMEDOUT is also a TLS handshake that failed
+		// (see tls.go): Target.tlsConnectError tells the two apart.
+		return fmt.Errorf("connect: target unreachable (%v): %w: %w", errno, errSilent, errdefs.ErrUnavailable)
+	case unix.EAGAIN:
+		// nvme-tcp's wait for the ICResp ended (its receive timeout).
+		return fmt.Errorf("connect: the target accepted the TCP connection but never answered the NVMe/TCP initialization (%v): check that an NVMe/TCP target, not another service, listens there and is not hung: %w: %w", errno, errSilent, errdefs.ErrUnavailable)
 	case unix.EINVAL:
 		return fmt.Errorf("connect: the kernel rejected the connect options (%v); check dmesg: a hostnqn paired with another hostid, a transport module missing, or a target refusing this host: %w", errno, errdefs.ErrFailedPrecondition)
 	case unix.ECONNRESET:
@@ -212,11 +217,8 @@ func flushDevice(path string) error {
 		return fmt.Errorf("flush %s: %w", path, err)
 	}
 	defer f.Close()
-	if err := f.Sync(); err != nil {
+	if err := blockdev.Flush(f); err != nil {
 		return fmt.Errorf("flush %s: %w", path, err)
-	}
-	if err := unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0); err != nil {
-		return fmt.Errorf("flush %s: BLKFLSBUF: %w", path, err)
 	}
 	return nil
 }

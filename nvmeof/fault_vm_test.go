@@ -10,10 +10,13 @@ import (
 	"io"
 	"log/slog"
 	"maps"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -33,7 +36,7 @@ import (
 func TestVMNVMeoFFaults(t *testing.T) {
 	vm.RunGuestTests(t,
 		vm.WithTestRun("^TestFault"),
-		vm.WithTimeout(6*time.Minute),
+		vm.WithTimeout(7*time.Minute),
 	)
 }
 
@@ -726,4 +729,107 @@ func TestFaultNodeRestart(t *testing.T) {
 	if n := subsysControllers(t, nqn); n != 0 {
 		t.Errorf("%d controllers left after unstage", n)
 	}
+}
+
+// TestFaultSilentPath: a subsystem has two paths and the first drops
+// every packet: a black hole (no SYN-ACK, no RST), or a listener that
+// accepts and never answers. Four volumes of the subsystem are staged at
+// once: each succeeds over the live path within 25 s, and its condition
+// names the silent path.
+func TestFaultSilentPath(t *testing.T) {
+	vm.RequireGuest(t)
+	t.Run("BlackHole", func(t *testing.T) { testSilentPath(t, target.BlackHole(t)+":4454") })
+	t.Run("NoAnswer", func(t *testing.T) {
+		const dead = "127.0.0.2:4455"
+		silentListener(t, dead)
+		testSilentPath(t, dead)
+	})
+}
+
+func testSilentPath(t *testing.T, dead string) {
+	logger := slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelInfo}))
+	node := startAgent(t, logger)
+	_, port, _ := strings.Cut(dead, ":")
+	live := "127.0.0.1:" + port
+	nqn := "nqn.2026-01.io.berth:silent-" + port
+	const n = 4
+	nss := make([]target.NVMeNamespace, n)
+	for i := range nss {
+		nss[i].Size = 64 << 20
+	}
+	target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: []string{live}, Namespaces: nss})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	// The kernel gives up on a path in a few seconds (one SYN retry, or
+	// 10 s for an ICResp that never comes); the first stage pays that, and
+	// the stages of the subsystem's other volumes, at once, need not pay
+	// it again one after the other.
+	const bound = 25 * time.Second
+	vols := make([]*faultVolume, n)
+	var wg sync.WaitGroup
+	for i := range vols {
+		v := newFaultVolume(t, node, fmt.Sprintf("vol-silent-%d", i+1), map[string]string{"nqn": nqn, "nsid": strconv.Itoa(i + 1), "targets": dead + "," + live})
+		vols[i] = v
+		wg.Go(func() {
+			start := time.Now()
+			if err := v.stage(ctx); err != nil {
+				t.Errorf("NodeStageVolume %s with a silent path: %v after %v", v.id, err, time.Since(start))
+				return
+			}
+			took := time.Since(start)
+			t.Logf("%s staged over the live path in %v", v.id, took.Round(time.Millisecond))
+			if took > bound {
+				t.Errorf("stage of %s took %v, more than %v", v.id, took, bound)
+			}
+		})
+	}
+	wg.Wait()
+	for _, v := range vols {
+		resp, err := v.stats(ctx, v.staging)
+		switch {
+		case err != nil:
+			t.Errorf("NodeGetVolumeStats %s: %v", v.id, err)
+		case !resp.GetVolumeCondition().GetAbnormal() || !strings.Contains(resp.GetVolumeCondition().GetMessage(), dead):
+			t.Errorf("condition of %s %v: want abnormal, naming the silent path %s", v.id, resp.GetVolumeCondition(), dead)
+		}
+	}
+	for _, v := range vols {
+		if err := v.unstage(ctx); err != nil {
+			t.Errorf("NodeUnstageVolume %s: %v", v.id, err)
+		}
+	}
+	if ctrls, _ := filepath.Glob("/sys/class/nvme/nvme*"); len(ctrls) != 0 {
+		t.Errorf("controllers left after unstage: %q", ctrls)
+	}
+}
+
+// silentListener accepts TCP connections on addr and never answers nor
+// closes them until the test ends.
+func silentListener(t *testing.T, addr string) {
+	t.Helper()
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		l.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
 }

@@ -312,7 +312,9 @@ func (tg *Target) tlsConnectError(ctx context.Context, p Path, err error) error 
 	switch {
 	case errors.Is(err, errNoHandshake):
 		return fmt.Errorf("connect with TLS: the kernel found no TLS handshake daemon (the handshake upcall has no listener): start tlshd (ktls-utils) on the node, with %s in its keyrings (/etc/tlshd.conf [authenticate] keyrings=%s): %w", nvmeKeyring, nvmeKeyring, errdefs.ErrUnavailable)
-	case errors.Is(err, errTimedOut) && tg.portAccepts(ctx, p):
+	case errors.Is(err, errSilent) && tg.portAccepts(ctx, p):
+		// Not silent after all: the handshake failed, and the path
+		// is not left out of the next stages (noteSilent).
 		return fmt.Errorf("connect with TLS: the target's port accepts TCP connections, but the TLS handshake failed: the port does not offer TLS (nvmet: addr_tsas tls1.3), or the target has no PSK for identity %q, or another one; check the target's TLS setting and its PSK for this host: %w",
 			tg.identityHint(), errdefs.ErrFailedPrecondition)
 	}

@@ -81,6 +81,10 @@ type Transport struct {
 	// other still listed, and the second must not keep the controllers
 	// for the first.
 	released map[string]bool
+	// silent holds, for each subsystem NQN and path, when a connect
+	// through the path last found it silent (errSilent); see
+	// skipSilent.
+	silent map[string]time.Time
 }
 
 // NewTransport returns a transport. It does not touch the system: the
@@ -112,7 +116,7 @@ func NewTransport(opts Options) (*Transport, error) {
 			return nil, err
 		}
 	}
-	t := &Transport{opts: opts, sys: sysTree{root: opts.SysRoot, readFile: opts.readFile}, log: opts.Logger, host: opts.Host, released: make(map[string]bool)}
+	t := &Transport{opts: opts, sys: sysTree{root: opts.SysRoot, readFile: opts.readFile}, log: opts.Logger, host: opts.Host, released: make(map[string]bool), silent: make(map[string]time.Time)}
 	if t.log == nil {
 		t.log = slog.Default()
 	}

@@ -1,11 +1,16 @@
 // Package blockdev asks the kernel about a block device through its node:
-// whether something holds it exclusively. Every such check of berth goes
-// through here, so that one rule holds for all of them: a device that makes
-// its open wait stalls only the caller, never the node's other work.
+// whether something holds it exclusively, its size, its read-only flag, and
+// writes its buffers back. Every such call of berth goes through here, so
+// that one rule holds for each: the in-use check of a device that makes its
+// open wait stalls only the caller, never the node's other work; a size is
+// never read as a negative number; a flush reaches the medium (fsync, which
+// on a block device also flushes the device's volatile cache) before the
+// buffer cache is dropped.
 package blockdev
 
 import (
 	"fmt"
+	"math"
 	"os"
 
 	"golang.org/x/sys/unix"
@@ -54,4 +59,73 @@ func Held(path string) (bool, error) {
 // openShared is Held's first open (tests make it wait).
 var openShared = func(path string) (int, error) {
 	return unix.Open(path, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+}
+
+// Size returns the size in bytes of the block device f is open on
+// (BLKGETSIZE64).
+func Size(f *os.File) (int64, error) {
+	n, err := unix.IoctlGetUint64(int(f.Fd()), unix.BLKGETSIZE64)
+	if err != nil {
+		return 0, fmt.Errorf("ioctl BLKGETSIZE64: %w", err)
+	}
+	if n > math.MaxInt64 {
+		return 0, fmt.Errorf("ioctl BLKGETSIZE64: %d bytes overflows int64", n)
+	}
+	return int64(n), nil
+}
+
+// LogicalBlockSize returns the logical block size of the block device f
+// is open on (BLKSSZGET): the smallest unit it addresses.
+func LogicalBlockSize(f *os.File) (int, error) {
+	n, err := unix.IoctlGetInt(int(f.Fd()), unix.BLKSSZGET)
+	if err != nil {
+		return 0, fmt.Errorf("ioctl BLKSSZGET: %w", err)
+	}
+	return n, nil
+}
+
+// Flush writes the dirty buffers of the block device f is open on to the
+// medium, with a flush of the device's volatile cache (fsync), then drops
+// its buffer cache (BLKFLSBUF), so that the next read comes from the
+// medium: before a device goes away, or before another reader (a probe,
+// another node) must see what was written.
+func Flush(f *os.File) error {
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("fsync: %w", err)
+	}
+	return DropCache(f)
+}
+
+// DropCache writes back and drops the buffer cache of the block device f
+// is open on (BLKFLSBUF), without a flush of the device's own cache: for a
+// reader that only needs the next reads to miss the cache.
+func DropCache(f *os.File) error {
+	if err := unix.IoctlSetInt(int(f.Fd()), unix.BLKFLSBUF, 0); err != nil {
+		return fmt.Errorf("ioctl BLKFLSBUF: %w", err)
+	}
+	return nil
+}
+
+// ReadOnly reports whether the kernel refuses writes to the block device
+// f is open on (BLKROGET): the flag SetReadOnly sets, or a read-only state
+// of the whole disk.
+func ReadOnly(f *os.File) (bool, error) {
+	v, err := unix.IoctlGetInt(int(f.Fd()), unix.BLKROGET)
+	if err != nil {
+		return false, fmt.Errorf("ioctl BLKROGET: %w", err)
+	}
+	return v != 0, nil
+}
+
+// SetReadOnly sets or clears the block layer's read-only flag of the
+// block device f is open on (BLKROSET; needs CAP_SYS_ADMIN).
+func SetReadOnly(f *os.File, ro bool) error {
+	v := 0
+	if ro {
+		v = 1
+	}
+	if err := unix.IoctlSetPointerInt(int(f.Fd()), unix.BLKROSET, v); err != nil {
+		return fmt.Errorf("ioctl BLKROSET: %w", err)
+	}
+	return nil
 }

@@ -108,3 +108,82 @@ func TestHeldWaitingOpenStallsNothingElse(t *testing.T) {
 		t.Errorf("the waiting check: %v, want EIO", err)
 	}
 }
+
+// Size, Flush and the read-only flag on a loop device: a write through the
+// device's buffer cache is in the backing file once Flush returns, and the
+// block layer refuses writes while the flag is set.
+func TestSizeFlushReadOnly(t *testing.T) {
+	if os.Geteuid() != 0 {
+		if os.Getenv("BERTH_CI") != "" {
+			t.Fatal("needs root (loop devices)")
+		}
+		t.Skip("needs root (loop devices)")
+	}
+	img := filepath.Join(t.TempDir(), "img")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 16<<20); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("losetup", "--find", "--show", "--", img).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev := strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "--detach", dev).Run() })
+
+	f, err := os.OpenFile(dev, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if n, err := Size(f); n != 16<<20 || err != nil {
+		t.Errorf("Size = %d, %v; want %d", n, err, 16<<20)
+	}
+	if n, err := LogicalBlockSize(f); n != 512 || err != nil {
+		t.Errorf("LogicalBlockSize = %d, %v; want 512", n, err)
+	}
+
+	marker := []byte("written through the buffer cache")
+	if _, err := f.WriteAt(marker, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := Flush(f); err != nil {
+		t.Fatalf("Flush: %v", err)
+	}
+	got := make([]byte, len(marker))
+	b, err := os.Open(img)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if _, err := b.ReadAt(got, 1<<20); err != nil || string(got) != string(marker) {
+		t.Errorf("backing file after Flush holds %q (%v); want %q", got, err, marker)
+	}
+
+	if ro, err := ReadOnly(f); ro || err != nil {
+		t.Fatalf("ReadOnly before SetReadOnly = %v, %v", ro, err)
+	}
+	if err := SetReadOnly(f, true); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { SetReadOnly(f, false) })
+	if ro, err := ReadOnly(f); !ro || err != nil {
+		t.Errorf("ReadOnly after SetReadOnly(true) = %v, %v", ro, err)
+	}
+	if _, err := f.WriteAt(marker, 2<<20); err == nil {
+		t.Errorf("write to %s succeeded with the read-only flag set", dev)
+	}
+	if err := SetReadOnly(f, false); err != nil {
+		t.Fatal(err)
+	}
+	if ro, err := ReadOnly(f); ro || err != nil {
+		t.Errorf("ReadOnly after SetReadOnly(false) = %v, %v", ro, err)
+	}
+
+	// Not a block device: the ioctl's error, never a size.
+	if n, err := Size(b); err == nil {
+		t.Errorf("Size(regular file) = %d, nil; want an error", n)
+	}
+}

@@ -102,6 +102,7 @@ modules=(
 	xfs ext4 virtio_net virtio_pci virtio_blk virtio_console virtio_rng
 	crc32c_generic crc32c_intel crct10dif_pclmul crc64_rocksoft af_packet
 	overlay squashfs
+	dummy
 	dm_crypt xts essiv aesni_intel cryptd crypto_simd af_alg algif_skcipher algif_hash sha512_generic
 )
 

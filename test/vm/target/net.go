@@ -35,3 +35,31 @@ func ensureLoopbackAlias(t testing.TB, host string) {
 }
 
 func ones(n *net.IPNet) int { o, _ := n.Mask.Size(); return o }
+
+var blackHoleMu sync.Mutex
+
+// BlackHole returns an address whose packets vanish: a /24 routed into a
+// dummy interface (which drops everything it is given and has no ARP), so
+// that a connect to it sees no SYN-ACK and no RST, as a portal behind a
+// firewall that drops packets or a dead switch port does. One per guest;
+// the interface stays until the guest ends.
+func BlackHole(t testing.TB) string {
+	t.Helper()
+	blackHoleMu.Lock()
+	defer blackHoleMu.Unlock()
+	const dev, cidr, addr = "blackhole0", "10.254.254.1/24", "10.254.254.2"
+	if _, err := net.InterfaceByName(dev); err == nil {
+		return addr
+	}
+	LoadModules(t, "dummy")
+	for _, args := range [][]string{
+		{"link", "add", dev, "type", "dummy"},
+		{"addr", "add", cidr, "dev", dev},
+		{"link", "set", dev, "up"},
+	} {
+		if out, err := exec.Command("ip", args...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %v: %v: %s", args, err, out)
+		}
+	}
+	return addr
+}
