@@ -554,6 +554,14 @@ func checkTLS(cfg *Config) []Check {
 	conf := Check{Name: "tlshd keyrings"}
 	confPath := filepath.Join(cfg.EtcRoot, "tlshd.conf")
 	b, err := os.ReadFile(confPath)
+	if errors.Is(err, fs.ErrNotExist) {
+		// In berth's container (hostPID) the host's /etc is that of
+		// its PID 1.
+		host := filepath.Join(cfg.ProcRoot, "1", "root", "etc", "tlshd.conf")
+		if hb, herr := os.ReadFile(host); herr == nil {
+			confPath, b, err = host, hb, nil
+		}
+	}
 	switch {
 	case err != nil:
 		conf.Status, conf.Detail = Warn, fmt.Sprintf("%s: %v", confPath, unwrapPathErr(err))

@@ -204,6 +204,11 @@ func TestBrokenNode(t *testing.T) {
 			}},
 		{"tlshd not running", "tlshd", Warn, "ktls-utils", "no tlshd process",
 			func(n *node, _ *Config) { n.remove("proc/98") }},
+		{"tlshd.conf of the host's PID 1", "tlshd keyrings", OK, "", "/proc/1/root/etc/tlshd.conf links",
+			func(n *node, _ *Config) {
+				n.remove("etc/tlshd.conf")
+				n.write("proc/1/root/etc/tlshd.conf", "[authenticate]\nkeyrings=.nvme\n")
+			}},
 		{"tlshd without .nvme", "tlshd keyrings", Warn, "keyrings=.nvme", "does not list .nvme",
 			func(n *node, _ *Config) {
 				n.write("etc/tlshd.conf", "[authenticate]\n#keyrings=.nvme\n[other]\nkeyrings=.nvme\n")
