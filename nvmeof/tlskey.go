@@ -152,9 +152,16 @@ func (k *TLSKey) TLSIdentity(hostNQN, subNQN string) string {
 // where HKDF is RFC 5869's extract (no salt) and expand to L bytes, L
 // the key's length as two bytes, little endian, and the labels are
 // concatenated without the length bytes of RFC 8446's HkdfLabel: not the
-// specification's HKDF-Expand-Label, but what nvme-cli computes and
-// therefore what interoperates. Hash 00 uses the configured key as the
-// retained one.
+// specification's HKDF-Expand-Label, but what nvme-cli 2.13 (libnvme
+// 1.13, Debian 13) computes, checked against its --insert in the guest
+// tests. Hash 00 uses the configured key as the retained one.
+//
+// nvme-cli 2.15 and later (libnvme's "Fixup HKDF-Expand-Label
+// algorithm", 2025) derive with the RFC 8446 HkdfLabel by default and
+// keep this derivation behind --compat: a target keyed by such an
+// nvme-cli without --compat has another PSK. berth does not derive that
+// way yet (no tool here to check it against); such a volume names an
+// operator's key instead (tlsKeyName, or the kernel's choice in .nvme).
 func (k *TLSKey) Derive(hostNQN, subNQN string) ([]byte, error) {
 	n := len(k.key)
 	retained := k.key
