@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -174,6 +175,26 @@ func TestGuestSanityNVMeTLS(t *testing.T) {
 		t.Fatal(err)
 	}
 	sanitySecretsFile = secrets
+	// The PSK is in no log line of berth's, and in no file of its
+	// state (which outlives the run: the records of staged volumes).
+	payload := key[len("NVMeTLSkey-1:01:") : len(key)-1]
+	sanityCheckLogs = func(t *testing.T, log string) {
+		if strings.Contains(log, payload[:24]) {
+			t.Error("berth's log holds the TLS PSK")
+		}
+		if !strings.Contains(log, "inserted the TLS PSK") {
+			t.Error("berth's log never says it inserted a PSK: the check proves nothing")
+		}
+	}
+	defer func() { sanityCheckLogs = nil }()
+	defer filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() && p != secrets {
+			if b, err := os.ReadFile(p); err == nil && strings.Contains(string(b), payload[:24]) {
+				t.Errorf("%s holds the TLS PSK", p)
+			}
+		}
+		return nil
+	})
 	const tlsPort = "127.0.0.1:4430"
 	var created atomic.Int32 // target keys nvme-cli inserted
 	ctl := newTargetController(t, func(tb testing.TB, id string, size int64) (map[string]string, func(int64)) {
