@@ -15,6 +15,7 @@ import (
 	"github.com/moby/sys/mountinfo"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/keyring"
 	"github.com/berth-csi/berth/iscsi"
 	"github.com/berth-csi/berth/nvmeof"
 )
@@ -493,4 +494,138 @@ func checkPropagation(cfg *Config) Check {
 		c.Detail += "; but " + dir + " does not exist: is the kubelet's --root-dir elsewhere?"
 	}
 	return c
+}
+
+// checkTLS checks what NVMe/TCP with TLS (volume_context tls "true")
+// needs: the kernel's TLS support in nvme-tcp, the .nvme keyring, and
+// tlshd, the handshake daemon, running on the host with .nvme in its
+// keyrings. A node without them serves every other volume, so each is a
+// warning.
+func checkTLS(cfg *Config) []Check {
+	kernel := Check{Name: "nvme tcp tls"}
+	// nvme-tcp has the parameter exactly when it is built with
+	// CONFIG_NVME_TCP_TLS (measured on Debian 13's 6.12).
+	param := filepath.Join(cfg.SysRoot, "module", "nvme_tcp", "parameters", "tls_handshake_timeout")
+	switch _, err := os.Stat(param); {
+	case err == nil:
+		kernel.Status, kernel.Detail = OK, "nvme-tcp has TLS (tls_handshake_timeout)"
+	case errors.Is(err, fs.ErrNotExist):
+		if _, err := os.Stat(filepath.Join(cfg.SysRoot, "module", "nvme_tcp")); err != nil {
+			// Not loaded: the module check says so, and whether it
+			// has TLS shows once it is.
+			kernel.Status, kernel.Detail = OK, "nvme-tcp is not loaded: whether it has TLS shows once it is"
+			break
+		}
+		kernel.Status, kernel.Detail = Warn, "nvme-tcp has no TLS (CONFIG_NVME_TCP_TLS is not set): volumes with tls \"true\" cannot stage"
+		kernel.Fix = "use a kernel built with CONFIG_NVME_TCP_TLS (Linux 6.7 or later, e.g. Debian 13's)"
+	default:
+		kernel.Status, kernel.Detail = Warn, err.Error()
+	}
+
+	ring := Check{Name: "nvme keyring"}
+	f, err := os.Open(filepath.Join(cfg.ProcRoot, "keys"))
+	var keys []keyring.Key
+	if err == nil {
+		keys, err = keyring.ParseProcKeys(f)
+		f.Close()
+	}
+	found := false
+	for _, k := range keys {
+		found = found || k.Type == "keyring" && k.Description == ".nvme"
+	}
+	switch {
+	case err != nil:
+		ring.Status, ring.Detail = Warn, fmt.Sprintf("cannot list the kernel's keys: %v", err)
+	case found:
+		ring.Status, ring.Detail = OK, "the kernel's .nvme keyring holds the TLS PSKs"
+	default:
+		ring.Status, ring.Detail = Warn, "no .nvme keyring (nvme-tcp creates it when loaded, with CONFIG_NVME_KEYRING): volumes with tls \"true\" cannot stage"
+		ring.Fix = "modprobe nvme-tcp"
+	}
+
+	daemon := Check{Name: "tlshd"}
+	if running := processRunning(cfg, "tlshd"); running {
+		daemon.Status, daemon.Detail = OK, "tlshd runs (the kernel's TLS handshakes)"
+	} else {
+		daemon.Status, daemon.Detail = Warn, "no tlshd process seen: volumes with tls \"true\" fail to connect (in a container berth sees the host's processes only with hostPID)"
+		daemon.Fix = "apt-get install ktls-utils && systemctl enable --now tlshd (on the host, as iscsid)"
+	}
+
+	conf := Check{Name: "tlshd keyrings"}
+	confPath := filepath.Join(cfg.EtcRoot, "tlshd.conf")
+	b, err := os.ReadFile(confPath)
+	if errors.Is(err, fs.ErrNotExist) {
+		// In berth's container (hostPID) the host's /etc is that of
+		// its PID 1.
+		host := filepath.Join(cfg.ProcRoot, "1", "root", "etc", "tlshd.conf")
+		if hb, herr := os.ReadFile(host); herr == nil {
+			confPath, b, err = host, hb, nil
+		}
+	}
+	switch {
+	case err != nil:
+		conf.Status, conf.Detail = Warn, fmt.Sprintf("%s: %v", confPath, unwrapPathErr(err))
+		conf.Fix = "install ktls-utils and set keyrings=.nvme under [authenticate] in /etc/tlshd.conf"
+	case tlshdKeyrings(string(b))[".nvme"]:
+		conf.Status, conf.Detail = OK, confPath+" links the .nvme keyring"
+	default:
+		conf.Status, conf.Detail = Warn, confPath+" does not list .nvme in [authenticate] keyrings: tlshd may not read the PSKs berth inserts there"
+		conf.Fix = "set keyrings=.nvme under [authenticate] in /etc/tlshd.conf and restart tlshd"
+	}
+	return []Check{kernel, ring, daemon, conf}
+}
+
+// tlshdKeyrings returns the keyrings of the [authenticate] section of a
+// tlshd.conf ("keyrings= .nvme;.other").
+func tlshdKeyrings(conf string) map[string]bool {
+	out := map[string]bool{}
+	section := ""
+	for _, line := range strings.Split(conf, "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" || line[0] == '#' || line[0] == ';' {
+			continue
+		}
+		if strings.HasPrefix(line, "[") && strings.HasSuffix(line, "]") {
+			section = line[1 : len(line)-1]
+			continue
+		}
+		k, v, ok := strings.Cut(line, "=")
+		if !ok || section != "authenticate" || strings.TrimSpace(k) != "keyrings" {
+			continue
+		}
+		for _, r := range strings.Split(v, ";") {
+			if r = strings.TrimSpace(r); r != "" {
+				out[r] = true
+			}
+		}
+	}
+	return out
+}
+
+// processRunning reports whether a process whose command name, or the
+// program its command line runs, is name runs in cfg.ProcRoot.
+func processRunning(cfg *Config, name string) bool {
+	dirs, _ := filepath.Glob(filepath.Join(cfg.ProcRoot, "[0-9]*"))
+	for _, d := range dirs {
+		if b, err := os.ReadFile(filepath.Join(d, "comm")); err == nil && strings.TrimSpace(string(b)) == name {
+			return true
+		}
+		if b, err := os.ReadFile(filepath.Join(d, "cmdline")); err == nil {
+			for _, arg := range strings.Split(string(b), "\x00") {
+				if filepath.Base(arg) == name {
+					return true
+				}
+			}
+		}
+	}
+	return false
+}
+
+// unwrapPathErr drops the path of a *fs.PathError.
+func unwrapPathErr(err error) error {
+	var pe *fs.PathError
+	if errors.As(err, &pe) {
+		return pe.Err
+	}
+	return err
 }

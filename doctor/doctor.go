@@ -196,6 +196,7 @@ func Run(ctx context.Context, cfg Config) Report {
 		add(checkModule(&cfg, "nvme_fabrics", "NVMe over Fabrics core, /dev/nvme-fabrics"))
 		add(checkModule(&cfg, "nvme_tcp", "NVMe/TCP"))
 		add(checkHostNQN(&cfg))
+		add(checkTLS(&cfg)...)
 	}
 	if cfg.wants(TransportFile) {
 		add(checkLoop(&cfg))

@@ -45,6 +45,13 @@ func newNode(t *testing.T) *node {
 			"30 22 0:25 / "+n.path("var/lib/kubelet")+" rw,relatime shared:12 - ext4 /dev/sdb1 rw\n"+
 			"31 30 0:26 / "+n.path("var/lib/kubelet/pods/x/volumes/tmp")+" rw - tmpfs tmpfs rw\n")
 	n.write("proc/412/comm", "multipathd\n")
+	// NVMe/TCP with TLS: nvme-tcp built with it, the .nvme keyring,
+	// tlshd run through a loader (its comm is the loader's).
+	n.write("sys/module/nvme_tcp/parameters/tls_handshake_timeout", "10\n")
+	n.write("proc/keys", "197c817b I------     5 perm 1f1f0000     0     0 keyring   .nvme: 1\n")
+	n.write("proc/98/comm", "ld-linux-x86-64\n")
+	n.write("proc/98/cmdline", "/opt/lib64/ld-linux-x86-64.so.2\x00--library-path\x00/opt/lib\x00/usr/sbin/tlshd\x00")
+	n.write("etc/tlshd.conf", "[debug]\nloglevel=0\n\n[authenticate]\n#keyrings=\nkeyrings= .nvme;.other\n")
 	n.write("etc/iscsi/initiatorname.iscsi", "## comment\nInitiatorName=iqn.1993-08.org.debian:01:5a3b2c1d\n")
 	n.write("etc/nvme/hostnqn", "nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427\n")
 	n.write("etc/nvme/hostid", "1b4e28ba-2fa1-11d2-883f-0016d3cca427\n")
@@ -189,6 +196,23 @@ func TestBrokenNode(t *testing.T) {
 			func(n *node, _ *Config) { n.write("etc/nvme/hostnqn", "host one\n") }},
 		{"no host identity", "nvme host identity", Warn, "kernel/random/uuid", "creates a random identity",
 			func(n *node, _ *Config) { n.remove("etc/nvme") }},
+		{"nvme-tcp without TLS", "nvme tcp tls", Warn, "CONFIG_NVME_TCP_TLS", "has no TLS",
+			func(n *node, _ *Config) { n.remove("sys/module/nvme_tcp/parameters") }},
+		{"no .nvme keyring", "nvme keyring", Warn, "modprobe nvme-tcp", "no .nvme keyring",
+			func(n *node, _ *Config) {
+				n.write("proc/keys", "0866b008 I--Q---     2 perm 1f3f0000     0 65534 keyring   _uid.0: empty\n")
+			}},
+		{"tlshd not running", "tlshd", Warn, "ktls-utils", "no tlshd process",
+			func(n *node, _ *Config) { n.remove("proc/98") }},
+		{"tlshd.conf of the host's PID 1", "tlshd keyrings", OK, "", "/proc/1/root/etc/tlshd.conf links",
+			func(n *node, _ *Config) {
+				n.remove("etc/tlshd.conf")
+				n.write("proc/1/root/etc/tlshd.conf", "[authenticate]\nkeyrings=.nvme\n")
+			}},
+		{"tlshd without .nvme", "tlshd keyrings", Warn, "keyrings=.nvme", "does not list .nvme",
+			func(n *node, _ *Config) {
+				n.write("etc/tlshd.conf", "[authenticate]\n#keyrings=.nvme\n[other]\nkeyrings=.nvme\n")
+			}},
 		{"mkfs.ext4 missing", "tool mkfs.ext4", Fail, "e2fsprogs", "not found",
 			func(n *node, _ *Config) { n.remove("bin/mkfs.ext4") }},
 		{"blkid not executable", "tool blkid", Fail, "util-linux", "not found",

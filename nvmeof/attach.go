@@ -67,6 +67,21 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 	if err := tg.checkKernelAuth(ctrls); err != nil {
 		return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 	}
+	var tc *tlsConn
+	if tg.vol.TLS {
+		if tc, err = tg.prepareTLS(ctx, host, ctrls); err != nil {
+			return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
+		}
+		defer func() {
+			if retErr != nil && tg.tlsKey != nil {
+				// Runs after the undo of the connects below (defers
+				// run last in, first out): berth's key goes with the
+				// last controller of the subsystem, also one an
+				// earlier stage left.
+				tg.dropKeys(context.WithoutCancel(ctx), host.NQN)
+			}
+		}()
+	}
 
 	results := make([]pathResult, len(tg.vol.Paths))
 	skip := tg.skipSilent(time.Now())
@@ -78,7 +93,7 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 			continue
 		}
 		wg.Go(func() {
-			results[i] = tg.attachPath(ctx, host, ctrls, p)
+			results[i] = tg.attachPath(ctx, host, ctrls, p, tc)
 			tg.noteSilent(p, results[i].err)
 		})
 	}
@@ -218,7 +233,7 @@ func (tg *Target) verify(dev *devices.Device) error {
 }
 
 // attachPath reuses the controller for p or connects a new one.
-func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Controller, p Path) pathResult {
+func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Controller, p Path, tc *tlsConn) pathResult {
 	t := tg.t
 	r := pathResult{path: p}
 	rp, err := tg.resolve(ctx, p)
@@ -240,6 +255,10 @@ func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Con
 			r.err = err
 			return r
 		}
+		if err := tg.checkTLSReuse(c, tc); err != nil {
+			r.err = err
+			return r
+		}
 		logctx.From(ctx, t.log).Debug("nvmeof: reusing controller", "target", tg.Key(), "path", p.String(), "controller", c)
 		r.ctrl = c
 		return r
@@ -257,6 +276,9 @@ func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Con
 	}
 	if tg.auth != nil {
 		o.DHCHAPSecret, o.DHCHAPCtrlSecret = tg.auth.Host, tg.auth.Ctrl
+	}
+	if tc != nil {
+		o.TLS, o.TLSKey, o.Keyring = true, tc.key, tc.keyring
 	}
 	s, err := o.Encode()
 	if err != nil {
@@ -276,6 +298,10 @@ func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Con
 				r.err = err
 				return r
 			}
+			if err := tg.checkTLSReuse(c, tc); err != nil {
+				r.err = err
+				return r
+			}
 			r.ctrl = c
 			return r
 		}
@@ -285,6 +311,9 @@ func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Con
 	if errors.Is(err, errRefused) && tg.authRefused(ctx, rp) {
 		r.err = errAuthRefused(host.NQN)
 		return r
+	}
+	if err != nil && tc != nil {
+		err = tg.tlsConnectError(ctx, rp, err)
 	}
 	if err != nil {
 		r.err = fmt.Errorf("%w (hostnqn %s)", err, host.NQN)

@@ -58,6 +58,12 @@ type Volume struct {
 	// controller, and native multipath joins them under one head.
 	Paths []Path
 	Tunables
+	// TLS connects every path with TLS (KeyTLS); TLSKeyName names the
+	// PSK in the .nvme keyring to use (KeyTLSKeyName), "" for the PSK
+	// of the stage secrets or, without one, the keyring's key for the
+	// host and subsystem.
+	TLS        bool
+	TLSKeyName string
 }
 
 // Key is the volume's canonical identity: the subsystem NQN and the
@@ -254,6 +260,12 @@ func ParseVolumeContext(vc map[string]string) (*Volume, error) {
 	}
 	if err := checkReconnectForever(vc, v.Tunables); err != nil {
 		return nil, err
+	}
+	if err := parseTLSContext(vc, v); err != nil {
+		return nil, err
+	}
+	if v.TLS && trtype != TransportTCP {
+		return nil, errdefs.InvalidArgument("volume_context %q=\"true\": TLS is a secure channel of the tcp transport, not %s", KeyTLS, trtype)
 	}
 	return v, nil
 }

@@ -95,6 +95,9 @@ func (tg *Target) Detach(ctx context.Context) error {
 	if err := tg.deleteControllers(ctx, keep); err != nil {
 		return fmt.Errorf("detach %s: %w", tg.Key(), err)
 	}
+	if host := t.knownHostNQN(); tg.vol.TLS && host != "" {
+		tg.dropKeys(ctx, host)
+	}
 	return nil
 }
 

@@ -48,6 +48,20 @@
 // target without keys for the host is connected unauthenticated, even
 // with a controller key, and sysfs shows no difference.
 //
+// # TLS
+//
+// A volume with volume_context tls "true" connects every path with TLS
+// 1.3 and a pre-shared key (see tls.go for what the kernel and tlshd do,
+// as measured). The PSK comes from the stage secret tlsKey in the
+// interchange format (ParseTLSKey validates it), is derived for the
+// identity "NVMe0R<hh> <hostnqn> <subnqn>" as nvme-cli derives it
+// (TLSKey.Derive) and inserted into a keyring "berth" below the kernel's
+// .nvme keyring, whose serial the connect names (tls_key); or the volume
+// names an operator's key in .nvme (tlsKeyName), or takes the one the
+// kernel would pick there. A controller is reused only when its sysfs
+// tls_key is the volume's key. berth's keys go when the subsystem's last
+// controller on the node does.
+//
 // # Paths and multipath
 //
 // Each distinct address is one controller. With native NVMe multipath

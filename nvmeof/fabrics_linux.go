@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -26,6 +27,23 @@ var errDuplicate = errors.New("a controller with these options already exists")
 // answer a failed DH-HMAC-CHAP authentication so (newer ones say
 // EKEYREJECTED); the caller tells the two apart (see Target.authRefused).
 var errRefused = errors.New("connection refused")
+
+// errNoHandshake marks an ESRCH connect: with tls, the kernel's
+// handshake upcall found no tlshd listening.
+var errNoHandshake = errors.New("no TLS handshake daemon")
+
+// fabricsOptions reads the option list the kernel's connect interface
+// prints before any connect ("instance=-1,cntlid=-1,transport=%s,...").
+func fabricsOptions(dev string) (string, error) {
+	b, err := os.ReadFile(dev)
+	if errors.Is(err, fs.ErrNotExist) {
+		return "", fmt.Errorf("open %s: the nvme-fabrics module is not loaded (modprobe nvme-tcp): %w", dev, errdefs.ErrUnavailable)
+	}
+	if err != nil {
+		return "", fmt.Errorf("read the connect options of %s: %w", dev, err)
+	}
+	return strings.TrimSpace(string(b)), nil
+}
 
 // errSilent marks a connect to a path that did not answer: no SYN-ACK
 // (the kernel gives up after one SYN retry, about 3 s) or no ICResp to the
@@ -99,14 +117,22 @@ func connectError(err error) error {
 	case unix.EPROTONOSUPPORT:
 		return fmt.Errorf("connect: the target requires NVMe in-band authentication (DH-HMAC-CHAP), which this kernel does not support (%v; CONFIG_NVME_AUTH or CONFIG_NVME_HOST_AUTH is not set): %w",
 			errno, errdefs.ErrUnsupported)
+	case unix.ESRCH:
+		return fmt.Errorf("connect: %w (%v)", errNoHandshake, errno)
 	case unix.ETIMEDOUT, unix.EHOSTUNREACH, unix.ENETUNREACH, unix.EHOSTDOWN:
+		// With tls, ETIMEDOUT is also a TLS handshake that failed
+		// (see tls.go): Target.tlsConnectError tells the two apart.
 		return fmt.Errorf("connect: target unreachable (%v): %w: %w", errno, errSilent, errdefs.ErrUnavailable)
 	case unix.EAGAIN:
 		// nvme-tcp's wait for the ICResp ended (its receive timeout).
 		return fmt.Errorf("connect: the target accepted the TCP connection but never answered the NVMe/TCP initialization (%v): check that an NVMe/TCP target, not another service, listens there and is not hung: %w: %w", errno, errSilent, errdefs.ErrUnavailable)
 	case unix.EINVAL:
 		return fmt.Errorf("connect: the kernel rejected the connect options (%v); check dmesg: a hostnqn paired with another hostid, a transport module missing, or a target refusing this host: %w", errno, errdefs.ErrFailedPrecondition)
-	case unix.EIO, unix.EPROTO, unix.ECONNRESET:
+	case unix.ECONNRESET:
+		// Measured on 6.12: a connect without tls to an nvmet port
+		// that requires TLS (addr_treq "required").
+		return fmt.Errorf("connect: the target reset the connection (%v): when its port requires TLS, set volume_context %q=\"true\" and give the PSK (secret %q); else check that the subsystem exists and allows this hostnqn: %w", errno, KeyTLS, SecretTLSKey, errdefs.ErrFailedPrecondition)
+	case unix.EIO, unix.EPROTO:
 		// EIO is also what 6.12 answers, after its 60 s admin timeout,
 		// when the target dropped the connection over a rejected key
 		// while the host waited for its authentication reply (measured

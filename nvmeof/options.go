@@ -81,6 +81,13 @@ type ConnectOptions struct {
 	// (dhchap_ctrl_secret). Both print without their secrets.
 	DHCHAPSecret     *DHCHAPKey
 	DHCHAPCtrlSecret *DHCHAPKey
+	// TLS connects with TLS 1.3 (tls); TLSKey is the serial of the PSK
+	// (tls_key) and Keyring the keyring the kernel hands to tlshd with
+	// the handshake (keyring), 0 for the kernel's default (.nvme). Both
+	// need TLS. No secret: the key stays in the kernel.
+	TLS     bool
+	TLSKey  int
+	Keyring int
 	Tunables
 }
 
@@ -104,11 +111,14 @@ func (o *ConnectOptions) Encode() (string, error) {
 		port = DefaultPort
 	}
 	var b strings.Builder
-	add := func(k, v string) {
+	flag := func(k string) {
 		if b.Len() > 0 {
 			b.WriteByte(',')
 		}
 		b.WriteString(k)
+	}
+	add := func(k, v string) {
+		flag(k)
 		b.WriteByte('=')
 		b.WriteString(v)
 	}
@@ -131,6 +141,15 @@ func (o *ConnectOptions) Encode() (string, error) {
 	for _, r := range tunableRange {
 		if p := *r.get(&o.Tunables); p != nil {
 			add(r.name, strconv.Itoa(*p))
+		}
+	}
+	if o.TLS {
+		flag("tls")
+		if o.Keyring != 0 {
+			add("keyring", strconv.Itoa(o.Keyring))
+		}
+		if o.TLSKey != 0 {
+			add("tls_key", strconv.Itoa(o.TLSKey))
 		}
 	}
 	// The keys are checked by ParseDHCHAPKey: base64, digits and
@@ -188,6 +207,14 @@ func (o *ConnectOptions) Validate() error {
 		if err := validateIface("host_iface", o.HostIface); err != nil {
 			return err
 		}
+	}
+	switch {
+	case o.TLS && o.Transport != TransportTCP:
+		return errdefs.InvalidArgument("nvmeof option tls: only the tcp transport has TLS")
+	case !o.TLS && (o.TLSKey != 0 || o.Keyring != 0):
+		return errdefs.InvalidArgument("nvmeof options tls_key and keyring: need tls")
+	case o.TLSKey < 0 || o.Keyring < 0:
+		return errdefs.InvalidArgument("nvmeof options tls_key and keyring: key serials are positive")
 	}
 	if o.DHCHAPCtrlSecret != nil && o.DHCHAPSecret == nil {
 		return errdefs.InvalidArgument("nvmeof option dhchap_ctrl_secret: needs dhchap_secret (the host authenticates first)")

@@ -66,6 +66,14 @@ type Transport struct {
 	// flight (see flush).
 	flushing kmutex.KeyedMutex
 
+	// tlsOnce reads the kernel's connect options once for tlsErr.
+	tlsOnce sync.Once
+	tlsErr  error
+	// keyMu serializes the keyring work of every subsystem: two
+	// add_key calls that each find no "berth" keyring would make two,
+	// the second displacing the first (and the keys in it) from .nvme.
+	keyMu sync.Mutex
+
 	mu sync.Mutex
 	// released holds the keys of volumes this process has detached (and
 	// not attached again). Detach ignores them in Staged's answer: when
@@ -126,8 +134,8 @@ func TransportKeys() []string { return []string{KeyNQN, AliasTrAddr} }
 // Name is the transport's volume_context "transport" value.
 func (t *Transport) Name() string { return Name }
 
-// Parse validates a volume_context and the DH-HMAC-CHAP keys in secrets
-// (see ParseAuth); see the package documentation for its keys. Errors
+// Parse validates a volume_context, the DH-HMAC-CHAP keys in secrets
+// (see ParseAuth) and the TLS PSK (see ParseTLSSecret); see the package documentation for its keys. Errors
 // about a key name it, never its value.
 func (t *Transport) Parse(volumeContext, secrets map[string]string) (*Target, error) {
 	v, err := ParseVolumeContext(volumeContext)
@@ -138,7 +146,11 @@ func (t *Transport) Parse(volumeContext, secrets map[string]string) (*Target, er
 	if err != nil {
 		return nil, err
 	}
-	return &Target{t: t, vol: v, auth: auth}, nil
+	key, err := ParseTLSSecret(v, secrets)
+	if err != nil {
+		return nil, err
+	}
+	return &Target{t: t, vol: v, auth: auth, tlsKey: key}, nil
 }
 
 // HostIdentity returns the host NQN and ID, loading or creating them on
@@ -180,6 +192,9 @@ type Target struct {
 	t    *Transport
 	vol  *Volume
 	auth *Auth // nil: no in-band authentication (or not known: Detach, Health)
+	// tlsKey is the PSK of the stage secrets for a TLS volume; nil
+	// for a key of the .nvme keyring (or not known: Detach, Health).
+	tlsKey *TLSKey
 }
 
 // Volume returns the parsed volume_context.

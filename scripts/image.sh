@@ -69,7 +69,9 @@ suite=${VERSION_CODENAME:?no VERSION_CODENAME in /etc/os-release}
 # maintainer scripts; the image then takes only the programs below, with
 # their shared libraries, and the configuration files they read. Packages
 # pull in much that berth never runs (xfsprogs brings Python and ICU for
-# xfs_scrub; util-linux brings dpkg and debconf).
+# xfs_scrub; util-linux brings dpkg and debconf). No tlshd: for NVMe/TCP with
+# TLS the kernel hands its handshakes to the host's tlshd, as iscsiadm talks
+# to the host's iscsid; berth only puts the PSKs into the kernel's keyring.
 packages=(e2fsprogs xfsprogs util-linux mount cryptsetup-bin dash libc-bin)
 programs=(
 	/bin/sh /bin/dash

@@ -103,10 +103,16 @@ func sanityBerth(t *testing.T, bin, dir string, ctl controller, flags ...string)
 	if left, _ := filepath.Glob(filepath.Join(dir, "state", "volumes", "*.json")); len(left) > 0 {
 		t.Errorf("berth still records %d volumes after sanity cleaned up", len(left))
 	}
+	if sanityCheckLogs != nil {
+		sanityCheckLogs(t, logs.String())
+	}
 	if !passed || t.Failed() {
 		t.Logf("berth log:\n%s", logs.String())
 	}
 }
+
+// sanityCheckLogs, when set, looks at berth's log after a sanity run.
+var sanityCheckLogs func(t *testing.T, log string)
 
 // sanitySecretsFile is csi-sanity's secrets file (YAML, see
 // sanity.CSISecrets) of the next runSanity; "" for none.

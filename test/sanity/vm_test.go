@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -136,6 +137,113 @@ func TestGuestSanityNVMeDHCHAP(t *testing.T) {
 		if b, err := os.ReadFile(f); err == nil && strings.HasPrefix(string(b), "nqn.2014-08.io.berth:") {
 			t.Errorf("controller left after sanity: %s: %s", f, b)
 		}
+	}
+}
+
+// TestVMSanityNVMeTLS runs csi-sanity's node specs with NVMe/TCP volumes
+// whose nvmet port requires TLS, the PSK in the stage secrets, in a
+// guest booting Debian 13's 6.12 kernel with its tlshd. Target and node
+// share the guest's .nvme keyring: the target's keys (nvme-cli's) and
+// berth's copies below it hold the same PSKs, so the shared keyring
+// changes nothing the test checks.
+func TestVMSanityNVMeTLS(t *testing.T) {
+	t.Parallel()
+	vm.RunGuestTests(t,
+		vm.WithKernel("trixie"),
+		vm.WithTestRun("^TestGuestSanityNVMeTLS$"),
+		vm.WithMemory(1536),
+		vm.WithTimeout(10*time.Minute))
+}
+
+func TestGuestSanityNVMeTLS(t *testing.T) {
+	vm.RequireGuest(t)
+	target.LoadModules(t, "nvmet", "nvmet_tcp", "nvme_tcp", "nvme_fabrics")
+	target.StartTLSHD(t)
+	host, err := nvmeof.LoadHostIdentity(nvmeof.DefaultHostDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("nvme-trixie", "gen-tls-key", "--hmac=1").Output()
+	if err != nil {
+		t.Fatalf("nvme gen-tls-key: %v", err)
+	}
+	key := strings.TrimSpace(string(out))
+	dir := t.TempDir()
+	secrets := filepath.Join(dir, "secrets.yaml")
+	yaml := fmt.Sprintf("NodeStageVolumeSecret:\n  %s: %q\n", nvmeof.SecretTLSKey, key)
+	if err := os.WriteFile(secrets, []byte(yaml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sanitySecretsFile = secrets
+	// The PSK is in no log line of berth's, and in no file of its
+	// state (which outlives the run: the records of staged volumes).
+	payload := key[len("NVMeTLSkey-1:01:") : len(key)-1]
+	sanityCheckLogs = func(t *testing.T, log string) {
+		if strings.Contains(log, payload[:24]) {
+			t.Error("berth's log holds the TLS PSK")
+		}
+		if !strings.Contains(log, "inserted the TLS PSK") {
+			t.Error("berth's log never says it inserted a PSK: the check proves nothing")
+		}
+	}
+	defer func() { sanityCheckLogs = nil }()
+	defer filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() && p != secrets {
+			if b, err := os.ReadFile(p); err == nil && strings.Contains(string(b), payload[:24]) {
+				t.Errorf("%s holds the TLS PSK", p)
+			}
+		}
+		return nil
+	})
+	const tlsPort = "127.0.0.1:4430"
+	var created atomic.Int32 // target keys nvme-cli inserted
+	ctl := newTargetController(t, func(tb testing.TB, id string, size int64) (map[string]string, func(int64)) {
+		tgt := target.NewNVMeTarget(tb, target.NVMeConfig{
+			NQN:          "nqn.2014-08.io.berth:" + id,
+			Namespaces:   []target.NVMeNamespace{{Size: size}},
+			Ports:        []string{tlsPort},
+			AllowedHosts: []string{host.NQN},
+			TLS:          "required",
+		})
+		target.InsertTLSKey(tb, host.NQN, tgt.NQN(), key)
+		created.Add(1)
+		ns := tgt.Namespace(1)
+		return map[string]string{
+				"transport": "nvmeof",
+				"nqn":       tgt.NQN(),
+				"traddr":    "127.0.0.1",
+				"trsvcid":   "4430",
+				"nsid":      "1",
+				"uuid":      ns.UUID,
+				"tls":       "true",
+			}, func(size int64) {
+				tgt.Grow(1, size)
+			}
+	})
+	sanityBerth(t, guestBerth, dir, ctl, "--transports", "nvmeof")
+	// berth disconnected every controller it connected, and removed
+	// the keys it inserted.
+	nqns, _ := filepath.Glob("/sys/class/nvme/*/subsysnqn")
+	for _, f := range nqns {
+		if b, err := os.ReadFile(f); err == nil && strings.HasPrefix(string(b), "nqn.2014-08.io.berth:") {
+			t.Errorf("controller left after sanity: %s: %s", f, b)
+		}
+	}
+	keys, err := os.ReadFile("/proc/keys")
+	if err != nil {
+		t.Fatal(err)
+	}
+	inserted := 0
+	for _, line := range strings.Split(string(keys), "\n") {
+		if strings.Contains(line, " psk ") && strings.Contains(line, "nqn.2014-08.io.berth:") {
+			inserted++
+		}
+	}
+	// nvme-cli's keys of the target side stay, one per subsystem the
+	// test made; berth's copies must be gone.
+	t.Logf("%d PSKs of the test's subsystems left in the kernel's keys, %d of them the target's", inserted, created.Load())
+	if created.Load() == 0 || inserted != int(created.Load()) {
+		t.Errorf("%d PSKs of the test's subsystems left, want the target's %d: berth left keys behind", inserted, created.Load())
 	}
 }
 

@@ -239,6 +239,50 @@ for m in nvme_auth nvme_keyring; do
 	modprobe -d "$kernel_dir" -S "$kver" --show-depends "$m" >/dev/null 2>&1 && modules+=("$m")
 done
 
+# ---- the other suite's handshake daemon ---------------------------------------
+# NVMe/TCP with TLS needs tlshd (ktls-utils), which Debian 13 has and Debian 12
+# has not. For an image with another suite's kernel, the package and its library
+# closure (glibc, gnutls, glib, libnl, keyutils...) of that suite are downloaded
+# through the same private apt configuration as the kernel, resolved against an
+# empty dpkg status (so nothing of the host counts as installed), and extracted
+# into a tree of their own that the initramfs carries under /opt/<suite>; the
+# guest runs tlshd through that suite's own dynamic loader (/usr/sbin/tlshd is a
+# wrapper). Nothing of it mixes with the Debian 12 root's libraries.
+# nvme-cli of that suite too, as nvme-<suite>: Debian 12's 2.3 cannot insert TLS
+# keys (check-tls-key --insert), which the tests compare berth's derivation with.
+userland_packages=(ktls-utils nvme-cli)
+build_userland() { # $1: output dir
+	local out=$1 tmp d
+	tmp=$(mktemp -d "$cache/.userland.XXXXXX")
+	: >"$tmp/status"
+	mkdir -p "$tmp/archives/partial" "$tmp/tree"
+	log "downloading ${userland_packages[*]} and their libraries ($ksuite)"
+	apt-get install -q -y --download-only --no-install-recommends \
+		-o Dir::State::status="$tmp/status" -o Dir::Cache::archives="$tmp/archives" \
+		"${userland_packages[@]}" >&2
+	for d in "$tmp"/archives/*.deb; do dpkg-deb -x "$d" "$tmp/tree"; done
+	rm -rf "$tmp"/tree/usr/share/{man,doc,locale,info} "$tmp/archives" "$tmp/status"
+	for d in tlshd nvme; do
+		[ -x "$tmp/tree/usr/sbin/$d" ] || die "no usr/sbin/$d in ${userland_packages[*]} ($ksuite)"
+	done
+	mv "$tmp/tree" "$out"
+	rm -rf "$tmp" # apt's lock files beside the status file
+}
+userland_dir=
+if [ "$ksuite" != "$suite" ]; then
+	userland_key=$( { declare -f build_userland; echo "$ksuite ${userland_packages[*]} $lists_stamp"; } | sha)
+	userland_dir=$stages/userland-$userland_key
+	if [ -d "$userland_dir" ]; then
+		log "$ksuite userland cached in $userland_dir"
+	else
+		t0=$SECONDS
+		build_userland "$userland_dir"
+		log "$ksuite userland ready in $((SECONDS - t0)) s ($(du -sh "$userland_dir" | cut -f1))"
+	fi
+	# The handshake upcall's TLS record layer.
+	modules+=(tls)
+fi
+
 # ---- Debian root -------------------------------------------------------------
 build_root() { # $1: output dir
 	local out=$1 tmp
@@ -343,6 +387,27 @@ build_image() { # $1: output dir
 	printf 'passwd: files\ngroup: files\nshadow: files\nhosts: files\n' >"$ir/etc/nsswitch.conf"
 	printf '127.0.0.1 localhost\n' >"$ir/etc/hosts"
 	guest_config "$ir"
+	if [ -n "$userland_dir" ]; then
+		# The two programs and the libraries the suite's loader resolves
+		# for them (its --list loads, never runs, them).
+		local opt=$ir/opt/$ksuite lib=usr/lib/x86_64-linux-gnu w
+		mkdir -p "$opt/usr/sbin" "$opt/usr/lib64" "$opt/$lib"
+		cp -L "$userland_dir/usr/lib64/ld-linux-x86-64.so.2" "$opt/usr/lib64/"
+		for w in tlshd nvme; do
+			cp -L "$userland_dir/usr/sbin/$w" "$opt/usr/sbin/"
+			"$userland_dir/usr/lib64/ld-linux-x86-64.so.2" --library-path "$userland_dir/$lib" --list "$userland_dir/usr/sbin/$w" |
+				sed -n 's/^[[:space:]]*\([^ ]*\) => \(\/[^ ]*\) .*/\1 \2/p' |
+				while read -r soname path; do case $soname in /*) ;; *) cp -L "$path" "$opt/$lib/$soname" ;; esac; done
+		done
+		# tlshd reads its keyrings from /etc/tlshd.conf: the PSKs of
+		# NVMe/TCP are in the kernel's .nvme keyring.
+		printf '[debug]\nloglevel=0\ntls=0\nnl=0\n\n[authenticate]\nkeyrings=.nvme\n' >"$ir/etc/tlshd.conf"
+		for w in tlshd:tlshd nvme:nvme-$ksuite; do
+			printf '#!/bin/sh\n# %s of Debian %s, run with that suite'"'"'s loader and libraries.\nexec /opt/%s/usr/lib64/ld-linux-x86-64.so.2 --library-path /opt/%s/usr/lib/x86_64-linux-gnu /opt/%s/usr/sbin/%s "$@"\n' \
+				"${w%%:*}" "$ksuite" "$ksuite" "$ksuite" "$ksuite" "${w%%:*}" >"$ir/usr/sbin/${w#*:}"
+			chmod 755 "$ir/usr/sbin/${w#*:}"
+		done
+	fi
 	mkdir -p "$out.tmp"
 	log "packing base.cpio.gz"
 	(cd "$ir" && find . -mindepth 1 | LC_ALL=C sort | cpio --quiet -o -H newc -R 0:0) | gzip -1 >"$out.tmp/base.cpio.gz"
@@ -356,11 +421,12 @@ KERNEL_DIR=$kernel_dir
 KERNEL_ARGS=$kernel_args
 ROOT_DISK=$root_dir/root.ext4
 ROOT_DIR=$root_tree
+USERLAND_DIR=$userland_dir
 EOF
 	rm -rf "$tmp"
 	mv "$out.tmp" "$out"
 }
-image_key=$( { declare -f build_image copy_with_libs guest_config; echo "${tools[*]} ${modules[*]} $kernel_args $kernel_key $root_key"; } | sha)
+image_key=$( { declare -f build_image copy_with_libs guest_config; echo "${tools[*]} ${modules[*]} $kernel_args $kernel_key $root_key $userland_dir"; } | sha)
 image_dir=$stages/image-$image_key
 if [ -d "$image_dir" ]; then
 	touch "$image_dir" "$kernel_dir" "$root_dir"
@@ -379,13 +445,13 @@ mv -T "$cache/$link.tmp" "$cache/$link"
 
 # Drop stages no longer referenced, once no test started an hour ago can still use them.
 # The stages of every current link (the images of other suites' kernels) stay.
-keep=("$kernel_dir" "$root_dir" "$image_dir")
+keep=("$kernel_dir" "$root_dir" "$image_dir" ${userland_dir:+"$userland_dir"})
 for l in "$cache"/current "$cache"/current-*; do
 	[ -f "$l/image.env" ] || continue
 	keep+=("$cache/$(readlink "$l")")
-	keep+=($(sed -n 's/^KERNEL_DIR=//p; s/^ROOT_DIR=\(.*\)\/tree$/\1/p' "$l/image.env"))
+	keep+=($(sed -n 's/^KERNEL_DIR=//p; s/^ROOT_DIR=\(.*\)\/tree$/\1/p; s/^USERLAND_DIR=\(..*\)$/\1/p' "$l/image.env"))
 done
-for d in "$stages"/kernel-* "$stages"/root-* "$stages"/image-*; do
+for d in "$stages"/kernel-* "$stages"/root-* "$stages"/image-* "$stages"/userland-*; do
 	[ -d "$d" ] || continue
 	case " ${keep[*]} " in *" $d "*) continue ;; esac
 	[ -n "$(find "$d" -maxdepth 0 -mmin +60)" ] || continue

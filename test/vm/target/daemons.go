@@ -4,9 +4,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 var daemonMu sync.Mutex
@@ -76,4 +78,83 @@ func StartMultipathd(t testing.TB) {
 	StartUdevd(t)
 	os.MkdirAll("/run/multipath", 0o755)
 	startDaemon(t, "multipathd", "multipathd")
+}
+
+// StartTLSHD starts tlshd, the TLS handshake daemon of the kernel's
+// NVMe/TCP (ktls-utils), unless it runs already. The trixie guest image
+// has it (test/vm/image/build.sh trixie) as /usr/sbin/tlshd, a wrapper
+// that runs Debian 13's binary with that suite's loader, so the process
+// is found by its command line. /etc/tlshd.conf links the .nvme keyring.
+// Its messages go to /tmp/tlshd.log. It runs for the rest of the
+// guest's life.
+func StartTLSHD(t testing.TB) {
+	t.Helper()
+	LoadModules(t, "tls", "nvme_tcp")
+	daemonMu.Lock()
+	defer daemonMu.Unlock()
+	if TLSHDRunning() {
+		return
+	}
+	if _, err := exec.LookPath("tlshd"); err != nil {
+		t.Fatalf("tlshd: %v (the guest image has it only with a kernel of another suite: vm.WithKernel(\"trixie\"))", err)
+	}
+	log, err := os.OpenFile("/tmp/tlshd.log", os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("tlshd", "-s") // -s: log to stderr
+
+	cmd.Stdout, cmd.Stderr = log, log
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start tlshd: %v", err)
+	}
+	log.Close()
+	go cmd.Wait()
+	for i := 0; i < 100 && !TLSHDRunning(); i++ {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if !TLSHDRunning() {
+		b, _ := os.ReadFile("/tmp/tlshd.log")
+		t.Fatalf("tlshd did not start: %s", b)
+	}
+}
+
+// TLSHDRunning reports whether a tlshd process runs.
+func TLSHDRunning() bool {
+	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	for _, p := range procs {
+		if b, err := os.ReadFile(p); err == nil && strings.Contains(string(b), "/usr/sbin/tlshd") && !strings.HasPrefix(string(b), "/bin/sh") {
+			return true
+		}
+	}
+	return false
+}
+
+// StopTLSHD kills every tlshd process.
+func StopTLSHD(t testing.TB) {
+	t.Helper()
+	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	for _, p := range procs {
+		if b, err := os.ReadFile(p); err == nil && strings.Contains(string(b), "/usr/sbin/tlshd") {
+			pid, _ := strconv.Atoi(filepath.Base(filepath.Dir(p)))
+			if proc, err := os.FindProcess(pid); err == nil {
+				proc.Kill()
+			}
+		}
+	}
+	for i := 0; i < 100 && TLSHDRunning(); i++ {
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// InsertTLSKey loads the PSK of key (interchange format) for hostNQN and
+// subNQN into the .nvme keyring as nvme-cli does (check-tls-key
+// --insert, with the guest's nvme-trixie: Debian 12's nvme-cli cannot).
+// The key is in that command's argv: for the target side of a test.
+func InsertTLSKey(t testing.TB, hostNQN, subNQN, key string) {
+	t.Helper()
+	out, err := exec.Command("nvme-trixie", "check-tls-key", "--insert", "--hostnqn="+hostNQN, "--subsysnqn="+subNQN, "--keydata="+key).CombinedOutput()
+	if err != nil {
+		t.Fatalf("nvme check-tls-key --insert: %v: %s", err, out)
+	}
 }

@@ -41,6 +41,12 @@ type NVMeConfig struct {
 	// DH-HMAC-CHAP (it needs AllowedHosts: nvmet authenticates only
 	// the hosts it lists).
 	DHCHAP *NVMeDHCHAP
+	// TLS, when set, makes the Ports offer NVMe/TCP with TLS 1.3
+	// (addr_tsas "tls1.3") with this addr_treq: "required" or "not
+	// required" (then a host may connect without TLS too). The PSKs
+	// are the target's tlshd's business: keys in the .nvme keyring
+	// (InsertTLSKey), and tlshd running (StartTLSHD).
+	TLS string
 }
 
 // NVMeDHCHAP is the in-band authentication of one allowed host: the
@@ -126,7 +132,7 @@ func NewNVMeTarget(t testing.TB, cfg NVMeConfig) *NVMeTarget {
 		n.addNamespace(ns)
 	}
 	for _, p := range cfg.Ports {
-		n.AddPort(p)
+		n.AddPortTLS(p, cfg.TLS)
 	}
 	return n
 }
@@ -286,6 +292,14 @@ func (n *NVMeTarget) ConnectString(addr string) string {
 // AddPort makes the target listen on addr ("ip:port"; an address of the
 // guest such as 127.0.0.1 or a loopback alias 127.0.0.2...).
 func (n *NVMeTarget) AddPort(addr string) {
+	n.t.Helper()
+	n.AddPortTLS(addr, "")
+}
+
+// AddPortTLS is AddPort for a port with TLS: treq is its addr_treq
+// ("required", "not required"), "" for a port without TLS. A port that
+// exists already (shared with another subsystem) keeps its setting.
+func (n *NVMeTarget) AddPortTLS(addr, treq string) {
 	t := n.t
 	t.Helper()
 	host, port, err := net.SplitHostPort(addr)
@@ -310,6 +324,11 @@ func (n *NVMeTarget) AddPort(addr string) {
 		mustWrite(t, filepath.Join(pd, "addr_adrfam"), "ipv4")
 		mustWrite(t, filepath.Join(pd, "addr_traddr"), host)
 		mustWrite(t, filepath.Join(pd, "addr_trsvcid"), port)
+		if treq != "" {
+			// addr_tsas first: it sets addr_treq to "required".
+			mustWrite(t, filepath.Join(pd, "addr_tsas"), "tls1.3")
+			mustWrite(t, filepath.Join(pd, "addr_treq"), treq)
+		}
 		portByAd[addr] = id
 	}
 	link := filepath.Join(nvmetRoot, "ports", strconv.Itoa(id), "subsystems", n.cfg.NQN)
