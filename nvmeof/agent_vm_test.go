@@ -28,11 +28,15 @@ import (
 // on a unix socket and returns a client of it.
 func startAgent(t testing.TB, logger *slog.Logger) csi.NodeClient {
 	l := csitest.Listener(t)
-	tr, err := nvmeof.NewTransport(nvmeof.Options{Listener: l, Logger: logger})
+	// As berth serve wires it: the transport asks the agent which
+	// volumes are staged.
+	late := new(csitest.Late)
+	tr, err := nvmeof.NewTransport(nvmeof.Options{Listener: l, Logger: logger, Staged: late.Staged})
 	if err != nil {
 		t.Fatal(err)
 	}
-	return csitest.StartAgent(t, logger, l, agent.TransportFunc(agent.TransportKind{Name: nvmeof.Name, Keys: nvmeof.TransportKeys()}, tr.Parse))
+	return csitest.StartAgentLate(t, logger, l, filepath.Join(t.TempDir(), "state"), late,
+		agent.TransportFunc(agent.TransportKind{Name: nvmeof.Name, Keys: nvmeof.TransportKeys()}, tr.Parse))
 }
 
 func subsysControllers(t *testing.T, nqn string) int {

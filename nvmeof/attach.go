@@ -50,6 +50,7 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 	defer held.Release()
 	t.mu.Lock()
 	delete(t.released, tg.Key())
+	delete(t.stopping, tg.Key())
 	t.mu.Unlock()
 
 	// Subscribe before connecting so that the namespace's uevent cannot

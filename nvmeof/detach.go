@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -46,6 +47,9 @@ func (tg *Target) StopQueueing(ctx context.Context) (bool, error) {
 		}
 		states = append(states, c.Name+" "+c.State)
 	}
+	t.mu.Lock()
+	t.stopping[tg.Key()] = true
+	t.mu.Unlock()
 	keep, err := tg.othersNeed(ctx)
 	if err != nil {
 		return false, fmt.Errorf("%s: %w", tg.Key(), err)
@@ -105,23 +109,17 @@ func (tg *Target) Detach(ctx context.Context) error {
 // other users of the subsystem: volumes listed by Options.Staged (other
 // than this one and those this process has released) whose paths it
 // serves, or, when another namespace of the subsystem is mounted or held
-// open, every controller of the subsystem.
+// open, every controller of the subsystem. A volume whose own unstage found
+// every path of the subsystem dead (StopQueueing) needs none: it is going
+// too, and keeping the controllers for it would have each of two such
+// unstages wait in the kernel for the other until ctrl_loss_tmo.
 func (tg *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error) {
 	t := tg.t
 	heads, err := t.sys.readHeads(tg.vol.NQN)
 	if err != nil {
 		return nil, err
 	}
-	for _, h := range heads {
-		if h.matches(tg.vol) {
-			continue
-		}
-		if openedExclusively(filepath.Join(t.opts.DevRoot, h.Name)) {
-			logctx.From(ctx, t.log).Debug("nvmeof: subsystem in use", "target", tg.Key(), "namespace", h.Name)
-			return func(string) bool { return true }, nil
-		}
-	}
-	var others []*Volume
+	var others, going []*Volume
 	if t.opts.Staged != nil {
 		vcs, err := t.opts.Staged(ctx)
 		if err != nil {
@@ -133,9 +131,22 @@ func (tg *Target) othersNeed(ctx context.Context) (func(ctrl string) bool, error
 			if err != nil || v.NQN != tg.vol.NQN || v.Key() == tg.Key() || t.released[v.Key()] {
 				continue
 			}
+			if t.stopping[v.Key()] {
+				going = append(going, v)
+				continue
+			}
 			others = append(others, v)
 		}
 		t.mu.Unlock()
+	}
+	for _, h := range heads {
+		if h.matches(tg.vol) || slices.ContainsFunc(going, h.matches) {
+			continue
+		}
+		if openedExclusively(filepath.Join(t.opts.DevRoot, h.Name)) {
+			logctx.From(ctx, t.log).Debug("nvmeof: subsystem in use", "target", tg.Key(), "namespace", h.Name)
+			return func(string) bool { return true }, nil
+		}
 	}
 	if len(others) == 0 {
 		return func(string) bool { return false }, nil

@@ -833,3 +833,71 @@ func silentListener(t *testing.T, addr string) {
 		}
 	})
 }
+
+// TestFaultDeadSubsystemUnstage: two volumes of one subsystem are staged
+// and published with data written, then every path to the subsystem dies
+// (its port removed) and both are unstaged at once, as a node drain or the
+// CO after a lost target does. Each unstage sees the other volume still
+// mounted on the subsystem; neither may keep the controllers for the
+// other and wait, in the kernel, for ctrl_loss_tmo: both finish within the
+// kubelet's budget, and no controller is left.
+func TestFaultDeadSubsystemUnstage(t *testing.T) {
+	vm.RequireGuest(t)
+	logger := slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelInfo}))
+	node := startAgent(t, logger)
+	const addr = "127.0.0.1:4456"
+	tgt := target.NewNVMeTarget(t, target.NVMeConfig{NQN: "nqn.2026-01.io.berth:dead-shared", Ports: []string{addr},
+		Namespaces: []target.NVMeNamespace{{Size: 64 << 20}, {Size: 64 << 20}}})
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	var vols []*faultVolume
+	for _, nsid := range []string{"1", "2"} {
+		v := newFaultVolume(t, node, "vol-dead-"+nsid, map[string]string{"nqn": tgt.NQN(), "nsid": nsid, "traddr": "127.0.0.1", "trsvcid": "4456",
+			"ctrlLossTmo": "600", "reconnectDelay": "1"})
+		if err := v.stage(ctx); err != nil {
+			t.Fatalf("NodeStageVolume %s: %v", v.id, err)
+		}
+		if err := v.publish(ctx); err != nil {
+			t.Fatalf("NodePublishVolume %s: %v", v.id, err)
+		}
+		if err := os.WriteFile(filepath.Join(v.target, "data"), bytes.Repeat([]byte("x"), 1<<20), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		vols = append(vols, v)
+	}
+	unix.Sync()
+	// Dirty pages the dead target will never get: the unmounts must
+	// not wait for them.
+	for _, v := range vols {
+		if err := os.WriteFile(filepath.Join(v.target, "late"), bytes.Repeat([]byte("y"), 1<<20), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tgt.RemovePort(addr)
+	eventually(t, 15*time.Second, "the subsystem's controller leaving the live state", func() bool {
+		resp, err := vols[0].stats(ctx, vols[0].target)
+		return err == nil && resp.GetVolumeCondition().GetAbnormal()
+	})
+	// The kubelet gives an unstage call 2 minutes.
+	const budget = 2 * time.Minute
+	var wg sync.WaitGroup
+	for _, v := range vols {
+		wg.Go(func() {
+			if err := v.unpublish(ctx); err != nil {
+				t.Errorf("NodeUnpublishVolume %s: %v", v.id, err)
+			}
+			cctx, cancel := context.WithTimeout(ctx, budget)
+			defer cancel()
+			start := time.Now()
+			err := v.unstage(cctx)
+			t.Logf("NodeUnstageVolume %s: %v after %v", v.id, err, time.Since(start).Round(time.Millisecond))
+			if err != nil {
+				t.Errorf("NodeUnstageVolume %s with every path of its subsystem dead: %v", v.id, err)
+			}
+		})
+	}
+	wg.Wait()
+	if n := subsysControllers(t, tgt.NQN()); n != 0 {
+		t.Errorf("%d controllers of the dead subsystem left after both unstages", n)
+	}
+}

@@ -81,6 +81,10 @@ type Transport struct {
 	// other still listed, and the second must not keep the controllers
 	// for the first.
 	released map[string]bool
+	// stopping holds the keys of volumes whose unstage found no live
+	// controller of their subsystem (StopQueueing) and that were not
+	// attached again: othersNeed keeps no controller for them.
+	stopping map[string]bool
 	// silent holds, for each subsystem NQN and path, when a connect
 	// through the path last found it silent (errSilent); see
 	// skipSilent.
@@ -116,7 +120,7 @@ func NewTransport(opts Options) (*Transport, error) {
 			return nil, err
 		}
 	}
-	t := &Transport{opts: opts, sys: sysTree{root: opts.SysRoot, readFile: opts.readFile}, log: opts.Logger, host: opts.Host, released: make(map[string]bool), silent: make(map[string]time.Time)}
+	t := &Transport{opts: opts, sys: sysTree{root: opts.SysRoot, readFile: opts.readFile}, log: opts.Logger, host: opts.Host, released: make(map[string]bool), stopping: make(map[string]bool), silent: make(map[string]time.Time)}
 	if t.log == nil {
 		t.log = slog.Default()
 	}

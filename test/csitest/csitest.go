@@ -18,6 +18,7 @@ import (
 	"log/slog"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -54,6 +55,27 @@ func StartAgent(t testing.TB, logger *slog.Logger, l *devices.Listener, transpor
 // agent.TrimVolumes).
 func StartAgentState(t testing.TB, logger *slog.Logger, l *devices.Listener, stateDir string, transports ...agent.Transport) csi.NodeClient {
 	t.Helper()
+	return StartAgentLate(t, logger, l, stateDir, nil, transports...)
+}
+
+// Late is the Options.Staged that berth serve gives a transport built
+// before the agent that serves it (nvmeof asks it which volumes still
+// need a subsystem's controllers): it lists the volumes staged on the
+// agent StartAgentLate bound it to, and none before.
+type Late struct{ a atomic.Pointer[agent.Agent] }
+
+// Staged lists the bound agent's staged volumes' contexts.
+func (l *Late) Staged(ctx context.Context) ([]map[string]string, error) {
+	if a := l.a.Load(); a != nil {
+		return a.StagedContexts(ctx)
+	}
+	return nil, nil
+}
+
+// StartAgentLate is StartAgentState that binds late (when not nil) to the
+// agent it starts.
+func StartAgentLate(t testing.TB, logger *slog.Logger, l *devices.Listener, stateDir string, late *Late, transports ...agent.Transport) csi.NodeClient {
+	t.Helper()
 	dir := t.TempDir()
 	a, err := agent.New(agent.Config{
 		NodeID: "guest", StateDir: stateDir, Logger: logger,
@@ -61,6 +83,9 @@ func StartAgentState(t testing.TB, logger *slog.Logger, l *devices.Listener, sta
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if late != nil {
+		late.a.Store(a)
 	}
 	endpoint := "unix://" + filepath.Join(dir, "csi.sock")
 	lis, err := agent.Listen(endpoint)
