@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -203,16 +204,29 @@ func TestControllerRestUnimplemented(t *testing.T) {
 // repeated stage with it is the same stage.
 func TestPublishContextStages(t *testing.T) {
 	conn, _ := startController(t)
-	pub, err := csi.NewControllerClient(conn).ControllerPublishVolume(context.Background(), publishReq())
+	a, _, _ := newFakeAgent(t)
+	preq := publishReq()
+	preq.NodeId = a.cfg.NodeID
+	pub, err := csi.NewControllerClient(conn).ControllerPublishVolume(context.Background(), preq)
 	must(t, "ControllerPublishVolume", err)
 
-	a, _, _ := newFakeAgent(t)
 	n := &nodeServer{a: a}
 	ctx := context.Background()
 	dir := t.TempDir()
 	staging, target := filepath.Join(dir, "s"), filepath.Join(dir, "t")
 	must(t, "mkdir", mkdirAll(staging))
 	req := stageReq("vol-1", staging, "1")
+
+	// Published to another node: the stage is refused and records nothing.
+	req.PublishContext = map[string]string{PublishContextNode: "node-b"}
+	_, err = n.NodeStageVolume(ctx, req)
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), `"node-b"`) {
+		t.Fatalf("stage published to node-b on %s: %v; want FailedPrecondition naming node-b", a.cfg.NodeID, err)
+	}
+	if recs, _ := os.ReadDir(filepath.Join(a.cfg.StateDir, "volumes")); len(recs) != 0 {
+		t.Fatalf("the refused stage left records: %v", recs)
+	}
+
 	req.PublishContext = pub.GetPublishContext()
 	for i := range 2 {
 		if _, err := n.NodeStageVolume(ctx, req); err != nil {

@@ -182,6 +182,13 @@ func (n *nodeServer) validateStage(req *csi.NodeStageVolumeRequest) (stageReques
 		return s, err
 	}
 	s.pctx = req.GetPublishContext()
+	if node, ok := s.pctx[PublishContextNode]; ok && node != n.a.cfg.NodeID {
+		// The CO attached the volume to another node (or this node's
+		// --node-id is not the name the CO knows it by): staging it here
+		// would bypass the CO's one-node check.
+		return s, errdefs.FailedPrecondition("volume %q: publish_context %s says the CO attached it to node %q, but this node is %q: stage it on that node, or check that berth serve's --node-id is the node's name in the cluster",
+			s.id, PublishContextNode, node, n.a.cfg.NodeID)
+	}
 	if s.enc, err = parseEncryption(s.vctx); err != nil {
 		return s, err
 	}
