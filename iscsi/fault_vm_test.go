@@ -10,7 +10,6 @@ import (
 	"io"
 	"log/slog"
 	"maps"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -270,38 +269,6 @@ func TestVMISCSIFaultsMultipath(t *testing.T) {
 		vm.WithTimeout(5*time.Minute))
 }
 
-// silentPortal listens on addr and accepts connections but never answers
-// nor closes them, as a portal behind a firewall that drops packets
-// (no RST) looks to an initiator: its login waits for the login timeout.
-func silentPortal(t *testing.T, addr string) {
-	t.Helper()
-	l, err := net.Listen("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex
-	var conns []net.Conn
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-		}
-	}()
-	t.Cleanup(func() {
-		l.Close()
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range conns {
-			c.Close()
-		}
-	})
-}
-
 // restartIscsid kills iscsid (SIGKILL, as a crash) and starts it again.
 func restartIscsid() error {
 	procs, _ := filepath.Glob("/proc/[0-9]*/comm")
@@ -353,7 +320,7 @@ func TestFaultMultipathISCSISilentPortalManyLUNs(t *testing.T) {
 	logger := slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelInfo}))
 	node := startAgent(t, logger)
 	const dead = "127.0.0.4:3260"
-	silentPortal(t, dead)
+	target.SilentListener(t, dead)
 	lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
@@ -401,7 +368,7 @@ func testSilentFirstPortal(t *testing.T, dead string, vctx map[string]string) {
 	logger := slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelInfo}))
 	node := startAgent(t, logger)
 	if strings.HasPrefix(dead, "127.") {
-		silentPortal(t, dead)
+		target.SilentListener(t, dead)
 	}
 	lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
 	wwid := lt.AddLUN(0, 64<<20)

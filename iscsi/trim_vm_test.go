@@ -15,6 +15,7 @@ import (
 	"github.com/berth-csi/berth/iscsi"
 	"github.com/berth-csi/berth/test/csitest"
 	"github.com/berth-csi/berth/test/vm"
+	"github.com/berth-csi/berth/test/vm/target"
 )
 
 // TestGuestISCSITrim: what berth trim runs beside serve (agent.TrimVolumes)
@@ -52,7 +53,7 @@ func TestGuestISCSITrim(t *testing.T) {
 		t.Fatal(err)
 	}
 	unix.Sync()
-	before := allocatedBytes(t, lt.LUNFile(0))
+	before := target.Allocated(t, lt.LUNFile(0))
 	if err := os.Remove(p); err != nil {
 		t.Fatal(err)
 	}
@@ -61,18 +62,9 @@ func TestGuestISCSITrim(t *testing.T) {
 	if err != nil || len(res) != 1 || res[0].Err != nil || res[0].Skipped != "" {
 		t.Fatalf("TrimVolumes = %+v, %v", res, err)
 	}
-	after := allocatedBytes(t, lt.LUNFile(0))
+	after := target.Allocated(t, lt.LUNFile(0))
 	t.Logf("LUN's backing file: %d bytes allocated with the file, %d after delete and trim (the filesystem reported %d trimmed)", before, after, res[0].Trimmed)
 	if before-after < 100<<20 {
 		t.Errorf("the trim gave back %d bytes of the LUN's file; want at least %d of the deleted %d", before-after, 100<<20, size)
 	}
-}
-
-func allocatedBytes(t *testing.T, name string) int64 {
-	t.Helper()
-	var st unix.Stat_t
-	if err := unix.Stat(name, &st); err != nil {
-		t.Fatal(err)
-	}
-	return st.Blocks * 512
 }

@@ -10,7 +10,6 @@ import (
 	"io"
 	"log/slog"
 	"maps"
-	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -741,7 +740,7 @@ func TestFaultSilentPath(t *testing.T) {
 	t.Run("BlackHole", func(t *testing.T) { testSilentPath(t, target.BlackHole(t)+":4454") })
 	t.Run("NoAnswer", func(t *testing.T) {
 		const dead = "127.0.0.2:4455"
-		silentListener(t, dead)
+		target.SilentListener(t, dead)
 		testSilentPath(t, dead)
 	})
 }
@@ -801,37 +800,6 @@ func testSilentPath(t *testing.T, dead string) {
 	if ctrls, _ := filepath.Glob("/sys/class/nvme/nvme*"); len(ctrls) != 0 {
 		t.Errorf("controllers left after unstage: %q", ctrls)
 	}
-}
-
-// silentListener accepts TCP connections on addr and never answers nor
-// closes them until the test ends.
-func silentListener(t *testing.T, addr string) {
-	t.Helper()
-	l, err := net.Listen("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var mu sync.Mutex
-	var conns []net.Conn
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-		}
-	}()
-	t.Cleanup(func() {
-		l.Close()
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range conns {
-			c.Close()
-		}
-	})
 }
 
 // TestFaultDeadSubsystemUnstage: two volumes of one subsystem are staged

@@ -69,7 +69,7 @@ func assertTrimGivesBack(t *testing.T, ctx context.Context, stateDir, id, dir, b
 		t.Fatal(err)
 	}
 	unix.Sync()
-	before := allocated(t, backing)
+	before := target.Allocated(t, backing)
 	if err := os.Remove(p); err != nil {
 		t.Fatal(err)
 	}
@@ -78,19 +78,9 @@ func assertTrimGivesBack(t *testing.T, ctx context.Context, stateDir, id, dir, b
 	if err != nil || len(res) != 1 || res[0].Err != nil || res[0].Skipped != "" {
 		t.Fatalf("TrimVolumes = %+v, %v", res, err)
 	}
-	after := allocated(t, backing)
+	after := target.Allocated(t, backing)
 	t.Logf("target's backing file: %d bytes allocated with the file, %d after delete and trim (the filesystem reported %d trimmed)", before, after, res[0].Trimmed)
 	if before-after < 100<<20 {
 		t.Errorf("the trim gave back %d bytes of the target's file; want at least %d of the deleted %d", before-after, 100<<20, size)
 	}
-}
-
-// allocated is the bytes a file has on its filesystem.
-func allocated(t *testing.T, name string) int64 {
-	t.Helper()
-	var st unix.Stat_t
-	if err := unix.Stat(name, &st); err != nil {
-		t.Fatal(err)
-	}
-	return st.Blocks * 512
 }

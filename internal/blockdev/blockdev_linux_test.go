@@ -13,25 +13,7 @@ import (
 )
 
 func TestHeld(t *testing.T) {
-	if os.Geteuid() != 0 {
-		if os.Getenv("BERTH_CI") != "" {
-			t.Fatal("needs root (loop devices, mounts)")
-		}
-		t.Skip("needs root (loop devices, mounts)")
-	}
-	img := filepath.Join(t.TempDir(), "img")
-	if err := os.WriteFile(img, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(img, 16<<20); err != nil {
-		t.Fatal(err)
-	}
-	out, err := exec.Command("losetup", "--find", "--show", "--", img).Output()
-	if err != nil {
-		t.Fatal(err)
-	}
-	dev := strings.TrimSpace(string(out))
-	t.Cleanup(func() { exec.Command("losetup", "--detach", dev).Run() })
+	dev, img := newLoop(t)
 
 	if held, err := Held(dev); held || err != nil {
 		t.Fatalf("Held(free loop device) = %v, %v", held, err)
@@ -113,25 +95,7 @@ func TestHeldWaitingOpenStallsNothingElse(t *testing.T) {
 // device's buffer cache is in the backing file once Flush returns, and the
 // block layer refuses writes while the flag is set.
 func TestSizeFlushReadOnly(t *testing.T) {
-	if os.Geteuid() != 0 {
-		if os.Getenv("BERTH_CI") != "" {
-			t.Fatal("needs root (loop devices)")
-		}
-		t.Skip("needs root (loop devices)")
-	}
-	img := filepath.Join(t.TempDir(), "img")
-	if err := os.WriteFile(img, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Truncate(img, 16<<20); err != nil {
-		t.Fatal(err)
-	}
-	out, err := exec.Command("losetup", "--find", "--show", "--", img).Output()
-	if err != nil {
-		t.Fatal(err)
-	}
-	dev := strings.TrimSpace(string(out))
-	t.Cleanup(func() { exec.Command("losetup", "--detach", dev).Run() })
+	dev, img := newLoop(t)
 
 	f, err := os.OpenFile(dev, os.O_RDWR, 0)
 	if err != nil {
@@ -186,4 +150,29 @@ func TestSizeFlushReadOnly(t *testing.T) {
 	if n, err := Size(b); err == nil {
 		t.Errorf("Size(regular file) = %d, nil; want an error", n)
 	}
+}
+
+// newLoop attaches a loop device over a new 16 MiB image and returns both.
+func newLoop(t *testing.T) (dev, img string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		if os.Getenv("BERTH_CI") != "" {
+			t.Fatal("needs root (loop devices)")
+		}
+		t.Skip("needs root (loop devices)")
+	}
+	img = filepath.Join(t.TempDir(), "img")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, 16<<20); err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("losetup", "--find", "--show", "--", img).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev = strings.TrimSpace(string(out))
+	t.Cleanup(func() { exec.Command("losetup", "--detach", dev).Run() })
+	return dev, img
 }

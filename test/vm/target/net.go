@@ -63,3 +63,39 @@ func BlackHole(t testing.TB) string {
 	}
 	return addr
 }
+
+// SilentListener accepts TCP connections on addr and never answers nor
+// closes them until the test ends: a portal that completes the handshake
+// and then says nothing, as a hung target or a firewall that drops all
+// but the SYN-ACK looks to an initiator (its login or ICReq waits for its
+// timeout).
+func SilentListener(t testing.TB, addr string) {
+	t.Helper()
+	host, _, _ := net.SplitHostPort(addr)
+	ensureLoopbackAlias(t, host)
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		l.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+}
