@@ -268,8 +268,11 @@ build_userland() { # $1: output dir
 	mv "$tmp/tree" "$out"
 	rm -rf "$tmp" # apt's lock files beside the status file
 }
+# Only for a suite's own kernel image (trixie): a backports suite's lists hold
+# the backported packages alone, and its image (the newer kernel's nvmet) needs
+# no tlshd.
 userland_dir=
-if [ "$ksuite" != "$suite" ]; then
+if [ "$ksuite" != "$suite" ] && [ "$ksuite" = "${ksuite%-backports}" ]; then
 	userland_key=$( { declare -f build_userland; echo "$ksuite ${userland_packages[*]} $lists_stamp"; } | sha)
 	userland_dir=$stages/userland-$userland_key
 	if [ -d "$userland_dir" ]; then
