@@ -179,6 +179,9 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 	if err != nil {
 		return n.fenceError(s, err)
 	}
+	if res, err = n.reclaimZeroKey(ctx, s, f, mode, key, res); err != nil {
+		return err
+	}
 	foreign := slices.DeleteFunc(append(slices.Clone(res.Keys), res.Holder), func(k uint64) bool { return k == 0 || IsBerthKey(k) })
 	if len(foreign) > 0 {
 		return errdefs.FailedPrecondition("volume %q: the device %s has persistent-reservation registrations berth did not make: %s; berth touches none of them and does not stage the volume: the operator removes them (sg_persist, nvme resv-register) or stages with volume_context %s: %q",

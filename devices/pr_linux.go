@@ -94,7 +94,20 @@ func (p *PR) Close() error { return p.f.Close() }
 // Register registers newKey for this I_T nexus (each path of a
 // dm-multipath map). ignoreExisting replaces whatever key the nexus has
 // (REGISTER AND IGNORE EXISTING KEY); newKey 0 unregisters it.
+//
+// On NVMe, newKey 0 unregisters through the Reservation Register
+// passthrough (Unregister action): the block layer would replace the key
+// with 0 and leave the host a registrant that writes.
 func (p *PR) Register(oldKey, newKey uint64, ignoreExisting bool) error {
+	if p.dev.ID.Kind == KindNVMe && newKey == 0 {
+		if ignoreExisting {
+			return fmt.Errorf("register %s: an unregistration that ignores the existing key: %w", p.dev.Path, errdefs.ErrUnsupported)
+		}
+		if err := unregisterNVMe(p.f, oldKey); err != nil {
+			return fmt.Errorf("register %s: %w", p.dev.Path, err)
+		}
+		return nil
+	}
 	r := prRegistration{OldKey: oldKey, NewKey: newKey}
 	if ignoreExisting {
 		r.Flags = prFlIgnoreKey
@@ -189,10 +202,14 @@ func (p *PR) readIoctl() (Reservation, error) {
 }
 
 // ReservationReadable reports whether berth can read d's reservation
-// (ReadReservation): SCSI disks and dm-multipath maps always, NVMe
-// namespaces once readReservationNVMe reads the Reservation Report.
+// (ReadReservation): SCSI disks, dm-multipath maps and NVMe namespaces
+// (heads), whose Reservation Report readReservationNVMe reads.
 func ReservationReadable(d *Device) bool {
-	return d.ID.Kind != KindNVMe || nvmeReservationReport
+	switch d.ID.Kind {
+	case KindSCSI, KindDM, KindNVMe:
+		return true
+	}
+	return false
 }
 
 // ioctlPR issues a PR ioctl. Kernels before 6.2 return a SCSI result (a
@@ -219,7 +236,7 @@ func (p *PR) prErr(op string, err error) error {
 	}
 	var sr scsiResultError
 	if p.dev.ID.Kind == KindNVMe && errors.As(err, &sr) {
-		return fmt.Errorf("%s %s: %w", op, p.dev.Path, nvmeStatusError(uint32(sr)))
+		return fmt.Errorf("%s %s: %w", op, p.dev.Path, nvmePRResultError(uint32(sr)))
 	}
 	return fmt.Errorf("%s %s: %w", op, p.dev.Path, prKernelError(err))
 }
