@@ -149,8 +149,11 @@ var prReadIoctls atomic.Int32
 // the block layer's read ioctls where the kernel has them, otherwise
 // through the transport (PERSISTENT RESERVE IN over SG_IO for an sd disk
 // or a dm-multipath map over sd paths, the Reservation Report for NVMe).
+//
+// An NVMe device is always read with the Reservation Report: unlike the
+// read ioctls it names this host's registration (OwnKnown).
 func (p *PR) ReadReservation() (Reservation, error) {
-	if prReadIoctls.Load() != 2 {
+	if p.dev.ID.Kind != KindNVMe && prReadIoctls.Load() != 2 {
 		r, err := p.readIoctl()
 		switch {
 		case errors.Is(err, unix.ENOTTY), errors.Is(err, unix.EINVAL):
