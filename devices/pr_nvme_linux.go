@@ -171,6 +171,9 @@ func nvmeNamespaceID(f *os.File) (uint32, error) {
 		if errno == unix.ENOTTY || errno == unix.EINVAL {
 			return 0, fmt.Errorf("namespace ID of %s: not an NVMe namespace (%w): %w", f.Name(), errno, errdefs.ErrUnsupported)
 		}
+		if errno == unix.EWOULDBLOCK {
+			return 0, fmt.Errorf("namespace ID of %s: %w", f.Name(), errNoPath(errno))
+		}
 		return 0, fmt.Errorf("namespace ID of %s: %w", f.Name(), errno)
 	}
 	return uint32(r), nil
@@ -231,12 +234,21 @@ func nvmeIOCmd(f *os.File, cmd *nvmePassthruCmd, buf []byte) error {
 		if errno == unix.ENOTTY {
 			return fmt.Errorf("no NVMe passthrough (%w): %w", errno, errdefs.ErrUnsupported)
 		}
+		if errno == unix.EWOULDBLOCK {
+			return errNoPath(errno)
+		}
 		return errno
 	}
 	if status != 0 {
 		return nvmeStatusError(uint32(status))
 	}
 	return nil
+}
+
+// errNoPath is the EWOULDBLOCK of an ioctl on a native-multipath head
+// that has no live path to send it down (its controllers reconnecting).
+func errNoPath(errno unix.Errno) error {
+	return fmt.Errorf("no live path to the namespace (%w): %w", errno, errdefs.ErrUnavailable)
 }
 
 // nvmeStatusError describes the NVMe status of a failed command.
