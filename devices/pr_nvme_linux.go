@@ -48,6 +48,10 @@ const (
 	nvmeIoctlAdminCmd = 0xc0484e41
 
 	nvmeAdminGetFeatures = 0x0a
+	nvmeAdminIdentify    = 0x06
+	nvmeIdentifyCtrl     = 0x01 // CNS 1: Identify Controller
+	nvmeIdentifyONCS     = 520  // bytes 520-521 of Identify Controller: optional NVM commands
+	nvmeONCSReservations = 1 << 5
 	nvmeFeatHostID       = 0x81 // Host Identifier; cdw11 bit 0 EXHID: the 128-bit one
 
 	nvmeCmdResvRegister = 0x0d // Reservation Register
@@ -127,19 +131,49 @@ func readReservationNVMe(f *os.File) (Reservation, error) {
 func nvmeHostID(f *os.File) ([16]byte, error) {
 	var id [16]byte
 	buf := make([]byte, len(id))
-	cmd := nvmePassthruCmd{opcode: nvmeAdminGetFeatures, cdw10: nvmeFeatHostID, cdw11: 1}
-	cmd.addr = uint64(uintptr(unsafe.Pointer(&buf[0])))
-	cmd.dataLen = uint32(len(buf))
-	status, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), nvmeIoctlAdminCmd, uintptr(unsafe.Pointer(&cmd)))
-	runtime.KeepAlive(buf)
-	switch {
-	case errno != 0:
-		return id, fmt.Errorf("host identifier of %s: %w", f.Name(), errno)
-	case status != 0:
-		return id, fmt.Errorf("host identifier of %s: %w", f.Name(), nvmeStatusError(uint32(status)))
+	if err := nvmeAdminCmd(f, &nvmePassthruCmd{opcode: nvmeAdminGetFeatures, cdw10: nvmeFeatHostID, cdw11: 1}, buf); err != nil {
+		return id, fmt.Errorf("host identifier of %s: %w", f.Name(), err)
 	}
 	copy(id[:], buf)
 	return id, nil
+}
+
+// nvmeHasReservations reports whether the controller of the NVMe
+// namespace block device at path supports reservations: ONCS bit 5 of its
+// Identify Controller data (clear on nvmet before Linux 6.13; set since,
+// also for a namespace without resv_enable, whose reservation commands
+// then fail and say so). It says true when it cannot ask, so that the
+// reservation read reports the failure.
+func nvmeHasReservations(path string) bool {
+	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return true
+	}
+	defer f.Close()
+	buf := make([]byte, 4096)
+	if err := nvmeAdminCmd(f, &nvmePassthruCmd{opcode: nvmeAdminIdentify, cdw10: nvmeIdentifyCtrl}, buf); err != nil {
+		return true
+	}
+	return binary.LittleEndian.Uint16(buf[nvmeIdentifyONCS:])&nvmeONCSReservations != 0
+}
+
+// nvmeAdminCmd sends the admin command cmd with the data buffer buf
+// through the NVMe admin passthrough ioctl of f (a namespace's device: the
+// kernel sends it to the namespace's controller, or one of its head's).
+func nvmeAdminCmd(f *os.File, cmd *nvmePassthruCmd, buf []byte) error {
+	cmd.addr = uint64(uintptr(unsafe.Pointer(&buf[0])))
+	cmd.dataLen = uint32(len(buf))
+	status, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), nvmeIoctlAdminCmd, uintptr(unsafe.Pointer(cmd)))
+	runtime.KeepAlive(buf)
+	switch {
+	case errno == unix.EWOULDBLOCK:
+		return errNoPath(errno)
+	case errno != 0:
+		return errno
+	case status != 0:
+		return nvmeStatusError(uint32(status))
+	}
+	return nil
 }
 
 // nvmeRegistrantKey finds the registrant with host ID host in an
