@@ -40,8 +40,8 @@ const (
 	// fenceNone: volume_context fencing "none": staged unfenced, and
 	// reported so.
 	fenceNone = "none"
-	// fenceUnavailable: this berth cannot read the device's reservation
-	// (an NVMe namespace before devices reads the Reservation Report):
+	// fenceUnavailable: the device's target has no reservations at all
+	// (an NVMe controller without them, devices.ReservationReadable):
 	// staged unfenced as before fencing, and reported so.
 	fenceUnavailable = "unavailable"
 )
@@ -164,7 +164,7 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 		}
 		why := "volume_context fencing: none"
 		if mode == fenceUnavailable {
-			why = "this berth cannot read the reservations of " + s.dev.ID.Kind + " devices yet"
+			why = "the target of this " + s.dev.ID.Kind + " device has no persistent reservations"
 		}
 		s.log.WarnContext(ctx, "staged without fencing ("+why+"): another node that stages this volume can write it too")
 		return nil
@@ -178,6 +178,9 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 	res, err := f.ReadReservation()
 	if err != nil {
 		return n.fenceError(s, err)
+	}
+	if res, err = n.reclaimZeroKey(ctx, s, f, mode, key, res); err != nil {
+		return err
 	}
 	foreign := slices.DeleteFunc(append(slices.Clone(res.Keys), res.Holder), func(k uint64) bool { return k == 0 || IsBerthKey(k) })
 	if len(foreign) > 0 {

@@ -208,6 +208,7 @@ type fakePRHost struct {
 	node   string
 	npaths int
 	opens  int
+	nvme   bool // the reports name this host's registration
 }
 
 func (h *fakePRHost) paths(d *devices.Device) ([]*devices.Device, error) {
@@ -226,12 +227,13 @@ func (h *fakePRHost) open(d *devices.Device) (prDevice, error) {
 	if !strings.Contains(d.Name, "-p") {
 		nx += "-p0"
 	}
-	return &fakePRDev{t: h.t, nx: nx}, nil
+	return &fakePRDev{t: h.t, nx: nx, nvme: h.nvme}, nil
 }
 
 type fakePRDev struct {
-	t  *fakePRTarget
-	nx string
+	t    *fakePRTarget
+	nx   string
+	nvme bool
 }
 
 func (d *fakePRDev) Register(old, new uint64, ignore bool) error {
@@ -242,8 +244,19 @@ func (d *fakePRDev) Release(k uint64, typ devices.PRType) error { return d.t.rel
 func (d *fakePRDev) Preempt(k, v uint64, typ devices.PRType, abort bool) error {
 	return d.t.preempt(d.nx, k, v, typ, abort)
 }
-func (d *fakePRDev) ReadReservation() (devices.Reservation, error) { return d.t.read() }
-func (d *fakePRDev) Close() error                                  { return nil }
+func (d *fakePRDev) ReadReservation() (devices.Reservation, error) {
+	r, err := d.t.read()
+	if err == nil && d.nvme {
+		// NVMe tells registrants apart by host: the report says which
+		// is this one's.
+		d.t.mu.Lock()
+		r.OwnKnown = true
+		r.OwnKey, r.OwnRegistered = d.t.regs[d.nx]
+		d.t.mu.Unlock()
+	}
+	return r, err
+}
+func (d *fakePRDev) Close() error { return nil }
 
 // fenceNode is one node of a fencing test: an agent on fakes whose
 // devices are SCSI disks with two paths to a shared target.
@@ -744,14 +757,16 @@ func TestOperatorTakeover(t *testing.T) {
 	}
 }
 
-// An NVMe namespace, whose reservation this berth cannot read yet, stages
-// unfenced and says so; the target is not touched.
-func TestFenceNVMeUnavailable(t *testing.T) {
-	if devices.ReservationReadable(&devices.Device{ID: devices.Identity{Kind: devices.KindNVMe}}) {
-		t.Skip("devices reads NVMe reservations: NVMe volumes are fenced")
-	}
+// An NVMe namespace whose host the target lists with key 0 (a
+// registrant that writes, left by a REGISTER to key 0, which on NVMe
+// replaces the key) is fenced: the stage gives the registration the
+// node's key (ignoring the existing one, with a non-zero old key) and
+// takes the reservation; the unstage unregisters the key.
+func TestFenceNVMeKeyZero(t *testing.T) {
 	tgt := newFakePRTarget()
 	a := newFenceNode(t, "node-a", tgt)
+	a.pr.nvme = true
+	a.pr.npaths = 1
 	a.tr.kind = devices.KindNVMe
 	lookup := a.a.lookup
 	a.a.lookup = func(name string) (*devices.Device, error) {
@@ -761,13 +776,13 @@ func TestFenceNVMeUnavailable(t *testing.T) {
 		}
 		return d, err
 	}
+	tgt.regs["node-a/fake250-1-p0"] = 0 // the device of stageReq's key "1"
 	must(t, "stage", a.stage(snw, nil))
-	must(t, "repeated stage", a.stage(snw, nil))
-	if c := a.condition(t); c.Abnormal || !strings.Contains(c.Message, "unfenced") {
-		t.Fatalf("condition %+v", c)
-	}
-	if a.pr.opens != 0 {
-		t.Fatal("the reservation was touched")
+	if tgt.holderKey() != NodeKey("node-a") || !slices.Equal(tgt.keysOf("node-a"), []uint64{NodeKey("node-a")}) {
+		t.Fatalf("holder %#x, node-a's keys %#x; ops %q", tgt.holderKey(), tgt.keysOf("node-a"), tgt.ops)
 	}
 	must(t, "unstage", a.unstage())
+	if len(tgt.regs) != 0 || tgt.holder != "" {
+		t.Fatalf("after the unstage: registrations %v, holder %q", tgt.regs, tgt.holder)
+	}
 }

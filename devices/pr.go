@@ -39,6 +39,14 @@ type Reservation struct {
 	Holder uint64
 	// Type is the reservation's type, 0 when the device is not reserved.
 	Type PRType
+	// OwnKnown says whether the transport told this host's
+	// registration apart (NVMe: the registrant with this host's host
+	// ID); then OwnRegistered says whether this host is a registrant
+	// and OwnKey is its key, which can be 0 on NVMe (a registrant with
+	// key 0 writes under a registrants-only reservation).
+	OwnKnown      bool
+	OwnRegistered bool
+	OwnKey        uint64
 }
 
 // PRPaths are the devices through which d's registrations are made, one

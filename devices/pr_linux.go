@@ -94,7 +94,20 @@ func (p *PR) Close() error { return p.f.Close() }
 // Register registers newKey for this I_T nexus (each path of a
 // dm-multipath map). ignoreExisting replaces whatever key the nexus has
 // (REGISTER AND IGNORE EXISTING KEY); newKey 0 unregisters it.
+//
+// On NVMe, newKey 0 unregisters through the Reservation Register
+// passthrough (Unregister action): the block layer would replace the key
+// with 0 and leave the host a registrant that writes.
 func (p *PR) Register(oldKey, newKey uint64, ignoreExisting bool) error {
+	if p.dev.ID.Kind == KindNVMe && newKey == 0 {
+		if ignoreExisting {
+			return fmt.Errorf("register %s: an unregistration that ignores the existing key: %w", p.dev.Path, errdefs.ErrUnsupported)
+		}
+		if err := unregisterNVMe(p.f, oldKey); err != nil {
+			return fmt.Errorf("register %s: %w", p.dev.Path, err)
+		}
+		return nil
+	}
 	r := prRegistration{OldKey: oldKey, NewKey: newKey}
 	if ignoreExisting {
 		r.Flags = prFlIgnoreKey
@@ -136,8 +149,11 @@ var prReadIoctls atomic.Int32
 // the block layer's read ioctls where the kernel has them, otherwise
 // through the transport (PERSISTENT RESERVE IN over SG_IO for an sd disk
 // or a dm-multipath map over sd paths, the Reservation Report for NVMe).
+//
+// An NVMe device is always read with the Reservation Report: unlike the
+// read ioctls it names this host's registration (OwnKnown).
 func (p *PR) ReadReservation() (Reservation, error) {
-	if prReadIoctls.Load() != 2 {
+	if p.dev.ID.Kind != KindNVMe && prReadIoctls.Load() != 2 {
 		r, err := p.readIoctl()
 		switch {
 		case errors.Is(err, unix.ENOTTY), errors.Is(err, unix.EINVAL):
@@ -189,10 +205,20 @@ func (p *PR) readIoctl() (Reservation, error) {
 }
 
 // ReservationReadable reports whether berth can read d's reservation
-// (ReadReservation): SCSI disks and dm-multipath maps always, NVMe
-// namespaces once readReservationNVMe reads the Reservation Report.
+// (ReadReservation): SCSI disks and dm-multipath maps always; an NVMe
+// namespace (head) unless its controller says it has no reservations at
+// all (Identify Controller ONCS, as nvmet before Linux 6.13 answers): such
+// a volume stages unfenced and says so, as NVMe volumes did before berth
+// read the Reservation Report. When that cannot be asked, the reservation
+// is read, and its error says why.
 func ReservationReadable(d *Device) bool {
-	return d.ID.Kind != KindNVMe || nvmeReservationReport
+	switch d.ID.Kind {
+	case KindSCSI, KindDM:
+		return true
+	case KindNVMe:
+		return nvmeHasReservations(d.Path)
+	}
+	return false
 }
 
 // ioctlPR issues a PR ioctl. Kernels before 6.2 return a SCSI result (a
@@ -219,7 +245,7 @@ func (p *PR) prErr(op string, err error) error {
 	}
 	var sr scsiResultError
 	if p.dev.ID.Kind == KindNVMe && errors.As(err, &sr) {
-		return fmt.Errorf("%s %s: %w", op, p.dev.Path, nvmeStatusError(uint32(sr)))
+		return fmt.Errorf("%s %s: %w", op, p.dev.Path, nvmePRResultError(uint32(sr)))
 	}
 	return fmt.Errorf("%s %s: %w", op, p.dev.Path, prKernelError(err))
 }

@@ -2,10 +2,13 @@ package devices
 
 import (
 	"encoding/binary"
+	"errors"
 	"slices"
 	"strings"
 	"testing"
 	"unsafe"
+
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // nvmeRegistrant is one registrant of a hand-built Reservation Report.
@@ -245,4 +248,67 @@ func FuzzParseNVMeReservationReport(f *testing.F) {
 			t.Fatalf("holder %x of no reservation", r.Holder)
 		}
 	})
+}
+
+// A PR ioctl on an NVMe device that the target refuses with a
+// reservation conflict returns PR_STS_RESERVATION_CONFLICT (0x18) on
+// Linux 6.2 and later: a conflict, not the NVMe status 0x18 (Host
+// Identifier Inconsistent Format, "unsupported"), which made the agent
+// say the target had no reservations. The raw NVMe statuses of older
+// kernels keep their meaning.
+func TestNVMePRResultError(t *testing.T) {
+	nvme := &PR{dev: &Device{Path: "/dev/nvme0n1", ID: Identity{Kind: KindNVMe}}}
+	for _, tc := range []struct {
+		r                   int
+		conflict, unsupport bool
+		unavailable         bool
+	}{
+		{r: 0x18, conflict: true},       // PR_STS_RESERVATION_CONFLICT (6.2+)
+		{r: 0x83, conflict: true},       // NVMe Reservation Conflict (before 6.2)
+		{r: 0x4083, conflict: true},     // the same with Do Not Retry
+		{r: 0x4001, unsupport: true},    // Invalid Opcode: no reservations
+		{r: 0x10000, unavailable: true}, // PR_STS_PATH_FAILED
+		{r: 0xe0000, unavailable: true}, // PR_STS_RETRY_PATH_FAILURE
+		{r: 0x06},                       // Internal Error: none of those
+	} {
+		err := nvme.prErr("register", scsiResultError(tc.r))
+		if errors.Is(err, ErrReservationConflict) != tc.conflict || errors.Is(err, errdefs.ErrUnsupported) != tc.unsupport ||
+			errors.Is(err, errdefs.ErrUnavailable) != tc.unavailable {
+			t.Errorf("result %#x: %v; want conflict %t, unsupported %t, unavailable %t", tc.r, err, tc.conflict, tc.unsupport, tc.unavailable)
+		}
+	}
+}
+
+// The registrant with this host's host ID is found in a report: its key
+// (0 too: a host left with key 0 is still a registrant).
+func TestNVMeRegistrantKey(t *testing.T) {
+	hostA := [16]byte{1, 15: 1}
+	hostB := [16]byte{2, 15: 2}
+	hostC := [16]byte{3, 15: 3}
+	b := nvmeReport(4, 3, 2, []nvmeRegistrant{{key: 0xa, hostID: hostA, holds: true}, {key: 0, hostID: hostB}}, 0)
+	for _, tc := range []struct {
+		host [16]byte
+		key  uint64
+		ok   bool
+	}{{hostA, 0xa, true}, {hostB, 0, true}, {hostC, 0, false}} {
+		if k, ok := nvmeRegistrantKey(b, tc.host); k != tc.key || ok != tc.ok {
+			t.Errorf("host %x: %#x %t, want %#x %t", tc.host, k, ok, tc.key, tc.ok)
+		}
+	}
+	// A report cut short: only the entries that fit.
+	short := nvmeReport(4, 3, 2, []nvmeRegistrant{{key: 0xa, hostID: hostA}}, 128)
+	if _, ok := nvmeRegistrantKey(short, hostB); ok {
+		t.Error("found a registrant beyond the buffer")
+	}
+}
+
+// SCSI and NVMe namespaces are fenced: their reservation is read (an
+// NVMe device that cannot be asked whether it has reservations, as this
+// path that does not exist, too: the read says why).
+func TestReservationReadable(t *testing.T) {
+	for kind, want := range map[string]bool{KindSCSI: true, KindDM: true, KindNVMe: true, KindLoop: false, "": false} {
+		if got := ReservationReadable(&Device{Path: "/dev/nonexistent-nvme", ID: Identity{Kind: kind}}); got != want {
+			t.Errorf("%q: %t, want %t", kind, got, want)
+		}
+	}
 }

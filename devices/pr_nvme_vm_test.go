@@ -103,12 +103,6 @@ var (
 	rawIocPRClear        = iow(205, unsafe.Sizeof(rawPRClear{}))
 )
 
-// prStatusConflict is PR_STS_RESERVATION_CONFLICT (linux/pr.h's enum
-// pr_status, SCSI's RESERVATION CONFLICT status 0x18, whatever the
-// transport): a PR ioctl that the target refuses with a reservation
-// conflict returns it as a positive value, with no errno (7.3, NVMe).
-const prStatusConflict = 0x18
-
 // prResult is what a PR ioctl returned: a positive PR_STS_* status or an
 // errno.
 type prResult struct {

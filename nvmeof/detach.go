@@ -84,7 +84,11 @@ func (tg *Target) Detach(ctx context.Context) error {
 			return fmt.Errorf("detach %s: %s is still mounted or held open: %w", tg.Key(), dev, errdefs.ErrBusy)
 		}
 		if err := t.flush(ctx, dev); err != nil {
-			return fmt.Errorf("detach %s: %w", tg.Key(), err)
+			if !errors.Is(err, errFlushFenced) {
+				return fmt.Errorf("detach %s: %w", tg.Key(), err)
+			}
+			logctx.From(ctx, t.log).Warn("nvmeof: the flush was refused with a reservation conflict: another host's reservation forbids this host's writes, so nothing this host holds can reach the namespace; disconnecting",
+				"target", tg.Key(), "namespace", h.Name, "error", err.Error())
 		}
 		failpoint.Hit("nvmeof.flushed")
 	}
@@ -217,6 +221,13 @@ func (tg *Target) deleteControllers(ctx context.Context, keep func(ctrl string) 
 	}
 	return errors.Join(errs...)
 }
+
+// errFlushFenced: the namespace refused the flush with a reservation
+// conflict (EBADE): under Write Exclusive - Registrants Only, NVMe Flush
+// is a write command, refused to a host that is not registered (a stage
+// refused before it registered, a node another preempted). Such a host
+// writes nothing to the namespace, so its detach goes on.
+var errFlushFenced = errors.New("reservation conflict: this host may not write the namespace")
 
 // flushDev is flushDevice; tests replace it with a device that does not
 // answer.

@@ -218,6 +218,9 @@ func flushDevice(path string) error {
 	}
 	defer f.Close()
 	if err := blockdev.Flush(f); err != nil {
+		if errors.Is(err, unix.EBADE) {
+			return fmt.Errorf("flush %s: %w: %w", path, err, errFlushFenced)
+		}
 		return fmt.Errorf("flush %s: %w", path, err)
 	}
 	return nil

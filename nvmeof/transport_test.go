@@ -3,10 +3,12 @@ package nvmeof
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -343,6 +345,44 @@ func TestDetachFlushEndsWithContext(t *testing.T) {
 	}
 	if readAttrT(t, root+"/class/nvme/nvme1", "delete_controller") != "1" {
 		t.Error("Detach once the flush returned did not delete the controller")
+	}
+}
+
+// A flush refused with a reservation conflict (NVMe Flush is a write
+// command: a host another's reservation fences may not send it) does not
+// hold up the detach of a refused stage or of a preempted node: nothing
+// it holds can reach the namespace. Any other failed flush does.
+func TestDetachFencedFlush(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		err     error
+		deleted bool
+	}{
+		{"reservation conflict", fmt.Errorf("flush /dev/nvme0n1: fsync: %w: %w", syscall.EBADE, errFlushFenced), true},
+		{"I/O error", fmt.Errorf("flush /dev/nvme0n1: fsync: %w", syscall.EIO), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root := sampleSys(t)
+			for _, c := range []string{"nvme1", "nvme2", "nvme3"} {
+				writeID(t, root+"/class/nvme/"+c, "delete_controller", "")
+			}
+			old := flushDev
+			flushDev = func(string) error { return tc.err }
+			t.Cleanup(func() { flushDev = old })
+			tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+				Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tg, _ := tr.Parse(map[string]string{"nqn": subA, "nsid": "1", "targets": "127.0.0.1:4420,[::1]:4421"}, nil)
+			err = tg.Detach(context.Background())
+			if (err == nil) != tc.deleted {
+				t.Errorf("Detach = %v", err)
+			}
+			if got := readAttrT(t, root+"/class/nvme/nvme1", "delete_controller") == "1"; got != tc.deleted {
+				t.Errorf("controller deleted: %t, want %t", got, tc.deleted)
+			}
+		})
 	}
 }
 
