@@ -126,19 +126,7 @@ if [ "$ksuite" != "$suite" ]; then
 	aptdir=$cache/apt-$ksuite
 	mkdir -p "$aptdir/lists/partial" "$aptdir/cache/archives/partial"
 	echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror $ksuite main" >"$aptdir/sources.list"
-	default_release=
-	case $ksuite in
-	*-backports)
-		# A backports suite holds what was backported and nothing else:
-		# its base suite is added for the userland below (ktls-utils,
-		# nvme-cli and their libraries), and the backports are pinned
-		# above it so that the kernel still comes from them.
-		echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] $mirror ${ksuite%-backports} main" >>"$aptdir/sources.list"
-		default_release="APT::Default-Release \"$ksuite\";"
-		;;
-	esac
 	cat >"$aptdir/apt.conf" <<EOF
-$default_release
 Dir::Etc::SourceList "$aptdir/sources.list";
 Dir::Etc::SourceParts "/dev/null";
 Dir::State::Lists "$aptdir/lists";
