@@ -223,9 +223,21 @@ func ReservationReadable(d *Device) bool {
 
 // ioctlPR issues a PR ioctl. Kernels before 6.2 return a SCSI result (a
 // positive number) from sd rather than an errno; scsiResultError names
-// it.
+// it. A CHECK CONDITION is tried again, twice at most: the kernel does not
+// pass the sense data of a PR command on, and the usual one is a UNIT
+// ATTENTION that the target reports once to each I_T nexus after an event
+// (a session logged in again when iscsid restarted, a LUN reset), which
+// the command sent again does not get; a target without reservations
+// answers the same each time.
 func ioctlPR[T any](f *os.File, req uint, arg *T) error {
-	r, _, errno := unix.Syscall(unix.SYS_IOCTL, f.Fd(), uintptr(req), uintptr(unsafe.Pointer(arg)))
+	var r uintptr
+	var errno unix.Errno
+	for attempt := 0; ; attempt++ {
+		r, _, errno = unix.Syscall(unix.SYS_IOCTL, f.Fd(), uintptr(req), uintptr(unsafe.Pointer(arg)))
+		if errno != 0 || r&0xff != scsiStatusCheckCondition || attempt == 2 {
+			break
+		}
+	}
 	switch {
 	case errno != 0:
 		return errno

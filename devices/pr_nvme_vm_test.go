@@ -57,11 +57,11 @@ func TestVMNVMeReservations(t *testing.T) {
 	opts := []vm.Option{vm.WithKernel("trixie-backports"), vm.WithModules("nvmet", "nvmet_tcp", "nvme_tcp"),
 		vm.WithTimeout(5 * time.Minute)}
 	t.Run("hosts", func(t *testing.T) {
-		vm.RunGuestTests(t, append(opts, vm.WithTestRun("^TestGuestNVMeResvHosts$"),
+		vm.RunGuestTests(t, append(opts, vm.WithTestRun("^TestResvGuestNVMeHosts$"),
 			vm.WithKernelArgs("nvme_core.multipath=N"))...)
 	})
 	t.Run("multipath", func(t *testing.T) {
-		vm.RunGuestTests(t, append(opts, vm.WithTestRun("^TestGuestNVMeResvMultipath$"))...)
+		vm.RunGuestTests(t, append(opts, vm.WithTestRun("^TestResvGuestNVMeMultipath$"))...)
 	})
 }
 
@@ -379,8 +379,8 @@ const (
 
 var prOK = prResult{}
 
-// TestGuestNVMeResvHosts: two host IDs, one namespace, the fencing steps.
-func TestGuestNVMeResvHosts(t *testing.T) {
+// TestResvGuestNVMeHosts: two host IDs, one namespace, the fencing steps.
+func TestResvGuestNVMeHosts(t *testing.T) {
 	vm.RequireGuest(t)
 	tgt := target.NewNVMeTarget(t, target.NVMeConfig{
 		Namespaces: []target.NVMeNamespace{{Reservations: true}},
@@ -623,9 +623,9 @@ func waitLive(t *testing.T, ctrl string) {
 	}
 }
 
-// TestGuestNVMeResvMultipath: one host ID through two ports, two
+// TestResvGuestNVMeMultipath: one host ID through two ports, two
 // controllers of one native-multipath head.
-func TestGuestNVMeResvMultipath(t *testing.T) {
+func TestResvGuestNVMeMultipath(t *testing.T) {
 	vm.RequireGuest(t)
 	tgt := target.NewNVMeTarget(t, target.NVMeConfig{
 		Namespaces: []target.NVMeNamespace{{Reservations: true}},

@@ -74,7 +74,15 @@ func TestVMFencing(t *testing.T) {
 		m.Send(name)
 		m.WaitSignal(name+"-done", step)
 	}
-	check := func(name string) { t.Helper(); do(tgt, "check-"+name) }
+	// A guest's signals are a set: a check repeated waits for the done
+	// signal of its own round.
+	rounds := map[string]int{}
+	check := func(name string) {
+		t.Helper()
+		rounds[name]++
+		tgt.Send("check-" + name)
+		tgt.WaitSignal(fmt.Sprintf("check-%s-done-%d", name, rounds[name]), step)
+	}
 
 	// Cases 1 and 2 on an ext4 volume.
 	do(a, "stage-fs")
@@ -204,11 +212,13 @@ func TestFenceGuestTarget(t *testing.T) {
 	if os.Getenv("BERTH_FENCE_REPRO") == "1" {
 		steps = steps[:3]
 	}
+	rounds := map[string]int{}
 	for _, s := range steps {
 		vm.WaitHost(t, "check-"+s.name)
 		s.fn()
-		t.Logf("check %s: LUN 0 %s; LUN 1 %s", s.name, pr(0), pr(1))
-		vm.SignalHost("check-" + s.name + "-done")
+		rounds[s.name]++
+		t.Logf("check %s (round %d): LUN 0 %s; LUN 1 %s", s.name, rounds[s.name], pr(0), pr(1))
+		vm.SignalHost(fmt.Sprintf("check-%s-done-%d", s.name, rounds[s.name]))
 	}
 	vm.WaitHost(t, "stop")
 }
