@@ -43,3 +43,19 @@ func TestKnownKernelBugSchedClock(t *testing.T) {
 		}
 	}
 }
+
+// Kernels from 7 boot under single-threaded TCG; older ones keep a host
+// thread per vCPU.
+func TestTCGAccel(t *testing.T) {
+	for kv, want := range map[string]string{
+		"6.1.0-57-cloud-amd64":       "tcg",
+		"6.12.117+deb13-cloud-amd64": "tcg",
+		"7.3.4+deb13-cloud-amd64":    "tcg,thread=single",
+		"10.0.1-cloud-amd64":         "tcg,thread=single",
+		"":                           "tcg",
+	} {
+		if got := tcgAccel(kv); got != want {
+			t.Errorf("tcgAccel(%q) = %q, want %q", kv, got, want)
+		}
+	}
+}
