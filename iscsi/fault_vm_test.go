@@ -279,8 +279,10 @@ func restartIscsid() error {
 		}
 	}
 	// The new iscsid binds the socket the old one held: wait until the
-	// old one is gone.
-	for range 100 {
+	// old one is gone (a killed iscsid in the middle of logins can take
+	// seconds on a loaded host), then start it, again while the socket
+	// is still held.
+	for range 500 {
 		gone := true
 		for _, p := range procs {
 			if b, err := os.ReadFile(p); err == nil && strings.TrimSpace(string(b)) == "iscsid" {
@@ -292,10 +294,15 @@ func restartIscsid() error {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	if out, err := exec.Command("iscsid").CombinedOutput(); err != nil {
-		return fmt.Errorf("start iscsid again: %v: %s", err, out)
+	var err error
+	var out []byte
+	for range 25 {
+		if out, err = exec.Command("iscsid").CombinedOutput(); err == nil {
+			return nil
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
-	return nil
+	return fmt.Errorf("start iscsid again: %v: %s", err, out)
 }
 
 // TestFaultMultipathISCSISilentPortal: a multipath volume lists two
