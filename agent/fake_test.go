@@ -52,6 +52,8 @@ type fakeFS struct {
 	// unmountGate, when set, holds every Unmount until it is closed, as
 	// an unmount's writeback waits for a device that queues I/O.
 	unmountGate chan struct{}
+	// unmountErr, when set, makes Unmount fail (a busy mount).
+	unmountErr error
 	// events lists "unmount <path>" and "flush <device>" in order.
 	events []string
 	// flushErr, when set, makes FlushBuffers fail.
@@ -199,6 +201,9 @@ func (f *fakeFS) Unmount(dir *fs.Handle, name string, check func(mountEntry) err
 	defer f.mu.Unlock()
 	p := filepath.Join(dir.Path(), name)
 	f.events = append(f.events, "unmount "+p)
+	if f.unmountErr != nil {
+		return f.unmountErr
+	}
 	if m, ok := f.mounts[p]; ok && check != nil {
 		if err := check(m); err != nil {
 			return err
@@ -301,6 +306,7 @@ type fakeTransport struct {
 	// host's events.
 	unreachable map[string]bool
 	stopped     map[string]int
+	resumed     map[string]int // ResumeQueueing calls, also in host's events
 	// pathsDown keys report their paths down in PathStates (an outage);
 	// without it a target counts no paths.
 	pathsDown map[string]bool
@@ -328,7 +334,7 @@ var _ Transport = (*fakeTransport)(nil)
 
 func newFakeTransport() *fakeTransport {
 	return &fakeTransport{gates: make(map[string]chan struct{}), entered: make(chan string, 100), attached: make(map[string]int), detached: make(map[string]int),
-		unreachable: make(map[string]bool), stopped: make(map[string]int), pathsDown: make(map[string]bool), replaced: make(map[string]string)}
+		unreachable: make(map[string]bool), stopped: make(map[string]int), resumed: make(map[string]int), pathsDown: make(map[string]bool), replaced: make(map[string]string)}
 }
 
 func (ft *fakeTransport) Name() string { return "fake" }
@@ -417,6 +423,17 @@ func (t *fakeTarget) StopQueueing(context.Context) (bool, error) {
 	}
 	return t.ft.unreachable[t.key], nil
 }
+func (t *fakeTarget) ResumeQueueing(context.Context) error {
+	t.ft.mu.Lock()
+	defer t.ft.mu.Unlock()
+	t.ft.resumed[t.key]++
+	if t.ft.host != nil {
+		t.ft.host.mu.Lock()
+		t.ft.host.events = append(t.ft.host.events, "resume queueing "+t.key)
+		t.ft.host.mu.Unlock()
+	}
+	return nil
+}
 func (t *fakeTarget) Detach(context.Context) error {
 	t.ft.mu.Lock()
 	t.ft.detached[t.key]++
@@ -482,4 +499,10 @@ func newFakeAgent(t *testing.T) (*Agent, *fakeFS, *fakeTransport) {
 		},
 	}
 	return a, host, tr
+}
+
+func (ft *fakeTransport) resumedCount(key string) int {
+	ft.mu.Lock()
+	defer ft.mu.Unlock()
+	return ft.resumed[key]
 }

@@ -72,6 +72,13 @@ type Target interface {
 	// beyond any deadline. A device with a working path is left as it
 	// is. A transport whose devices never queue (file) answers false.
 	StopQueueing(ctx context.Context) (unreachable bool, err error)
+	// ResumeQueueing undoes what StopQueueing changed where it can, for
+	// an unstage that did not finish: a multipath map that queued I/O
+	// queues it again. What cannot come back without the stage's
+	// secrets (a controller deleted, a session logged out) is left to
+	// the next stage. It is idempotent, and a target StopQueueing left
+	// as it was is left so again.
+	ResumeQueueing(ctx context.Context) error
 	// Detach disconnects the target; a target already gone is success.
 	// It refuses (errdefs.ErrBusy) while the device is still mounted or
 	// held, and names what holds it.

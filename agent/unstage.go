@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -51,7 +52,11 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	if err != nil {
 		return nil, err
 	}
-	unreachable, err := n.stopQueueing(ctx, rec, target, locks)
+	unreachable, asked, err := n.stopQueueing(ctx, rec, target, locks)
+	if asked {
+		finished := n.resumeQueueingUnlessFinished(ctx, target, locks)
+		defer func() { finished.Store(retErr == nil) }()
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -136,27 +141,55 @@ func (n *nodeServer) unstageTarget(rec *volumeRecord) (Transport, Target, error)
 // one back first, with the device still queueing. And a filesystem that
 // is mounted anywhere but the staging path (a bind of it that leaked into
 // another mount) has a live user: the unstage answers ABORTED naming the
-// mounts, and the device keeps queueing.
-func (n *nodeServer) stopQueueing(ctx context.Context, rec *volumeRecord, target Target, locks *heldLocks) (bool, error) {
+// mounts, and the device keeps queueing. asked reports whether the
+// target was told to stop queueing, so that an unstage that does not
+// finish gives the queueing back (resumeQueueingOnRelease).
+func (n *nodeServer) stopQueueing(ctx context.Context, rec *volumeRecord, target Target, locks *heldLocks) (unreachable, asked bool, _ error) {
 	if n.awaitPath(ctx, target) {
-		return false, nil
+		return false, false, nil
 	}
 	if err := n.checkNoOtherMounts(rec); err != nil {
-		return false, err
+		return false, false, err
 	}
-	var unreachable bool
 	err := n.blocking(ctx, "stop queueing I/O of the volume's device", locks, func() error {
 		u, err := target.StopQueueing(ctx)
 		unreachable = u
 		return err
 	})
 	if err != nil {
-		return false, fmt.Errorf("volume %q: %w", rec.VolumeID, err)
+		return false, true, fmt.Errorf("volume %q: %w", rec.VolumeID, err)
 	}
 	if unreachable {
 		logFrom(ctx, n.a.log).WarnContext(ctx, "no path to the storage works: the device fails I/O; data not yet written is lost")
 	}
-	return unreachable, nil
+	return unreachable, true, nil
+}
+
+// resumeWait bounds ResumeQueueing, which runs after the request's
+// context may have ended.
+const resumeWait = 10 * time.Second
+
+// resumeQueueingUnlessFinished gives the device of an unstage that does
+// not finish its queueing back, as it was before StopQueueing: the
+// volume stays staged, and its I/O must wait out the next outage rather
+// than fail at once. The caller stores true in finished once the unstage
+// succeeded. It runs when the unstage lets its locks go, so that a step
+// left waiting in the kernel (an unmount's writeback) ends first:
+// queueing again under it would hold it until a path comes back.
+func (n *nodeServer) resumeQueueingUnlessFinished(ctx context.Context, target Target, locks *heldLocks) (finished *atomic.Bool) {
+	finished = new(atomic.Bool)
+	log := logFrom(ctx, n.a.log)
+	locks.closeWith(func() {
+		if finished.Load() {
+			return
+		}
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), resumeWait)
+		defer cancel()
+		if err := target.ResumeQueueing(rctx); err != nil {
+			log.WarnContext(rctx, "the unstage did not finish, and the device's queueing could not be given back", slog.String("error", err.Error()))
+		}
+	})
+	return finished
 }
 
 // releaseStagedDevice lets go of the volume's device at unstage: it

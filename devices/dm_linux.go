@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"unsafe"
 
@@ -72,9 +73,10 @@ type dmTarget struct {
 }
 
 // dmTableStatus returns the status of the live table's targets
-// (DM_TABLE_STATUS, as `dmsetup status`).
-func (r Roots) dmTableStatus(major, minor uint32) (*unix.DmIoctl, []dmTarget, error) {
-	hdr, data, err := r.dmIoctl(unix.DM_TABLE_STATUS, major, minor, 0, nil)
+// (DM_TABLE_STATUS, as `dmsetup status`), or with flags
+// DM_STATUS_TABLE_FLAG their table lines (as `dmsetup table`).
+func (r Roots) dmTableStatus(major, minor, flags uint32) (*unix.DmIoctl, []dmTarget, error) {
+	hdr, data, err := r.dmIoctl(unix.DM_TABLE_STATUS, major, minor, flags, nil)
 	if err != nil {
 		return nil, nil, fmt.Errorf("DM_TABLE_STATUS %d:%d: %w", major, minor, err)
 	}
@@ -146,7 +148,7 @@ func MultipathPaths(dm *Device) ([]PathState, error) {
 	if dm == nil || dm.ID.Kind != KindDM {
 		return nil, fmt.Errorf("multipath paths: %v is not a device-mapper map: %w", dm, errdefs.ErrInvalidArgument)
 	}
-	_, targets, err := dm.roots.dmTableStatus(dm.Major, dm.Minor)
+	_, targets, err := dm.roots.dmTableStatus(dm.Major, dm.Minor, 0)
 	if err != nil {
 		return nil, fmt.Errorf("multipath paths of %s: %w", dm.Path, err)
 	}
@@ -190,6 +192,25 @@ func SetQueueIfNoPath(dm *Device, queue bool) error {
 		return fmt.Errorf("multipath map %s (%s): %w", dm.ID.DMName, dm.Path, err)
 	}
 	return nil
+}
+
+// QueuesIfNoPath reports whether a dm-multipath map queues I/O while
+// none of its paths works: its live table's features hold
+// "queue_if_no_path" (as `dmsetup table` shows them).
+func QueuesIfNoPath(dm *Device) (bool, error) {
+	if dm == nil || dm.ID.Kind != KindDM || !strings.HasPrefix(dm.ID.WWID, multipathUUIDPrefix) {
+		return false, fmt.Errorf("queueing: %v is not a multipath map: %w", dm, errdefs.ErrInvalidArgument)
+	}
+	_, targets, err := dm.roots.dmTableStatus(dm.Major, dm.Minor, unix.DM_STATUS_TABLE_FLAG)
+	if err != nil {
+		return false, fmt.Errorf("multipath map %s (%s): %w", dm.ID.DMName, dm.Path, err)
+	}
+	for _, t := range targets {
+		if t.typ == "multipath" && slices.Contains(multipathFeatures(t.params), "queue_if_no_path") {
+			return true, nil
+		}
+	}
+	return false, nil
 }
 
 // InUse reports, as an error wrapping errdefs.ErrBusy, whether something

@@ -51,6 +51,22 @@ func (r Roots) MultipathMap(pathName string) (*Device, error) {
 	return nil, fmt.Errorf("multipath map holding %s: %w", pathName, errdefs.ErrNotFound)
 }
 
+// multipathFeatures returns the feature arguments that open a dm
+// "multipath" target's table line: "<#features> <feature>…", as in
+// "1 queue_if_no_path 0 1 1 service-time 0 1 2 8:16 1 1". A line that
+// does not start with a count has none.
+func multipathFeatures(params string) []string {
+	f := strings.Fields(params)
+	if len(f) == 0 {
+		return nil
+	}
+	n, err := strconv.Atoi(f[0])
+	if err != nil || n < 0 || n > len(f)-1 {
+		return nil
+	}
+	return f[1 : 1+n]
+}
+
 // mpathPath is a path as the multipath target's status line reports it.
 type mpathPath struct {
 	dev        string // "8:16"

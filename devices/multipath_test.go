@@ -3,6 +3,7 @@ package devices
 import (
 	"errors"
 	"reflect"
+	"slices"
 	"testing"
 
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -84,5 +85,24 @@ func TestMultipathMapFakeSysfs(t *testing.T) {
 	}
 	if _, err := roots.MultipathMap("sdz"); !errors.Is(err, errdefs.ErrNotFound) {
 		t.Errorf("roots.MultipathMap(sdz) = %v, want ErrNotFound", err)
+	}
+}
+
+func TestMultipathFeatures(t *testing.T) {
+	for _, c := range []struct {
+		line string
+		want []string
+	}{
+		{"1 queue_if_no_path 0 1 1 service-time 0 1 2 8:16 1 1", []string{"queue_if_no_path"}},
+		{"3 queue_if_no_path queue_mode bio 1 alua 2 1 round-robin 0 1 1 8:32 1", []string{"queue_if_no_path", "queue_mode", "bio"}},
+		{"0 0 1 1 service-time 0 1 2 8:16 1 1", []string{}},
+		{"2 pg_init_retries 50 0 1 1 round-robin 0 1 1 8:16 1", []string{"pg_init_retries", "50"}},
+		{"", nil},
+		{"x queue_if_no_path", nil},
+		{"5 queue_if_no_path", nil},
+	} {
+		if got := multipathFeatures(c.line); !slices.Equal(got, c.want) {
+			t.Errorf("multipathFeatures(%q) = %q, want %q", c.line, got, c.want)
+		}
 	}
 }

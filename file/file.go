@@ -308,6 +308,9 @@ func (f *Target) ExpandTo(ctx context.Context, _ int64) (int64, error) {
 // StopQueueing: a loop device never queues I/O for a path to come back.
 func (f *Target) StopQueueing(context.Context) (bool, error) { return false, nil }
 
+// ResumeQueueing: StopQueueing changed nothing.
+func (f *Target) ResumeQueueing(context.Context) error { return nil }
+
 // Health reports a missing image or loop device, an image name that
 // leads through a symbolic link, and an image smaller than its loop
 // device.

@@ -43,11 +43,42 @@ func (tg *Target) StopQueueing(ctx context.Context) (bool, error) {
 	if slices.ContainsFunc(ps, devices.PathState.Working) {
 		return false, nil
 	}
+	queued, err := devices.QueuesIfNoPath(dm)
+	if err != nil {
+		return false, fmt.Errorf("iSCSI %s LUN %d: %w", v.IQN, v.LUN, err)
+	}
 	if err := t.failQueueing(ctx, dm); err != nil {
 		return false, fmt.Errorf("iSCSI %s LUN %d: no path works: %w", v.IQN, v.LUN, err)
 	}
+	if queued {
+		tg.requeue = dm
+	}
 	logctx.From(ctx, t.log).Warn("iSCSI: no path works; the multipath map fails I/O instead of queueing it", "target", v.IQN, "lun", v.LUN, "map", mapName(dm))
 	return true, nil
+}
+
+// ResumeQueueing has the multipath map that StopQueueing made fail I/O
+// queue it again, at once through device-mapper and through multipathd
+// (which otherwise keeps queueing off when it next loads the map). A
+// session StopQueueing logged out stays so: logging in needs the stage's
+// secrets, and the next stage does it.
+func (tg *Target) ResumeQueueing(ctx context.Context) error {
+	dm := tg.requeue
+	if dm == nil {
+		return nil
+	}
+	t, v := tg.t, tg.v
+	if err := devices.SetQueueIfNoPath(dm, true); err != nil {
+		return fmt.Errorf("iSCSI %s LUN %d: %w", v.IQN, v.LUN, err)
+	}
+	qctx, cancel := context.WithTimeout(ctx, multipathdWait)
+	defer cancel()
+	if _, err := t.run.run(qctx, t.opts.Multipathd, "restorequeueing", "map", mapName(dm)); err != nil {
+		logctx.From(ctx, t.log).Debug("multipathd restorequeueing", "map", mapName(dm), "error", err)
+	}
+	tg.requeue = nil
+	logctx.From(ctx, t.log).Warn("iSCSI: the unstage did not finish; the multipath map queues I/O again while no path works", "target", v.IQN, "lun", v.LUN, "map", mapName(dm))
+	return nil
 }
 
 // stopDiskQueueing is StopQueueing for a LUN without a multipath map.

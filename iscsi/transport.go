@@ -138,6 +138,9 @@ func (t *Transport) Parse(volumeContext, secrets map[string]string) (*Target, er
 type Target struct {
 	t *Transport
 	v *Volume
+	// requeue is the multipath map that StopQueueing made fail I/O
+	// while it queued before, for ResumeQueueing.
+	requeue *devices.Device
 }
 
 // Key is the canonical identity of the LUN.

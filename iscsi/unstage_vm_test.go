@@ -1,6 +1,7 @@
 package iscsi_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -320,5 +321,150 @@ func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
 			t.Fatalf("timed out after %v waiting for %s", d, what)
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// stageMultipath stages a multipath ext4 volume of LUN 0 of lt (queueing
+// while no path works) and returns its map.
+func stageMultipath(t *testing.T, ctx context.Context, node csi.NodeClient, lt interface {
+	Portal(int) string
+}, iqn, wwid, id, staging string) (*devices.Device, map[string]string) {
+	t.Helper()
+	vctx := map[string]string{"portals": fmt.Sprintf(`[%q,%q]`, lt.Portal(1), lt.Portal(2)), "iqn": iqn, "lun": "0", "wwid": wwid,
+		"multipath": "true", iscsi.ParamReplacementTimeout: "30"}
+	if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		VolumeCapability: csitest.MountCap("ext4"), VolumeContext: vctx}); err != nil {
+		t.Fatalf("NodeStageVolume: %v", err)
+	}
+	st, err := fs.StatPath(staging)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dm, err := deviceOf(st.Major, st.Minor)
+	if err != nil || dm.ID.Kind != devices.KindDM {
+		t.Fatalf("staging mount is on %d:%d (%v, %v), not a map", st.Major, st.Minor, dm, err)
+	}
+	if f := mapFeatures(t, dm.ID.DMName); !strings.Contains(f, "queue_if_no_path") {
+		t.Fatalf("map %s does not queue: %s", dm.ID.DMName, f)
+	}
+	t.Cleanup(func() { exec.Command("dmsetup", "message", dm.ID.DMName, "0", "fail_if_no_path").Run() })
+	return dm, vctx
+}
+
+// TestMultipathISCSIAgentUnstageOutage: both paths of a multipath volume
+// go down just before its unstage and come back 3 s into it (a switch
+// failing over, a target restarting). The unstage waits for them with the
+// map still queueing, so that the dirty pages written before it reach the
+// LUN: staged again, the volume holds every byte.
+func TestMultipathISCSIAgentUnstageOutage(t *testing.T) {
+	vm.RequireGuest(t)
+	queueForever(t)
+	node := startAgent(t, slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelDebug})))
+	lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260", "127.0.0.2:3260")
+	wwid := lt.AddLUN(0, 64<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	staging := filepath.Join(t.TempDir(), "staging")
+	os.MkdirAll(staging, 0o750)
+	id := "vol-blip"
+	_, vctx := stageMultipath(t, ctx, node, lt, lt.IQN, wwid, id, staging)
+
+	// Dirty pages, not yet written back: 4 MiB of a known pattern.
+	want := make([]byte, 4<<20)
+	for i := range want {
+		want[i] = byte(i*7 + i>>12)
+	}
+	if err := os.WriteFile(filepath.Join(staging, "data"), want, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	lt.Vanish(1)
+	lt.Vanish(2)
+	go func() {
+		time.Sleep(3 * time.Second)
+		lt.Restore(1)
+		lt.Restore(2)
+	}()
+	uctx, ucancel := context.WithTimeout(ctx, time.Minute)
+	defer ucancel()
+	start := time.Now()
+	if _, err := node.NodeUnstageVolume(uctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatalf("NodeUnstageVolume through a 3 s outage: %v after %v", err, time.Since(start))
+	}
+	t.Logf("unstage through a 3 s outage took %v", time.Since(start).Round(time.Millisecond))
+	if n := iscsiSessions(t, lt.IQN); n != 0 {
+		t.Errorf("%d sessions left after the unstage", n)
+	}
+
+	if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+		VolumeCapability: csitest.MountCap("ext4"), VolumeContext: vctx}); err != nil {
+		t.Fatalf("NodeStageVolume again: %v", err)
+	}
+	got, err := os.ReadFile(filepath.Join(staging, "data"))
+	if err != nil || !bytes.Equal(got, want) {
+		t.Errorf("staged again, the file holds %d bytes (%v), %d of them as written; want all %d", len(got), err, commonPrefix(got, want), len(want))
+	}
+	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatalf("NodeUnstageVolume: %v", err)
+	}
+}
+
+func commonPrefix(a, b []byte) int {
+	n := 0
+	for n < len(a) && n < len(b) && a[n] == b[n] {
+		n++
+	}
+	return n
+}
+
+// TestMultipathISCSIAgentUnstageNotFinished: an unstage during an outage
+// too long to wait out makes the map fail I/O, and then cannot unmount (a
+// file is still open in the staging mount). The volume stays staged, and
+// its map queues I/O again, as before the unstage: the next outage does
+// not fail its writes at once. Once the file is closed and the paths are
+// back, the unstage finishes.
+func TestMultipathISCSIAgentUnstageNotFinished(t *testing.T) {
+	vm.RequireGuest(t)
+	queueForever(t)
+	node := startAgent(t, slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelDebug})))
+	lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260", "127.0.0.2:3260")
+	wwid := lt.AddLUN(0, 64<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	staging := filepath.Join(t.TempDir(), "staging")
+	os.MkdirAll(staging, 0o750)
+	id := "vol-notfinished"
+	dm, _ := stageMultipath(t, ctx, node, lt, lt.IQN, wwid, id, staging)
+	f, err := os.Create(filepath.Join(staging, "open"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+
+	lt.Vanish(1)
+	lt.Vanish(2)
+	// 12 s: the unstage waits half of it for a path, then stops queueing.
+	uctx, ucancel := context.WithTimeout(ctx, 12*time.Second)
+	defer ucancel()
+	_, err = node.NodeUnstageVolume(uctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+	t.Logf("NodeUnstageVolume with a file open in the staging mount, every path down: %v", err)
+	if err == nil {
+		t.Fatal("NodeUnstageVolume with a file open in the staging mount: OK, want an error")
+	}
+	if !isMountRoot(t, staging) {
+		t.Fatal("the staging mount is gone")
+	}
+	// The agent gives the queueing back as the call ends.
+	waitFor(t, 20*time.Second, "the map to queue I/O again", func() bool {
+		return strings.Contains(mapFeatures(t, dm.ID.DMName), "queue_if_no_path")
+	})
+
+	f.Close()
+	lt.Restore(1)
+	lt.Restore(2)
+	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatalf("NodeUnstageVolume with the file closed and the paths back: %v", err)
+	}
+	if n := iscsiSessions(t, lt.IQN); n != 0 {
+		t.Errorf("%d sessions left", n)
 	}
 }

@@ -62,6 +62,19 @@ func (tg *Target) StopQueueing(ctx context.Context) (bool, error) {
 	return true, nil
 }
 
+// ResumeQueueing, for an unstage that did not finish after
+// StopQueueing, takes the volume back among those whose controllers
+// others keep (see othersNeed): it is staged still. The controllers
+// StopQueueing deleted stay deleted: connecting needs the stage's
+// secrets, and the next stage connects them.
+func (tg *Target) ResumeQueueing(context.Context) error {
+	t := tg.t
+	t.mu.Lock()
+	delete(t.stopping, tg.Key())
+	t.mu.Unlock()
+	return nil
+}
+
 // Detach flushes the namespace and deletes the volume's controllers
 // that no other volume needs (see Options.Staged). It refuses while the
 // namespace itself is still mounted or held open. Controllers that are
