@@ -304,6 +304,12 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []
 		if retErr == nil || (!scanned && !loggedIn && !removed) {
 			return
 		}
+		if errors.Is(retErr, errStillWaiting) {
+			// The scan has the portal's lock until the kernel ends it;
+			// the next attach of the LUN, or its detach, finds what it
+			// left.
+			return
+		}
 		// An attach that failed in the wait for the disk, which runs
 		// without the path's lock, takes it again for its undo, as a
 		// detach would.
@@ -338,7 +344,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []
 	}
 	if !ok {
 		scanned = true
-		if err := t.sys.Scan(sess, v.LUN); err != nil {
+		if err := t.scan(ctx, held, sess, v.LUN); err != nil {
 			return nil, fmt.Errorf("scan LUN %d of %s: %w", v.LUN, v.IQN, err)
 		}
 		failpoint.Hit("iscsi.scanned")
@@ -357,7 +363,10 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []
 		// it was scanned in; the target may have put other storage
 		// behind the LUN number since. The rescan reads it again (and
 		// the capacity), so that the WWID checked is the current one.
-		if err := t.sys.Rescan(hctl); err != nil {
+		if err := t.rescan(ctx, held, hctl); err != nil {
+			if errors.Is(err, errStillWaiting) {
+				return nil, fmt.Errorf("LUN %d of %s: %w", v.LUN, v.IQN, err)
+			}
 			logctx.From(ctx, t.log).Debug("rescan the existing disk of the LUN", "hctl", hctl.String(), "error", err)
 		}
 	}

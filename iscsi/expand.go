@@ -21,7 +21,7 @@ func (tg *Target) Expand(ctx context.Context) (int64, error) {
 		if pd.dev == nil {
 			continue
 		}
-		if err := t.sys.Rescan(pd.hctl); err != nil {
+		if err := t.rescanPath(ctx, v, pd); err != nil {
 			return 0, fmt.Errorf("rescan %s (%s): %w", pd.dev.Path, pd.hctl, err)
 		}
 		// The rescan write returns after READ CAPACITY: the size is
@@ -58,4 +58,16 @@ func (tg *Target) ExpandTo(ctx context.Context, minBytes int64) (int64, error) {
 			tg.v.IQN, tg.v.LUN, size, minBytes, errdefs.ErrUnavailable)
 	}
 	return size, nil
+}
+
+// rescanPath rescans the disk of one path under its portal's lock, so
+// that a rescan left waiting for a target that does not answer keeps
+// the retries of the expand from adding more.
+func (t *Transport) rescanPath(ctx context.Context, v *Volume, pd *pathDevice) error {
+	held, err := t.locks.Hold(ctx, pd.path.key(v.IQN, v.Iface))
+	if err != nil {
+		return err
+	}
+	defer held.Release()
+	return t.rescan(ctx, held, pd.hctl)
 }

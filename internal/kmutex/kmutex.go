@@ -63,6 +63,7 @@ type Held struct {
 	k      *KeyedMutex
 	key    string
 	unlock func() // nil while released
+	handed bool   // HandOff gave the key away
 }
 
 // Hold locks key as Lock does and returns it held. A wait that ctx ends
@@ -84,6 +85,20 @@ func (h *Held) Release() {
 	}
 }
 
+// HandOff passes the key, if held, to whoever calls the returned
+// function (a step that goes on after the call returned, in a goroutine
+// of its own): Release does nothing after it, and Retake fails, since the
+// key is no longer the call's to take. The returned function unlocks at
+// most once.
+func (h *Held) HandOff() (unlock func()) {
+	unlock = h.unlock
+	h.unlock, h.handed = nil, true
+	if unlock == nil {
+		return func() {}
+	}
+	return unlock
+}
+
 // Retake locks the key again if Release let it go, waiting as Hold does;
 // a key still held is left as it is.
 func (h *Held) Retake(ctx context.Context) error {
@@ -92,6 +107,9 @@ func (h *Held) Retake(ctx context.Context) error {
 	}
 	if h.k == nil {
 		return errors.New("retake a key no Hold took")
+	}
+	if h.handed {
+		return fmt.Errorf("retake %s: handed off to a step still running", h.key)
 	}
 	unlock, err := h.k.Lock(ctx, h.key)
 	if err != nil {

@@ -124,3 +124,39 @@ func TestHeldReleaseAndRetake(t *testing.T) {
 		t.Fatal("Retake of a zero Held succeeded")
 	}
 }
+
+func TestHeldHandOff(t *testing.T) {
+	var k KeyedMutex
+	h, err := k.Hold(context.Background(), "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlock := h.HandOff()
+	h.Release()
+	if err := h.Retake(context.Background()); err == nil {
+		t.Error("Retake after HandOff succeeded")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if u, err := k.Lock(ctx, "a"); err == nil {
+		u()
+		t.Fatal("the key was free after HandOff and Release")
+	}
+	unlock()
+	unlock()
+	u, err := k.Lock(context.Background(), "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	u()
+	if n := k.len(); n != 0 {
+		t.Fatalf("%d keys left", n)
+	}
+	// A released key hands off nothing.
+	h2, _ := k.Hold(context.Background(), "b")
+	h2.Release()
+	h2.HandOff()()
+	if n := k.len(); n != 0 {
+		t.Fatalf("%d keys left", n)
+	}
+}
