@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // fakeSys builds the sysfs tree described by testdata/<spec> in a temporary
@@ -54,7 +56,7 @@ func fakeSys(t *testing.T, spec string) Roots {
 	if err := sc.Err(); err != nil {
 		t.Fatal(err)
 	}
-	return Roots{Sys: sys, Dev: filepath.Join(root, "dev"), UdevRun: filepath.Join(root, "run-udev")}
+	return Roots{Sys: sysfs.At(sys), Dev: filepath.Join(root, "dev"), UdevRun: filepath.Join(root, "run-udev")}
 }
 
 // anyNode stands in for the device node check on fake trees, which have no

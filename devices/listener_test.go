@@ -111,7 +111,7 @@ func TestWaitFindsExistingDevice(t *testing.T) {
 func TestWaitKernelEvent(t *testing.T) {
 	t.Parallel()
 	roots := fakeSys(t, "sysfs.txt")
-	sys := roots.Sys
+	sys := roots.Sys.Path()
 	l := fakeListener(t, roots, false)
 	const file = "/var/lib/berth/volumes/pvc-9/disk.img"
 	w := l.Subscribe(MatchLoop(file))
@@ -142,7 +142,7 @@ func TestWaitKernelEvent(t *testing.T) {
 func TestWaitUdev(t *testing.T) {
 	t.Parallel()
 	roots := fakeSys(t, "sysfs.txt")
-	sys := roots.Sys
+	sys := roots.Sys.Path()
 	l := fakeListener(t, roots, true)
 	if !l.Udev() {
 		t.Fatal("udev mode off")
@@ -194,7 +194,7 @@ func TestWaitUdev(t *testing.T) {
 func TestWaitUdevNewDevice(t *testing.T) {
 	t.Parallel()
 	roots := fakeSys(t, "sysfs.txt")
-	sys := roots.Sys
+	sys := roots.Sys.Path()
 	l := fakeListener(t, roots, true)
 	const file = "/var/lib/berth/volumes/pvc-7/disk.img"
 	w := l.Subscribe(MatchLoop(file))
@@ -236,7 +236,7 @@ func TestWaitContextEnds(t *testing.T) {
 func TestWaitOverflowRescans(t *testing.T) {
 	t.Parallel()
 	roots := fakeSys(t, "sysfs.txt")
-	sys := roots.Sys
+	sys := roots.Sys.Path()
 	l := fakeListener(t, roots, false)
 	const file = "/var/lib/berth/volumes/pvc-8/disk.img"
 	w := l.Subscribe(MatchLoop(file))
@@ -281,7 +281,7 @@ func TestWaiterClosed(t *testing.T) {
 func TestRemovalWaiter(t *testing.T) {
 	t.Parallel()
 	roots := fakeSys(t, "sysfs.txt")
-	sys := roots.Sys
+	sys := roots.Sys.Path()
 	l := fakeListener(t, roots, false)
 	d, err := roots.Lookup("sdc")
 	if err != nil {
@@ -316,7 +316,7 @@ func TestRemovalWaiter(t *testing.T) {
 func TestFanOut(t *testing.T) {
 	t.Parallel()
 	roots := fakeSys(t, "sysfs.txt")
-	sys := roots.Sys
+	sys := roots.Sys.Path()
 	l := fakeListener(t, roots, false)
 	const n = 50
 	results := make([]<-chan waitResult, n)

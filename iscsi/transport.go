@@ -11,6 +11,7 @@ import (
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/kmutex"
+	kernfs "github.com/berth-csi/berth/internal/sysfs"
 )
 
 // Options configures the iSCSI transport of a node.
@@ -108,7 +109,7 @@ func New(opts Options) (*Transport, error) {
 		opts: opts,
 		log:  opts.Logger,
 		sys:  sysfs{root: opts.SysRoot},
-		devs: devices.Roots{Sys: opts.SysRoot, Dev: opts.DevRoot},
+		devs: devices.Roots{Sys: kernfs.At(opts.SysRoot), Dev: opts.DevRoot},
 		db:   recordDB{nodes: opts.NodeDir, lockDir: opts.LockDir, walks: walks},
 		run:  recordsRunner{runner: execRunner{}, iscsiadm: opts.Iscsiadm, walks: walks},
 	}, nil
