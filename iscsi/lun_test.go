@@ -13,7 +13,7 @@ import (
 // mounted). removeDisk must leave such a device alone.
 func TestRemoveDiskSparesAnotherSessionsLUN(t *testing.T) {
 	tr := testTransport(t, nil)
-	root := tr.sys.root
+	root := tr.sys.root.Path()
 	h := HCTL{Host: 0, Channel: 0, Target: 0, LUN: 0}
 	// The device at 0:0:0:0 is session 7's now; the detach is session 5's.
 	dev := filepath.Join(root, "devices/platform/host0/session7/target0:0:0/0:0:0:0")

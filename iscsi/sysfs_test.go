@@ -4,25 +4,25 @@ import (
 	"errors"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"reflect"
 	"testing"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // copySysfs copies the saved tree (symlinks included) so tests may write.
-func copySysfs(t *testing.T) sysfs {
+func copySysfs(t *testing.T) sysTree {
 	t.Helper()
 	dst := t.TempDir()
 	if out, err := exec.Command("cp", "-a", "testdata/sys/.", dst).CombinedOutput(); err != nil {
 		t.Fatalf("copy testdata: %v: %s", err, out)
 	}
-	return sysfs{root: dst}
+	return sysTree{root: sysfs.At(dst)}
 }
 
 func TestSysfsSessions(t *testing.T) {
-	s := sysfs{root: "testdata/sys"}
+	s := sysTree{root: sysfs.At("testdata/sys")}
 	got, err := s.Sessions("")
 	if err != nil {
 		t.Fatal(err)
@@ -57,7 +57,7 @@ func TestSysfsSessions(t *testing.T) {
 }
 
 func TestSysfsLUNs(t *testing.T) {
-	s := sysfs{root: "testdata/sys"}
+	s := sysTree{root: sysfs.At("testdata/sys")}
 	luns, err := s.LUNs(1)
 	if err != nil {
 		t.Fatal(err)
@@ -88,7 +88,7 @@ func TestSysfsScan(t *testing.T) {
 	if err := s.Scan(sess, 5); err != nil {
 		t.Fatal(err)
 	}
-	b, _ := os.ReadFile(filepath.Join(s.root, "class", "scsi_host", "host2", "scan"))
+	b, _ := os.ReadFile(s.root.Path("class", "scsi_host", "host2", "scan"))
 	if string(b) != "0 0 5" {
 		t.Fatalf("scan wrote %q, want only LUN 5 of target 0", b)
 	}
@@ -97,7 +97,7 @@ func TestSysfsScan(t *testing.T) {
 	if err := s.Scan(sess2, 3); err != nil {
 		t.Fatal(err)
 	}
-	b, _ = os.ReadFile(filepath.Join(s.root, "class", "scsi_host", "host3", "scan"))
+	b, _ = os.ReadFile(s.root.Path("class", "scsi_host", "host3", "scan"))
 	if string(b) != "0 - 3" {
 		t.Fatalf("scan wrote %q", b)
 	}
