@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // makeKey returns the DHHC-1 representation of n key bytes (each fill)
@@ -271,7 +272,7 @@ func authSys(t *testing.T, k1, k2, c2 string) string {
 func TestCheckReuseKeys(t *testing.T) {
 	k1, k2, c2 := makeKey(1, 32, 1), makeKey(2, 48, 2), makeKey(3, 64, 3)
 	root := authSys(t, k1, k2, c2)
-	tr, err := NewTransport(Options{SysRoot: root, Host: &HostIdentity{NQN: hostA, ID: hidA}})
+	tr, err := NewTransport(Options{Sys: sysfs.At(root), Host: &HostIdentity{NQN: hostA, ID: hidA}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -319,7 +320,7 @@ func TestCheckReuseKeys(t *testing.T) {
 	// A kernel whose controllers lack the attributes refuses keys before
 	// connecting.
 	tg, _ := tr.Parse(vc, map[string]string{SecretDHCHAPKey: k1})
-	ctrls, err := sysTree{root: root}.readControllers("")
+	ctrls, err := sysTree{root: sysfs.At(root)}.readControllers("")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -337,7 +338,7 @@ func TestCheckReuseKeys(t *testing.T) {
 func TestHealthNamesAuthentication(t *testing.T) {
 	k1, k2, c2 := makeKey(1, 32, 1), makeKey(2, 48, 2), makeKey(3, 64, 3)
 	root := authSys(t, k1, k2, c2)
-	tr, err := NewTransport(Options{SysRoot: root, Host: &HostIdentity{NQN: hostA, ID: hidA}})
+	tr, err := NewTransport(Options{Sys: sysfs.At(root), Host: &HostIdentity{NQN: hostA, ID: hidA}})
 	if err != nil {
 		t.Fatal(err)
 	}

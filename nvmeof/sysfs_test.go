@@ -9,6 +9,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 func readSample(t *testing.T, name string) []byte {
@@ -153,7 +155,7 @@ func sampleSys(t *testing.T) string {
 
 func TestReadControllers(t *testing.T) {
 	root := sampleSys(t)
-	cs, err := sysTree{root: root}.readControllers(subA)
+	cs, err := sysTree{root: sysfs.At(root)}.readControllers(subA)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -180,7 +182,7 @@ func TestReadControllers(t *testing.T) {
 		t.Errorf("addresses of nvme2 %+v and nvme3 (deleting) %+v", cs[2].Address, cs[3].Address)
 	}
 	// Nor is any address of another subsystem.
-	others, err := sysTree{root: root}.readControllers("nqn.2026-01.io.berth:b")
+	others, err := sysTree{root: sysfs.At(root)}.readControllers("nqn.2026-01.io.berth:b")
 	if err != nil || len(others) != 4 {
 		t.Fatalf("readControllers for another subsystem: %v, %v", others, err)
 	}
@@ -191,13 +193,13 @@ func TestReadControllers(t *testing.T) {
 	}
 
 	// Without nvme-core there is no class directory: no controllers.
-	if cs, err := (sysTree{root: t.TempDir()}).readControllers(subA); err != nil || len(cs) != 0 {
+	if cs, err := (sysTree{root: sysfs.At(t.TempDir())}).readControllers(subA); err != nil || len(cs) != 0 {
 		t.Errorf("empty sysfs: %v, %v", cs, err)
 	}
 }
 
 func TestControllerMatches(t *testing.T) {
-	cs, err := sysTree{root: sampleSys(t)}.readControllers(subA)
+	cs, err := sysTree{root: sysfs.At(sampleSys(t))}.readControllers(subA)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -237,7 +239,7 @@ func TestControllerMatches(t *testing.T) {
 
 func TestReadHeadsAndPaths(t *testing.T) {
 	root := sampleSys(t)
-	hs, err := sysTree{root: root}.readHeads(subA)
+	hs, err := sysTree{root: sysfs.At(root)}.readHeads(subA)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -248,7 +250,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 	if !reflect.DeepEqual(hs, want) {
 		t.Fatalf("heads:\n got %+v\nwant %+v", hs, want)
 	}
-	all, err := sysTree{root: root}.readHeads("")
+	all, err := sysTree{root: sysfs.At(root)}.readHeads("")
 	if err != nil || len(all) != 3 {
 		t.Errorf("all heads: %+v, %v", all, err)
 	}
@@ -268,7 +270,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 		}
 	}
 
-	paths, err := sysTree{root: root}.readNamespacePaths("nvme1n1")
+	paths, err := sysTree{root: sysfs.At(root)}.readNamespacePaths("nvme1n1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -279,7 +281,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 	if !reflect.DeepEqual(paths, wantPaths) {
 		t.Errorf("paths:\n got %+v\nwant %+v", paths, wantPaths)
 	}
-	if _, err := (sysTree{root: root}).readNamespacePaths("nvme9n9"); err == nil {
+	if _, err := (sysTree{root: sysfs.At(root)}).readNamespacePaths("nvme9n9"); err == nil {
 		t.Error("paths of a missing namespace: no error")
 	}
 
@@ -288,7 +290,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 	if err := os.RemoveAll(filepath.Join(root, "block", "nvme1n1", "multipath")); err != nil {
 		t.Fatal(err)
 	}
-	paths, err = sysTree{root: root}.readNamespacePaths("nvme1n1")
+	paths, err = sysTree{root: sysfs.At(root)}.readNamespacePaths("nvme1n1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -296,7 +298,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 		t.Errorf("paths without multipath directory:\n got %+v\nwant %+v", paths, wantPaths)
 	}
 	// Without native multipath a namespace is its controller's device.
-	paths, err = sysTree{root: root}.readNamespacePaths("nvme0n1")
+	paths, err = sysTree{root: sysfs.At(root)}.readNamespacePaths("nvme0n1")
 	if err != nil || !reflect.DeepEqual(paths, []NamespacePath{{Name: "nvme0n1", Controller: "nvme0"}}) {
 		t.Errorf("non-multipath paths: %+v, %v", paths, err)
 	}
@@ -326,7 +328,7 @@ func TestPathStatusHealthy(t *testing.T) {
 // one whose directory went away, and does not fail the listing.
 func TestReadControllersSkipsControllerTornDown(t *testing.T) {
 	root := sampleSys(t)
-	tree := sysTree{root: root, readFile: func(name string) ([]byte, error) {
+	tree := sysTree{root: sysfs.At(root), readFile: func(name string) ([]byte, error) {
 		if strings.HasSuffix(name, filepath.Join("nvme2", "address")) {
 			return nil, &fs.PathError{Op: "read", Path: name, Err: syscall.ENODEV}
 		}
@@ -364,7 +366,7 @@ func TestReadHeadsSkipsNamespacesGoing(t *testing.T) {
 	if err := os.Symlink("../../class/nvme-subsystem/nvme-subsys7", filepath.Join(root, "block/nvme7n1/device")); err != nil {
 		t.Fatal(err)
 	}
-	tree := sysTree{root: root, readFile: func(p string) ([]byte, error) {
+	tree := sysTree{root: sysfs.At(root), readFile: func(p string) ([]byte, error) {
 		if strings.Contains(p, "/nvme7n1/") {
 			return nil, &fs.PathError{Op: "read", Path: p, Err: syscall.ENODEV}
 		}
@@ -387,10 +389,10 @@ func TestAddressReadWaitsForDelete(t *testing.T) {
 	unlock := teardown.lock(subA)
 	read := make(chan error, 1)
 	go func() {
-		_, err := sysTree{root: root}.readControllers(subA)
+		_, err := sysTree{root: sysfs.At(root)}.readControllers(subA)
 		read <- err
 	}()
-	if _, err := (sysTree{root: root}).readControllers("nqn.2026-01.io.berth:b"); err != nil {
+	if _, err := (sysTree{root: sysfs.At(root)}).readControllers("nqn.2026-01.io.berth:b"); err != nil {
 		t.Fatalf("another subsystem's read during a delete: %v", err)
 	}
 	select {

@@ -14,11 +14,12 @@ import (
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 func TestStatusAndHealthFromSysfs(t *testing.T) {
 	root := sampleSys(t)
-	tr, err := NewTransport(Options{SysRoot: root, Host: &HostIdentity{NQN: hostA, ID: hidA}})
+	tr, err := NewTransport(Options{Sys: sysfs.At(root), Host: &HostIdentity{NQN: hostA, ID: hidA}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -121,7 +122,7 @@ func TestDetachKeepsControllersOthersNeed(t *testing.T) {
 	vc2 := map[string]string{"nqn": subA, "nsid": "2", "traddr": "127.0.0.1"}
 	vcOther := map[string]string{"nqn": "nqn.2026-01.io.berth:b", "nsid": "1", "traddr": "127.0.0.1"}
 	staged := [][]map[string]string{{vc1, vc2, vcOther}}
-	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+	tr, err := NewTransport(Options{Sys: sysfs.At(root), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 		Staged: func(context.Context) ([]map[string]string, error) { return staged[0], nil }})
 	if err != nil {
 		t.Fatal(err)
@@ -150,7 +151,7 @@ func TestDetachKeepsControllersOthersNeed(t *testing.T) {
 	// A failing Staged callback fails the detach, deleting nothing.
 	root2 := sampleSys(t)
 	writeID(t, root2+"/class/nvme/nvme1", "delete_controller", "")
-	tr2, _ := NewTransport(Options{SysRoot: root2, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+	tr2, _ := NewTransport(Options{Sys: sysfs.At(root2), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 		Staged: func(context.Context) ([]map[string]string, error) { return nil, errors.New("state unreadable") }})
 	tg, _ := tr2.Parse(vc2, nil)
 	if err := tg.Detach(ctx); err == nil || !strings.Contains(err.Error(), "state unreadable") {
@@ -200,7 +201,7 @@ func TestDetachSparesAReusedControllerName(t *testing.T) {
 		}
 		return b, err
 	}
-	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+	tr, err := NewTransport(Options{Sys: sysfs.At(root), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }, readFile: readFile})
 	if err != nil {
 		t.Fatal(err)
@@ -254,7 +255,7 @@ func TestAddressesReadOnlyOfTheVolumesSubsystem(t *testing.T) {
 		}
 		return os.ReadFile(p)
 	}
-	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+	tr, err := NewTransport(Options{Sys: sysfs.At(root), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }, readFile: readFile})
 	if err != nil {
 		t.Fatal(err)
@@ -304,7 +305,7 @@ func TestDetachFlushEndsWithContext(t *testing.T) {
 		return nil
 	}
 	t.Cleanup(func() { flushDev = old })
-	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+	tr, err := NewTransport(Options{Sys: sysfs.At(root), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }})
 	if err != nil {
 		t.Fatal(err)
@@ -369,7 +370,7 @@ func TestDetachFencedFlush(t *testing.T) {
 			old := flushDev
 			flushDev = func(string) error { return tc.err }
 			t.Cleanup(func() { flushDev = old })
-			tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+			tr, err := NewTransport(Options{Sys: sysfs.At(root), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 				Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }})
 			if err != nil {
 				t.Fatal(err)
@@ -391,7 +392,7 @@ func TestDetachFencedFlush(t *testing.T) {
 // none there a controller of any host counts.
 func TestStatusCreatesNoHostIdentity(t *testing.T) {
 	hostDir := t.TempDir()
-	tr, err := NewTransport(Options{SysRoot: sampleSys(t), HostDir: hostDir})
+	tr, err := NewTransport(Options{Sys: sysfs.At(sampleSys(t)), HostDir: hostDir})
 	if err != nil {
 		t.Fatal(err)
 	}
