@@ -13,6 +13,8 @@ import (
 	"testing"
 
 	"github.com/urfave/cli/v2"
+
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 const release = "6.1.0-test-amd64"
@@ -92,7 +94,7 @@ func (n *node) config(transports ...string) Config {
 		Transports:    transports,
 		Endpoint:      "unix://" + n.path("var/lib/kubelet/plugins/berth.csi.io/csi.sock"),
 		KubeletDir:    n.path("var/lib/kubelet"),
-		SysRoot:       n.path("sys"),
+		Sys:           sysfs.At(n.path("sys")),
 		ProcRoot:      n.path("proc"),
 		EtcRoot:       n.path("etc"),
 		ModulesRoot:   n.path("lib/modules"),
