@@ -3,26 +3,25 @@ package iscsi
 import (
 	"errors"
 	"os"
-	"os/exec"
+	"path/filepath"
 	"reflect"
 	"testing"
 
 	"github.com/berth-csi/berth/internal/errdefs"
-	"github.com/berth-csi/berth/internal/sysfs"
+	"github.com/berth-csi/berth/internal/sysfs/sysfstest"
 )
 
-// copySysfs copies the saved tree (symlinks included) so tests may write.
-func copySysfs(t *testing.T) sysTree {
+// sampleSys is the saved tree testdata/sysfs.txt: two sessions of
+// testIQN, the first with two LUNs.
+func sampleSys(t *testing.T) sysTree {
 	t.Helper()
-	dst := t.TempDir()
-	if out, err := exec.Command("cp", "-a", "testdata/sys/.", dst).CombinedOutput(); err != nil {
-		t.Fatalf("copy testdata: %v: %s", err, out)
-	}
-	return sysTree{root: sysfs.At(dst)}
+	sys := sysfstest.New(t)
+	sys.Load(filepath.Join("testdata", "sysfs.txt"))
+	return sysTree{root: sys.Root()}
 }
 
 func TestSysfsSessions(t *testing.T) {
-	s := sysTree{root: sysfs.At("testdata/sys")}
+	s := sampleSys(t)
 	got, err := s.Sessions("")
 	if err != nil {
 		t.Fatal(err)
@@ -57,7 +56,7 @@ func TestSysfsSessions(t *testing.T) {
 }
 
 func TestSysfsLUNs(t *testing.T) {
-	s := sysTree{root: sysfs.At("testdata/sys")}
+	s := sampleSys(t)
 	luns, err := s.LUNs(1)
 	if err != nil {
 		t.Fatal(err)
@@ -80,7 +79,7 @@ func TestSysfsLUNs(t *testing.T) {
 }
 
 func TestSysfsScan(t *testing.T) {
-	s := copySysfs(t)
+	s := sampleSys(t)
 	sess, err := s.Session(1)
 	if err != nil {
 		t.Fatal(err)
