@@ -8,7 +8,6 @@ import (
 	"testing"
 
 	"github.com/berth-csi/berth/internal/errdefs"
-	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 func writeID(t *testing.T, dir, name, v string) {
@@ -187,7 +186,7 @@ func TestWriteIdentityFileRace(t *testing.T) {
 }
 
 func TestCheckHostConflict(t *testing.T) {
-	cs, err := sysTree{root: sysfs.At(sampleSys(t))}.readControllers("")
+	cs, err := sysTree{root: sampleSys(t).Root()}.readControllers("")
 	if err != nil {
 		t.Fatal(err)
 	}
