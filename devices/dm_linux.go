@@ -164,7 +164,7 @@ func MultipathPaths(dm *Device) ([]PathState, error) {
 		for _, p := range paths {
 			maj, min, _ := parseMajorMinor(p.dev)
 			ps := PathState{Major: maj, Minor: min, Active: p.active, FailCount: p.failCount, Group: p.group, GroupState: p.groupState}
-			if link, err := os.Readlink(filepath.Join(dm.roots.sys(), "dev", "block", p.dev)); err == nil {
+			if link, err := dm.roots.Sys.Readlink("dev", "block", p.dev); err == nil {
 				ps.Name = filepath.Base(link)
 				ps.SCSIState, _ = readAttr(dm.roots.block(ps.Name), "device/state")
 			}

@@ -324,7 +324,7 @@ type event struct {
 
 func (e *event) device() (*Device, error) {
 	e.once.Do(func() {
-		e.dev, e.err = e.roots.readDeviceEvent(e.roots.sys()+e.DevPath, "", e.Event)
+		e.dev, e.err = e.roots.readDeviceEvent(e.roots.Sys.Path(e.DevPath), "", e.Event)
 	})
 	return e.dev, e.err
 }

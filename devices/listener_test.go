@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/berth-csi/berth/internal/sysfs/sysfstest"
 )
 
 // The tests in this file drive a Listener without a socket: events are
@@ -88,14 +88,14 @@ func blockEvent(src Source, action, devpath string, maj, min uint32) *Event {
 const loop1Path = "/devices/virtual/block/loop1"
 
 // attachFake makes loop1 look attached to file in the fake tree.
-func attachFake(t *testing.T, sys, file string) {
-	writeFile(t, sys, "devices/virtual/block/loop1/loop/backing_file", file+"\n")
-	writeFile(t, sys, "devices/virtual/block/loop1/size", "2048\n")
+func attachFake(sys *sysfstest.Tree, file string) {
+	sys.File("devices/virtual/block/loop1/loop/backing_file", file+"\n")
+	sys.File("devices/virtual/block/loop1/size", "2048\n")
 }
 
 func TestWaitFindsExistingDevice(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
+	_, roots := fakeSys(t)
 	l := fakeListener(t, roots, false)
 	w := l.Subscribe(MatchLoop("/var/lib/berth/volumes/pvc-1/disk.img"))
 	defer w.Close()
@@ -110,8 +110,7 @@ func TestWaitFindsExistingDevice(t *testing.T) {
 
 func TestWaitKernelEvent(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
-	sys := roots.Sys
+	sys, roots := fakeSys(t)
 	l := fakeListener(t, roots, false)
 	const file = "/var/lib/berth/volumes/pvc-9/disk.img"
 	w := l.Subscribe(MatchLoop(file))
@@ -121,7 +120,7 @@ func TestWaitKernelEvent(t *testing.T) {
 	// Events of other devices, other subsystems and partitions do not end the wait.
 	l.dispatch(blockEvent(SourceKernel, "change", "/devices/virtual/block/loop0", 7, 0))
 	l.dispatch(&Event{Source: SourceKernel, Action: "add", DevPath: "/devices/virtual/bdi/7:1", Subsystem: "bdi"})
-	attachFake(t, sys, file)
+	attachFake(sys, file)
 	part := blockEvent(SourceKernel, "add", loop1Path, 7, 1)
 	part.DevType = "partition"
 	l.dispatch(part)
@@ -141,8 +140,7 @@ func TestWaitKernelEvent(t *testing.T) {
 
 func TestWaitUdev(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
-	sys := roots.Sys
+	sys, roots := fakeSys(t)
 	l := fakeListener(t, roots, true)
 	if !l.Udev() {
 		t.Fatal("udev mode off")
@@ -160,7 +158,7 @@ func TestWaitUdev(t *testing.T) {
 	writeFile(t, roots.UdevRun, "data/b7:1", "I:456\n") // from loop1's earlier "add"
 	w := l.Subscribe(MatchLoop(file))
 	defer w.Close()
-	attachFake(t, sys, file)
+	attachFake(sys, file)
 	kev := blockEvent(SourceKernel, "change", loop1Path, 7, 1)
 	l.dispatch(kev)
 	res := startWait(t, context.Background(), w)
@@ -193,13 +191,12 @@ func TestWaitUdev(t *testing.T) {
 
 func TestWaitUdevNewDevice(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
-	sys := roots.Sys
+	sys, roots := fakeSys(t)
 	l := fakeListener(t, roots, true)
 	const file = "/var/lib/berth/volumes/pvc-7/disk.img"
 	w := l.Subscribe(MatchLoop(file))
 	defer w.Close()
-	attachFake(t, sys, file)
+	attachFake(sys, file)
 	// No database entry and no udev event yet: not ready, whatever the kernel says.
 	res := startWait(t, context.Background(), w)
 	l.dispatch(blockEvent(SourceKernel, "change", loop1Path, 7, 1))
@@ -210,7 +207,7 @@ func TestWaitUdevNewDevice(t *testing.T) {
 
 func TestWaitContextEnds(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
+	_, roots := fakeSys(t)
 	l := fakeListener(t, roots, false)
 	w := l.Subscribe(MatchNVMe("nqn.2014-08.org.berth:missing", 1, "", ""))
 	defer w.Close()
@@ -235,15 +232,14 @@ func TestWaitContextEnds(t *testing.T) {
 
 func TestWaitOverflowRescans(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
-	sys := roots.Sys
+	sys, roots := fakeSys(t)
 	l := fakeListener(t, roots, false)
 	const file = "/var/lib/berth/volumes/pvc-8/disk.img"
 	w := l.Subscribe(MatchLoop(file))
 	defer w.Close()
 	res := startWait(t, context.Background(), w)
 	// The device appears but its event is lost in a queue overflow.
-	attachFake(t, sys, file)
+	attachFake(sys, file)
 	expectPending(t, res)
 	l.overflow()
 	expectDevice(t, res, "loop1")
@@ -251,7 +247,7 @@ func TestWaitOverflowRescans(t *testing.T) {
 
 func TestWaitListenerClosed(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
+	_, roots := fakeSys(t)
 	l := fakeListener(t, roots, false)
 	w := l.Subscribe(MatchLoop("/nonexistent"))
 	defer w.Close()
@@ -264,7 +260,7 @@ func TestWaitListenerClosed(t *testing.T) {
 
 func TestWaiterClosed(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
+	_, roots := fakeSys(t)
 	l := fakeListener(t, roots, false)
 	w := l.Subscribe(MatchLoop("/nonexistent"))
 	w.Close()
@@ -280,8 +276,7 @@ func TestWaiterClosed(t *testing.T) {
 
 func TestRemovalWaiter(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
-	sys := roots.Sys
+	sys, roots := fakeSys(t)
 	l := fakeListener(t, roots, false)
 	d, err := roots.Lookup("sdc")
 	if err != nil {
@@ -293,9 +288,7 @@ func TestRemovalWaiter(t *testing.T) {
 	l.dispatch(blockEvent(SourceKernel, "remove", "/devices/platform/host2/session1/target2:0:0/2:0:0:1/block/sdb", 8, 16))
 	expectPending(t, res)
 	// The kernel removes the sysfs directory before it sends "remove".
-	if err := os.Remove(filepath.Join(sys, "class/block/sdc")); err != nil {
-		t.Fatal(err)
-	}
+	sys.Remove("class/block/sdc")
 	l.dispatch(blockEvent(SourceKernel, "remove", "/devices/platform/host3/session2/target3:0:0/3:0:0:1/block/sdc", 8, 32))
 	select {
 	case r := <-res:
@@ -315,8 +308,7 @@ func TestRemovalWaiter(t *testing.T) {
 
 func TestFanOut(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
-	sys := roots.Sys
+	sys, roots := fakeSys(t)
 	l := fakeListener(t, roots, false)
 	const n = 50
 	results := make([]<-chan waitResult, n)
@@ -328,12 +320,10 @@ func TestFanOut(t *testing.T) {
 	for i := range n {
 		name := fmt.Sprintf("loop%d", 100+i)
 		dir := "devices/virtual/block/" + name
-		writeFile(t, sys, dir+"/dev", fmt.Sprintf("7:%d\n", 100+i))
-		writeFile(t, sys, dir+"/size", "8\n")
-		writeFile(t, sys, dir+"/loop/backing_file", fmt.Sprintf("/vol/%d.img\n", i))
-		if err := os.Symlink("../../"+dir, filepath.Join(sys, "class/block", name)); err != nil {
-			t.Fatal(err)
-		}
+		sys.File(dir+"/dev", fmt.Sprintf("7:%d\n", 100+i))
+		sys.File(dir+"/size", "8\n")
+		sys.File(dir+"/loop/backing_file", fmt.Sprintf("/vol/%d.img\n", i))
+		sys.Link("class/block/"+name, "../../"+dir)
 		l.dispatch(blockEvent(SourceKernel, "add", "/"+dir, 7, uint32(100+i)))
 	}
 	for i := range n {

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // FindLoop returns the loop device that shows exactly file: bound to the
@@ -208,11 +209,10 @@ func (r Roots) findLoopFile(path string, id fileID, strict bool) (*Device, error
 	if err != nil {
 		return nil, err
 	}
-	dir := filepath.Join(r.sys(), "class", "block")
 	var found *Device
 	var others []string
 	for _, name := range names {
-		sysPath := filepath.Join(dir, name)
+		sysPath := r.block(name)
 		info, dev, err := r.loopStatusByName(name)
 		if err != nil || info.Device != id.dev || info.Inode != id.ino {
 			continue
@@ -257,20 +257,19 @@ var partitionsFile = "/proc/partitions"
 // than the node's own (tests), every loop device that has a backing file
 // is returned.
 func (r Roots) boundLoops(size int64) ([]string, error) {
-	if r.Sys == "" && r.Dev == "" && size >= 512 {
+	if r.Sys == (sysfs.Root{}) && r.Dev == "" && size >= 512 {
 		if names, err := readPartitionLoops(partitionsFile); err == nil {
 			return names, nil
 		}
 	}
-	dir := filepath.Join(r.sys(), "class", "block")
-	ents, err := os.ReadDir(dir)
+	all, err := r.Sys.List("class", "block")
 	if err != nil {
 		return nil, fmt.Errorf("list block devices: %w", err)
 	}
 	var names []string
-	for _, e := range ents {
-		if nameMayBeKind(e.Name(), KindLoop) && loopBound(filepath.Join(dir, e.Name())) {
-			names = append(names, e.Name())
+	for _, name := range all {
+		if nameMayBeKind(name, KindLoop) && loopBound(r.block(name)) {
+			names = append(names, name)
 		}
 	}
 	return names, nil

@@ -73,7 +73,7 @@ func FuzzParseMultipathStatus(f *testing.F) {
 
 func TestMultipathMapFakeSysfs(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
+	_, roots := fakeSys(t)
 	for _, path := range []string{"sdb", "sdc"} {
 		d, err := roots.MultipathMap(path)
 		if err != nil || d.Name != "dm-0" || d.ID.DMName != "mpatha" {

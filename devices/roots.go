@@ -1,6 +1,6 @@
 package devices
 
-import "path/filepath"
+import "github.com/berth-csi/berth/internal/sysfs"
 
 // Roots names where the trees this package reads are mounted. The zero
 // value is the host's own: /sys, /dev and /run/udev; tests point the fields
@@ -8,22 +8,20 @@ import "path/filepath"
 // Listener the Roots it was opened with, so that what is done with either
 // happens in the same trees.
 type Roots struct {
-	// Sys is where sysfs is mounted; "" means /sys.
-	Sys string
+	// Sys is the sysfs tree; the zero value is /sys.
+	Sys sysfs.Root
 	// Dev holds the device nodes; "" means /dev.
 	Dev string
 	// UdevRun is udev's runtime directory; "" means /run/udev.
 	UdevRun string
 }
 
-func (r Roots) sys() string { return orDefault(r.Sys, "/sys") }
-
 func (r Roots) dev() string { return orDefault(r.Dev, "/dev") }
 
 func (r Roots) udevRun() string { return orDefault(r.UdevRun, "/run/udev") }
 
 // block is the sysfs directory of the block device with kernel name name.
-func (r Roots) block(name string) string { return filepath.Join(r.sys(), "class", "block", name) }
+func (r Roots) block(name string) string { return r.Sys.Path("class", "block", name) }
 
 func orDefault(s, def string) string {
 	if s == "" {

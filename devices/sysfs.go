@@ -16,7 +16,7 @@ import (
 )
 
 // Lookup reads the block device with the given kernel name from
-// class/block under r.Sys. A name that does not exist gives an error
+// class/block of r.Sys. A name that does not exist gives an error
 // wrapping errdefs.ErrNotFound.
 func (r Roots) Lookup(name string) (*Device, error) {
 	if err := checkName(name); err != nil {
@@ -235,17 +235,13 @@ func parseUeventFile(b []byte) map[string]string {
 // prefilter) the others are not read at all: a scan over hundreds of loop
 // devices then costs one read per device.
 func (r Roots) scanBlock(kind string, m Matcher, fn func(*Device) bool) error {
-	dir := filepath.Join(r.sys(), "class", "block")
 	var names []string
 	if nm, ok := m.(namedMatcher); ok && nm.deviceName() != "" {
 		names = []string{nm.deviceName()}
 	} else {
-		ents, err := os.ReadDir(dir)
-		if err != nil {
+		var err error
+		if names, err = r.Sys.List("class", "block"); err != nil {
 			return fmt.Errorf("list block devices: %w", err)
-		}
-		for _, e := range ents {
-			names = append(names, e.Name())
 		}
 	}
 	pf, _ := m.(prefilter)
@@ -253,7 +249,7 @@ func (r Roots) scanBlock(kind string, m Matcher, fn func(*Device) bool) error {
 		if kind != "" && !nameMayBeKind(name, kind) {
 			continue
 		}
-		sysPath := filepath.Join(dir, name)
+		sysPath := r.block(name)
 		if pf != nil && !pf.mayMatch(sysPath) {
 			continue
 		}
@@ -317,14 +313,14 @@ func (r Roots) udevInitialized(major, minor uint32) bool {
 }
 
 // Holders lists the kernel names of the devices stacked on name
-// (class/block/<name>/holders under r.Sys), for example the dm map using a
+// (class/block/<name>/holders of r.Sys), for example the dm map using a
 // path.
 func (r Roots) Holders(name string) ([]string, error) {
 	return r.listDir(name, "holders")
 }
 
 // Slaves lists the kernel names of the devices name is stacked on
-// (class/block/<name>/slaves under r.Sys), for example the paths of a dm
+// (class/block/<name>/slaves of r.Sys), for example the paths of a dm
 // map.
 func (r Roots) Slaves(name string) ([]string, error) {
 	return r.listDir(name, "slaves")
@@ -334,16 +330,12 @@ func (r Roots) listDir(name, sub string) ([]string, error) {
 	if err := checkName(name); err != nil {
 		return nil, err
 	}
-	ents, err := os.ReadDir(filepath.Join(r.block(name), sub))
+	names, err := r.Sys.List("class", "block", name, sub)
 	if err != nil {
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil, fmt.Errorf("block device %s: %w", name, errdefs.ErrNotFound)
 		}
 		return nil, fmt.Errorf("block device %s %s: %w", name, sub, err)
 	}
-	out := make([]string, 0, len(ents))
-	for _, e := range ents {
-		out = append(out, e.Name())
-	}
-	return out, nil
+	return names, nil
 }

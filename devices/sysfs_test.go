@@ -16,7 +16,7 @@ const (
 
 func TestLookupFakeSysfs(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
+	_, roots := fakeSys(t)
 	for _, tc := range []struct {
 		name    string
 		path    string
@@ -82,7 +82,7 @@ func TestLookupFakeSysfs(t *testing.T) {
 
 func TestHoldersSlaves(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
+	_, roots := fakeSys(t)
 	if h, err := roots.Holders("sdb"); err != nil || !slices.Equal(h, []string{"dm-0"}) {
 		t.Errorf("roots.Holders(sdb) = %q, %v", h, err)
 	}
@@ -102,7 +102,7 @@ func TestHoldersSlaves(t *testing.T) {
 
 func TestMatchers(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
+	_, roots := fakeSys(t)
 	all := map[string]*Device{}
 	if err := roots.scanBlock("", nil, func(d *Device) bool { all[d.Name] = d; return false }); err != nil {
 		t.Fatal(err)
@@ -169,7 +169,7 @@ func TestMatchers(t *testing.T) {
 // the others are ruled out by their SCSI device link.
 func TestScanSCSIAddressReadsOneDevice(t *testing.T) {
 	t.Parallel()
-	roots := fakeSys(t, "sysfs.txt")
+	_, roots := fakeSys(t)
 	for _, tc := range []struct {
 		m    Matcher
 		want string

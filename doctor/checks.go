@@ -85,7 +85,7 @@ func listsModule(r io.Reader, m string) (bool, error) {
 func moduleState(cfg *Config, m string) (modState, error) {
 	// initstate exists for loaded modules only; a built-in module may
 	// have a /sys/module directory (for its parameters) but no initstate.
-	if _, err := os.Stat(filepath.Join(cfg.SysRoot, "module", m, "initstate")); err == nil {
+	if _, err := os.Stat(cfg.Sys.Path("module", m, "initstate")); err == nil {
 		return modLoaded, nil
 	}
 	dir := filepath.Join(cfg.ModulesRoot, cfg.KernelRelease)
@@ -109,7 +109,7 @@ func moduleState(cfg *Config, m string) (modState, error) {
 			return f.state, nil
 		}
 	}
-	if _, err := os.Stat(filepath.Join(cfg.SysRoot, "module", m)); err == nil {
+	if _, err := os.Stat(cfg.Sys.Path("module", m)); err == nil {
 		return modBuiltin, nil
 	}
 	if _, err := os.Stat(filepath.Join(dir, "modules.dep")); err != nil {
@@ -505,12 +505,12 @@ func checkTLS(cfg *Config) []Check {
 	kernel := Check{Name: "nvme tcp tls"}
 	// nvme-tcp has the parameter exactly when it is built with
 	// CONFIG_NVME_TCP_TLS (measured on Debian 13's 6.12).
-	param := filepath.Join(cfg.SysRoot, "module", "nvme_tcp", "parameters", "tls_handshake_timeout")
+	param := cfg.Sys.Path("module", "nvme_tcp", "parameters", "tls_handshake_timeout")
 	switch _, err := os.Stat(param); {
 	case err == nil:
 		kernel.Status, kernel.Detail = OK, "nvme-tcp has TLS (tls_handshake_timeout)"
 	case errors.Is(err, fs.ErrNotExist):
-		if _, err := os.Stat(filepath.Join(cfg.SysRoot, "module", "nvme_tcp")); err != nil {
+		if _, err := os.Stat(cfg.Sys.Path("module", "nvme_tcp")); err != nil {
 			// Not loaded: the module check says so, and whether it
 			// has TLS shows once it is.
 			kernel.Status, kernel.Detail = OK, "nvme-tcp is not loaded: whether it has TLS shows once it is"

@@ -6,6 +6,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/berth-csi/berth/internal/cliflags"
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // DefaultEndpoint is the endpoint `berth doctor` checks unless told.
@@ -51,7 +52,7 @@ ready.`,
 				KubeletDir:  c.String(cliflags.KubeletDir),
 				Iscsiadm:    c.String(cliflags.Iscsiadm),
 				Multipathd:  c.String(cliflags.Multipathd),
-				SysRoot:     c.String("sys-root"),
+				Sys:         sysfs.At(c.String("sys-root")),
 				ProcRoot:    c.String("proc-root"),
 				EtcRoot:     c.String("etc-root"),
 				ModulesRoot: c.String("modules-root"),

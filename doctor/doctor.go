@@ -14,6 +14,8 @@ import (
 	"net"
 	"strings"
 	"time"
+
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // Transport names, as in volume_context "transport".
@@ -103,9 +105,11 @@ type Config struct {
 	// host's tools from a container.
 	Iscsiadm, Multipathd string
 
-	// Roots of the node's file systems; defaults /sys, /proc, /etc,
+	// Sys is the node's sysfs tree; the zero value is /sys.
+	Sys sysfs.Root
+	// Roots of the node's other file systems; defaults /proc, /etc,
 	// /lib/modules, /dev.
-	SysRoot, ProcRoot, EtcRoot, ModulesRoot, DevRoot string
+	ProcRoot, EtcRoot, ModulesRoot, DevRoot string
 	// KernelRelease selects ModulesRoot/<release>; default uname -r.
 	KernelRelease string
 	// Path lists the directories searched for tools; default $PATH and
@@ -123,7 +127,6 @@ func (c *Config) setDefaults() {
 			*p = v
 		}
 	}
-	def(&c.SysRoot, "/sys")
 	def(&c.ProcRoot, "/proc")
 	def(&c.EtcRoot, "/etc")
 	def(&c.ModulesRoot, "/lib/modules")

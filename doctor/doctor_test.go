@@ -13,25 +13,28 @@ import (
 	"testing"
 
 	"github.com/urfave/cli/v2"
+
+	"github.com/berth-csi/berth/internal/sysfs/sysfstest"
 )
 
 const release = "6.1.0-test-amd64"
 
-// node is a fake node: file trees under one temporary root, tools in a
-// bin directory, and the abstract sockets that answer.
+// node is a fake node: file trees under one temporary root and a sysfs
+// tree, tools in a bin directory, and the abstract sockets that answer.
 type node struct {
 	t       *testing.T
 	root    string
+	sys     *sysfstest.Tree
 	sockets map[string]bool
 }
 
 func newNode(t *testing.T) *node {
-	n := &node{t: t, root: t.TempDir(), sockets: map[string]bool{iscsidSocket: true, multipathdSocket: true}}
-	n.write("sys/module/iscsi_tcp/initstate", "live\n")
-	n.write("sys/module/nvme_fabrics/initstate", "live\n")
-	n.write("sys/module/nvme_tcp/initstate", "live\n")
-	n.write("sys/module/dm_multipath/initstate", "live\n")
-	n.write("sys/module/dm_crypt/initstate", "live\n")
+	n := &node{t: t, root: t.TempDir(), sys: sysfstest.New(t), sockets: map[string]bool{iscsidSocket: true, multipathdSocket: true}}
+	n.sys.File("module/iscsi_tcp/initstate", "live\n")
+	n.sys.File("module/nvme_fabrics/initstate", "live\n")
+	n.sys.File("module/nvme_tcp/initstate", "live\n")
+	n.sys.File("module/dm_multipath/initstate", "live\n")
+	n.sys.File("module/dm_crypt/initstate", "live\n")
 	n.write("lib/modules/"+release+"/modules.dep",
 		"kernel/drivers/nvme/host/nvme-tcp.ko.zst: kernel/drivers/nvme/host/nvme-fabrics.ko.zst\n"+
 			"kernel/drivers/nvme/host/nvme-fabrics.ko.zst:\n"+
@@ -47,7 +50,7 @@ func newNode(t *testing.T) *node {
 	n.write("proc/412/comm", "multipathd\n")
 	// NVMe/TCP with TLS: nvme-tcp built with it, the .nvme keyring,
 	// tlshd run through a loader (its comm is the loader's).
-	n.write("sys/module/nvme_tcp/parameters/tls_handshake_timeout", "10\n")
+	n.sys.File("module/nvme_tcp/parameters/tls_handshake_timeout", "10\n")
 	n.write("proc/keys", "197c817b I------     5 perm 1f1f0000     0     0 keyring   .nvme: 1\n")
 	n.write("proc/98/comm", "ld-linux-x86-64\n")
 	n.write("proc/98/cmdline", "/opt/lib64/ld-linux-x86-64.so.2\x00--library-path\x00/opt/lib\x00/usr/sbin/tlshd\x00")
@@ -92,7 +95,7 @@ func (n *node) config(transports ...string) Config {
 		Transports:    transports,
 		Endpoint:      "unix://" + n.path("var/lib/kubelet/plugins/berth.csi.io/csi.sock"),
 		KubeletDir:    n.path("var/lib/kubelet"),
-		SysRoot:       n.path("sys"),
+		Sys:           n.sys.Root(),
 		ProcRoot:      n.path("proc"),
 		EtcRoot:       n.path("etc"),
 		ModulesRoot:   n.path("lib/modules"),
@@ -163,17 +166,17 @@ func TestBrokenNode(t *testing.T) {
 		{"iscsid stopped", "iscsid", Fail, "systemctl enable --now iscsid", "not reachable",
 			func(n *node, _ *Config) { delete(n.sockets, iscsidSocket) }},
 		{"nvme_tcp loadable", "module nvme_tcp", Fail, "modprobe nvme_tcp", "not loaded (available",
-			func(n *node, _ *Config) { n.remove("sys/module/nvme_tcp") }},
+			func(n *node, _ *Config) { n.sys.Remove("module/nvme_tcp") }},
 		{"iscsi_tcp missing from kernel", "module iscsi_tcp", Fail, "linux-modules-extra-" + release, "not available",
 			func(n *node, _ *Config) {
-				n.remove("sys/module/iscsi_tcp")
+				n.sys.Remove("module/iscsi_tcp")
 				n.write("lib/modules/"+release+"/modules.dep", "kernel/drivers/nvme/host/nvme-tcp.ko:\n")
 			}},
 		{"no module tree", "module nvme_tcp", Fail, "modprobe nvme_tcp", "mount the host's /lib/modules",
-			func(n *node, _ *Config) { n.remove("sys/module/nvme_tcp"); n.remove("lib/modules") }},
+			func(n *node, _ *Config) { n.sys.Remove("module/nvme_tcp"); n.remove("lib/modules") }},
 		{"dm_multipath builtin", "module dm_multipath", OK, "", "built into",
 			func(n *node, _ *Config) {
-				n.remove("sys/module/dm_multipath")
+				n.sys.Remove("module/dm_multipath")
 				n.write("lib/modules/"+release+"/modules.builtin", "kernel/drivers/md/dm-multipath.ko\n")
 			}},
 		{"no initiator name", "iscsi initiator name", Fail, "iscsi-iname", "cannot read",
@@ -197,7 +200,7 @@ func TestBrokenNode(t *testing.T) {
 		{"no host identity", "nvme host identity", Warn, "kernel/random/uuid", "creates a random identity",
 			func(n *node, _ *Config) { n.remove("etc/nvme") }},
 		{"nvme-tcp without TLS", "nvme tcp tls", Warn, "CONFIG_NVME_TCP_TLS", "has no TLS",
-			func(n *node, _ *Config) { n.remove("sys/module/nvme_tcp/parameters") }},
+			func(n *node, _ *Config) { n.sys.Remove("module/nvme_tcp/parameters") }},
 		{"no .nvme keyring", "nvme keyring", Warn, "modprobe nvme-tcp", "no .nvme keyring",
 			func(n *node, _ *Config) {
 				n.write("proc/keys", "0866b008 I--Q---     2 perm 1f3f0000     0 65534 keyring   _uid.0: empty\n")
@@ -222,10 +225,10 @@ func TestBrokenNode(t *testing.T) {
 		{"cryptsetup missing", "tool cryptsetup", Warn, "cryptsetup-bin", "not found",
 			func(n *node, _ *Config) { n.remove("bin/cryptsetup") }},
 		{"dm_crypt loadable", "module dm_crypt", OK, "", "loads on first use",
-			func(n *node, _ *Config) { n.remove("sys/module/dm_crypt") }},
+			func(n *node, _ *Config) { n.sys.Remove("module/dm_crypt") }},
 		{"dm_crypt missing from kernel", "module dm_crypt", Warn, "linux-modules-extra-" + release, "cannot stage",
 			func(n *node, _ *Config) {
-				n.remove("sys/module/dm_crypt")
+				n.sys.Remove("module/dm_crypt")
 				n.write("lib/modules/"+release+"/modules.dep", "kernel/drivers/scsi/iscsi_tcp.ko:\nkernel/drivers/md/dm-multipath.ko.xz:\n")
 			}},
 		{"multipathd stopped", "multipathd", Fail, "multipathd.service", "not running",
@@ -353,7 +356,7 @@ func TestCommand(t *testing.T) {
 	// the picture and check NVMe/TCP on the fake tree.
 	args := []string{"--transports", "nvmeof", "--kubelet-dir", n.path("var/lib/kubelet"),
 		"--endpoint", "unix://" + n.path("var/lib/kubelet/plugins/berth.csi.io/csi.sock"),
-		"--sys-root", n.path("sys"), "--proc-root", n.path("proc"), "--etc-root", n.path("etc"),
+		"--sys-root", n.sys.Root().Path(), "--proc-root", n.path("proc"), "--etc-root", n.path("etc"),
 		"--modules-root", n.path("lib/modules"), "--dev-root", n.path("dev")}
 	t.Setenv("PATH", n.path("bin"))
 	n.write("proc/sys/kernel/osrelease", release+"\n")
@@ -368,7 +371,7 @@ func TestCommand(t *testing.T) {
 		}
 	}
 
-	n.remove("sys/module/nvme_tcp")
+	n.sys.Remove("module/nvme_tcp")
 	out, code = runCommand(t, args...)
 	if code != 1 || !strings.Contains(out, "module nvme_tcp") || !strings.Contains(out, "FAIL") ||
 		!strings.Contains(out, "To fix:\n  module nvme_tcp (fail): modprobe nvme_tcp") || !strings.Contains(out, "NOT ready") {
@@ -418,7 +421,7 @@ func TestCommandReadsServeEnvironment(t *testing.T) {
 	t.Setenv("BERTH_MULTIPATHD", n.path("bin/multipathd-host"))
 	n.write("proc/sys/kernel/osrelease", release+"\n")
 	out, _ := runCommand(t, "--transports", "iscsi", "--multipath", "--json", "--kubelet-dir", "", "--endpoint", "",
-		"--sys-root", n.path("sys"), "--proc-root", n.path("proc"), "--etc-root", n.path("etc"),
+		"--sys-root", n.sys.Root().Path(), "--proc-root", n.path("proc"), "--etc-root", n.path("etc"),
 		"--modules-root", n.path("lib/modules"), "--dev-root", n.path("dev"))
 	var rep Report
 	if err := json.Unmarshal([]byte(out), &rep); err != nil {

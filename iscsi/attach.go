@@ -204,8 +204,8 @@ type pathDevice struct {
 // preflight checks what every login needs and says what to fix.
 func (t *Transport) preflight(v *Volume) error {
 	if v.Iface == "default" {
-		if _, err := os.Stat(t.sys.path("class", "iscsi_transport", "tcp")); err != nil {
-			return errdefs.Unavailable("the iscsi_tcp kernel module is not loaded (no %s): run `modprobe iscsi_tcp` on the node and add it to /etc/modules-load.d", t.sys.path("class", "iscsi_transport", "tcp"))
+		if _, err := os.Stat(t.sys.root.Path("class", "iscsi_transport", "tcp")); err != nil {
+			return errdefs.Unavailable("the iscsi_tcp kernel module is not loaded (no %s): run `modprobe iscsi_tcp` on the node and add it to /etc/modules-load.d", t.sys.root.Path("class", "iscsi_transport", "tcp"))
 		}
 	}
 	if _, err := ReadInitiatorName(t.opts.InitiatorNameFile); err != nil {
@@ -296,7 +296,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []
 		}
 		if sess == nil {
 			return nil, fmt.Errorf("iscsiadm logged in to %s at %s but no session shows in %s: %w",
-				v.IQN, p, t.sys.path("class", "iscsi_session"), errdefs.ErrUnavailable)
+				v.IQN, p, t.sys.root.Path("class", "iscsi_session"), errdefs.ErrUnavailable)
 		}
 	}
 	var hctl HCTL
@@ -386,7 +386,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []
 	logctx.From(ctx, t.log).Debug("iSCSI path attached", "portal", p.String(), "session", sess.ID, "hctl", hctl.String(), "device", dev.Path,
 		"logged_in", loggedIn, "scanned", scanned, "login_scan", scannedAt.Sub(start), "device_wait", time.Since(scannedAt))
 	if dev.ID.WWID == "" {
-		if w, err := readAttr(t.sys.path("class", "scsi_device", hctl.String(), "device", "wwid")); err == nil {
+		if w, err := t.sys.root.ReadAttr("class", "scsi_device", hctl.String(), "device", "wwid"); err == nil {
 			dev.ID.WWID = w
 		}
 	}

@@ -11,7 +11,7 @@ import (
 // (its login never succeeded) makes the volume abnormal and is named;
 // the fallback portals of a single-path volume are not.
 func TestHealthNamesPortalWithoutSession(t *testing.T) {
-	tr := &Transport{log: slog.New(slog.DiscardHandler), sys: sysfs{root: "testdata/sys"}}
+	tr := &Transport{log: slog.New(slog.DiscardHandler), sys: sampleSys(t)}
 	for _, tc := range []struct {
 		multipath string
 		named     bool
@@ -32,7 +32,7 @@ func TestHealthNamesPortalWithoutSession(t *testing.T) {
 // PathStates counts one path per portal: the live session of the sample
 // tree and a portal with no session.
 func TestPathStates(t *testing.T) {
-	tr := &Transport{log: slog.New(slog.DiscardHandler), sys: sysfs{root: "testdata/sys"}}
+	tr := &Transport{log: slog.New(slog.DiscardHandler), sys: sampleSys(t)}
 	v, err := ParseVolume(map[string]string{"iqn": testIQN, "lun": "1",
 		"portals": `["10.0.0.1:3260","10.0.0.9:3260"]`}, nil)
 	if err != nil {

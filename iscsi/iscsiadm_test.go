@@ -15,6 +15,7 @@ import (
 
 	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/sysfs/sysfstest"
 )
 
 func TestSentinelForExit(t *testing.T) {
@@ -137,7 +138,7 @@ func testTransport(t *testing.T, r runner) *Transport {
 	return &Transport{
 		opts: Options{Iscsiadm: "iscsiadm", Multipathd: "multipathd", Params: map[string]int{ParamReplacementTimeout: 20, ParamLoginTimeout: 9}},
 		log:  slog.New(slog.NewTextHandler(io.Discard, nil)),
-		sys:  sysfs{root: filepath.Join(dir, "sys")},
+		sys:  sysTree{root: sysfstest.New(t).Root()},
 		db:   recordDB{nodes: filepath.Join(dir, "nodes"), lockDir: filepath.Join(dir, "lock")},
 		run:  r,
 	}

@@ -13,7 +13,7 @@ import (
 	"strings"
 
 	"github.com/berth-csi/berth/internal/errdefs"
-	kernfs "github.com/berth-csi/berth/internal/sysfs"
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // Session is an iSCSI session as the kernel shows it in sysfs:
@@ -54,20 +54,15 @@ var (
 	hctlRE       = regexp.MustCompile(`^([0-9]+):([0-9]+):([0-9]+):([0-9]+)$`)
 )
 
-// sysfs reads the kernel's iSCSI and SCSI objects below root ("/sys", or
-// a saved tree in tests).
-type sysfs struct{ root string }
-
-func (s sysfs) path(p ...string) string { return filepath.Join(append([]string{s.root}, p...)...) }
-
-func readAttr(path string) (string, error) { return kernfs.ReadAttr(path) }
+// sysTree reads the kernel's iSCSI and SCSI objects in a sysfs tree.
+type sysTree struct{ root sysfs.Root }
 
 // Sessions lists the iSCSI sessions of target (lower case), every session
 // when target is empty. Another target's session costs one read (its
 // target name): a SAN node may have hundreds. A session that disappears
 // while it is read is skipped.
-func (s sysfs) Sessions(target string) ([]Session, error) {
-	ents, err := os.ReadDir(s.path("class", "iscsi_session"))
+func (s sysTree) Sessions(target string) ([]Session, error) {
+	names, err := s.root.List("class", "iscsi_session")
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil // scsi_transport_iscsi not loaded: no sessions
 	}
@@ -75,8 +70,8 @@ func (s sysfs) Sessions(target string) ([]Session, error) {
 		return nil, fmt.Errorf("list iSCSI sessions: %w", err)
 	}
 	var out []Session
-	for _, e := range ents {
-		m := sessionDirRE.FindStringSubmatch(e.Name())
+	for _, name := range names {
+		m := sessionDirRE.FindStringSubmatch(name)
 		if m == nil {
 			continue
 		}
@@ -97,15 +92,15 @@ func (s sysfs) Sessions(target string) ([]Session, error) {
 }
 
 // Session reads one session; ErrNotFound when it does not exist.
-func (s sysfs) Session(id int) (*Session, error) { return s.session(id, "") }
+func (s sysTree) Session(id int) (*Session, error) { return s.session(id, "") }
 
 // session reads one session, or returns nil when it is not a session of
 // target (unless target is empty).
-func (s sysfs) session(id int, target string) (*Session, error) {
+func (s sysTree) session(id int, target string) (*Session, error) {
 	name := "session" + strconv.Itoa(id)
-	dir := s.path("class", "iscsi_session", name)
-	d, err := kernfs.OpenDir(dir)
-	if kernfs.Gone(err) {
+	dir := s.root.Path("class", "iscsi_session", name)
+	d, err := sysfs.OpenDir(dir)
+	if sysfs.Gone(err) {
 		return nil, fmt.Errorf("iSCSI %s: %w", name, errdefs.ErrNotFound)
 	}
 	if err != nil {
@@ -113,7 +108,7 @@ func (s sysfs) session(id int, target string) (*Session, error) {
 	}
 	defer d.Close()
 	tn, err := d.Read("targetname")
-	if kernfs.Gone(err) {
+	if sysfs.Gone(err) {
 		return nil, fmt.Errorf("iSCSI %s: %w", name, errdefs.ErrNotFound)
 	}
 	if err != nil {
@@ -127,10 +122,10 @@ func (s sysfs) session(id int, target string) (*Session, error) {
 	// The class entry links to the session below its SCSI host:
 	// ../../devices/platform/hostH/sessionN/iscsi_session/sessionN.
 	real, err := os.Readlink(dir)
-	if err != nil && !kernfs.Gone(err) { // not a link: a tree of real directories
+	if err != nil && !sysfs.Gone(err) { // not a link: a tree of real directories
 		real, err = filepath.EvalSymlinks(dir)
 	}
-	if kernfs.Gone(err) {
+	if sysfs.Gone(err) {
 		return nil, fmt.Errorf("iSCSI %s: %w", name, errdefs.ErrNotFound)
 	}
 	if err != nil {
@@ -160,7 +155,7 @@ func (s sysfs) session(id int, target string) (*Session, error) {
 	}
 	sess.State, _ = d.Read("state")
 
-	if c, err := kernfs.OpenDir(s.path("class", "iscsi_connection", "connection"+strconv.Itoa(id)+":0")); err == nil {
+	if c, err := s.root.OpenDir("class", "iscsi_connection", "connection"+strconv.Itoa(id)+":0"); err == nil {
 		sess.PersistentAddress, _ = c.Read("persistent_address")
 		sess.Address, _ = c.Read("address")
 		if v, err := c.Read("persistent_port"); err == nil {
@@ -197,9 +192,9 @@ func (s *Session) Matches(target, ip string, port int, iface string) bool {
 
 // LUNs returns the SCSI devices the session has: the H:C:T:L entries below
 // its target directories.
-func (s sysfs) LUNs(id int) ([]HCTL, error) {
-	dir := s.path("class", "iscsi_session", "session"+strconv.Itoa(id), "device")
-	targets, err := os.ReadDir(dir)
+func (s sysTree) LUNs(id int) ([]HCTL, error) {
+	dev := []string{"class", "iscsi_session", "session" + strconv.Itoa(id), "device"}
+	targets, err := s.root.List(dev...)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	}
@@ -208,18 +203,18 @@ func (s sysfs) LUNs(id int) ([]HCTL, error) {
 	}
 	var out []HCTL
 	for _, t := range targets {
-		if !targetDirRE.MatchString(t.Name()) {
+		if !targetDirRE.MatchString(t) {
 			continue
 		}
-		ents, err := os.ReadDir(filepath.Join(dir, t.Name()))
+		names, err := s.root.List(append(dev, t)...)
 		if errors.Is(err, fs.ErrNotExist) {
 			continue
 		}
 		if err != nil {
 			return nil, fmt.Errorf("list LUNs of iSCSI session%d: %w", id, err)
 		}
-		for _, e := range ents {
-			if h, ok := parseHCTL(e.Name()); ok {
+		for _, name := range names {
+			if h, ok := parseHCTL(name); ok {
 				out = append(out, h)
 			}
 		}
@@ -246,16 +241,16 @@ func parseHCTL(s string) (HCTL, bool) {
 
 // BlockDevice returns the kernel name ("sdb") of the disk at h, or
 // ErrNotFound while it has none.
-func (s sysfs) BlockDevice(h HCTL) (string, error) {
-	ents, err := os.ReadDir(s.path("class", "scsi_device", h.String(), "device", "block"))
+func (s sysTree) BlockDevice(h HCTL) (string, error) {
+	names, err := s.root.List("class", "scsi_device", h.String(), "device", "block")
 	if errors.Is(err, fs.ErrNotExist) {
 		return "", fmt.Errorf("SCSI device %s has no block device: %w", h, errdefs.ErrNotFound)
 	}
 	if err != nil {
 		return "", fmt.Errorf("SCSI device %s: %w", h, err)
 	}
-	for _, e := range ents {
-		return e.Name(), nil
+	for _, name := range names {
+		return name, nil
 	}
 	return "", fmt.Errorf("SCSI device %s has no block device: %w", h, errdefs.ErrNotFound)
 }
@@ -273,9 +268,9 @@ type lunDir struct {
 // ErrNotFound when there is none or h now names another session's LUN:
 // the device's real sysfs path runs through the session's directory
 // (.../hostN/sessionID/targetN:C:T/N:C:T:L).
-func (s sysfs) openLUN(id int, h HCTL) (*lunDir, error) {
-	f, err := os.Open(s.path("class", "scsi_device", h.String(), "device"))
-	if kernfs.Gone(err) {
+func (s sysTree) openLUN(id int, h HCTL) (*lunDir, error) {
+	f, err := os.Open(s.root.Path("class", "scsi_device", h.String(), "device"))
+	if sysfs.Gone(err) {
 		return nil, fmt.Errorf("SCSI device %s: %w", h, errdefs.ErrNotFound)
 	}
 	if err != nil {
@@ -298,7 +293,7 @@ func (d *lunDir) Close() error { return d.f.Close() }
 
 // state reads the device's state ("running", "offline", "blocked", ...).
 func (d *lunDir) state() string {
-	v, _ := readAttr(filepath.Join(d.at, "state"))
+	v, _ := sysfs.ReadAttr(filepath.Join(d.at, "state"))
 	return v
 }
 
@@ -309,7 +304,7 @@ func (d *lunDir) offline() error { return writeAttr(filepath.Join(d.at, "state")
 // delete deletes the device from the kernel; one already gone is success.
 func (d *lunDir) delete() error {
 	err := writeAttr(filepath.Join(d.at, "delete"), "1")
-	if kernfs.Gone(err) {
+	if sysfs.Gone(err) {
 		return nil
 	}
 	return err
@@ -319,7 +314,7 @@ func (d *lunDir) delete() error {
 // ErrNotFound while it has none.
 func (d *lunDir) blockDevice() (string, error) {
 	ents, err := os.ReadDir(filepath.Join(d.at, "block"))
-	if kernfs.Gone(err) {
+	if sysfs.Gone(err) {
 		return "", errdefs.ErrNotFound
 	}
 	if err != nil {
@@ -333,26 +328,26 @@ func (d *lunDir) blockDevice() (string, error) {
 
 // SCSIDeviceState reads device/state ("running", "offline", "blocked",
 // "transport-offline").
-func (s sysfs) SCSIDeviceState(h HCTL) string {
-	v, _ := readAttr(s.path("class", "scsi_device", h.String(), "device", "state"))
+func (s sysTree) SCSIDeviceState(h HCTL) string {
+	v, _ := s.root.ReadAttr("class", "scsi_device", h.String(), "device", "state")
 	return v
 }
 
 // Scan asks the kernel to probe exactly one LUN of the session's target:
 // "C T L" written to the host's scan attribute. The write returns when the
 // probe is over; the block device follows through a uevent.
-func (s sysfs) Scan(sess *Session, lun int) error {
+func (s sysTree) Scan(sess *Session, lun int) error {
 	t := "-"
 	if sess.TargetID >= 0 {
 		t = strconv.Itoa(sess.TargetID)
 	}
-	return writeAttr(s.path("class", "scsi_host", "host"+strconv.Itoa(sess.Host), "scan"), fmt.Sprintf("0 %s %d", t, lun))
+	return writeAttr(s.root.Path("class", "scsi_host", "host"+strconv.Itoa(sess.Host), "scan"), fmt.Sprintf("0 %s %d", t, lun))
 }
 
 // Rescan makes the kernel re-read the capacity and the identification
 // (VPD pages, so the WWID) of a disk.
-func (s sysfs) Rescan(h HCTL) error {
-	return writeAttr(s.path("class", "scsi_device", h.String(), "device", "rescan"), "1")
+func (s sysTree) Rescan(h HCTL) error {
+	return writeAttr(s.root.Path("class", "scsi_device", h.String(), "device", "rescan"), "1")
 }
 
 func writeAttr(path, v string) error {

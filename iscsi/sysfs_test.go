@@ -3,26 +3,25 @@ package iscsi
 import (
 	"errors"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"reflect"
 	"testing"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/sysfs/sysfstest"
 )
 
-// copySysfs copies the saved tree (symlinks included) so tests may write.
-func copySysfs(t *testing.T) sysfs {
+// sampleSys is the saved tree testdata/sysfs.txt: two sessions of
+// testIQN, the first with two LUNs.
+func sampleSys(t *testing.T) sysTree {
 	t.Helper()
-	dst := t.TempDir()
-	if out, err := exec.Command("cp", "-a", "testdata/sys/.", dst).CombinedOutput(); err != nil {
-		t.Fatalf("copy testdata: %v: %s", err, out)
-	}
-	return sysfs{root: dst}
+	sys := sysfstest.New(t)
+	sys.Load(filepath.Join("testdata", "sysfs.txt"))
+	return sysTree{root: sys.Root()}
 }
 
 func TestSysfsSessions(t *testing.T) {
-	s := sysfs{root: "testdata/sys"}
+	s := sampleSys(t)
 	got, err := s.Sessions("")
 	if err != nil {
 		t.Fatal(err)
@@ -57,7 +56,7 @@ func TestSysfsSessions(t *testing.T) {
 }
 
 func TestSysfsLUNs(t *testing.T) {
-	s := sysfs{root: "testdata/sys"}
+	s := sampleSys(t)
 	luns, err := s.LUNs(1)
 	if err != nil {
 		t.Fatal(err)
@@ -80,7 +79,7 @@ func TestSysfsLUNs(t *testing.T) {
 }
 
 func TestSysfsScan(t *testing.T) {
-	s := copySysfs(t)
+	s := sampleSys(t)
 	sess, err := s.Session(1)
 	if err != nil {
 		t.Fatal(err)
@@ -88,7 +87,7 @@ func TestSysfsScan(t *testing.T) {
 	if err := s.Scan(sess, 5); err != nil {
 		t.Fatal(err)
 	}
-	b, _ := os.ReadFile(filepath.Join(s.root, "class", "scsi_host", "host2", "scan"))
+	b, _ := os.ReadFile(s.root.Path("class", "scsi_host", "host2", "scan"))
 	if string(b) != "0 0 5" {
 		t.Fatalf("scan wrote %q, want only LUN 5 of target 0", b)
 	}
@@ -97,7 +96,7 @@ func TestSysfsScan(t *testing.T) {
 	if err := s.Scan(sess2, 3); err != nil {
 		t.Fatal(err)
 	}
-	b, _ = os.ReadFile(filepath.Join(s.root, "class", "scsi_host", "host3", "scan"))
+	b, _ = os.ReadFile(s.root.Path("class", "scsi_host", "host3", "scan"))
 	if string(b) != "0 - 3" {
 		t.Fatalf("scan wrote %q", b)
 	}

@@ -11,6 +11,7 @@ import (
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/kmutex"
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // Options configures the iSCSI transport of a node.
@@ -29,8 +30,8 @@ type Options struct {
 	// InitiatorNameFile is checked before a login. Default
 	// /etc/iscsi/initiatorname.iscsi.
 	InitiatorNameFile string
-	// SysRoot is where sysfs is mounted. Default /sys.
-	SysRoot string
+	// Sys is the sysfs tree; the zero value is /sys.
+	Sys sysfs.Root
 	// DevRoot holds block device nodes. Default /dev.
 	DevRoot string
 	// Params are node-wide session parameters (Param* names), applied to
@@ -52,7 +53,7 @@ type Options struct {
 type Transport struct {
 	opts Options
 	log  *slog.Logger
-	sys  sysfs
+	sys  sysTree
 	// devs are the trees block devices are read from.
 	devs  devices.Roots
 	db    recordDB
@@ -82,9 +83,6 @@ func New(opts Options) (*Transport, error) {
 	if opts.InitiatorNameFile == "" {
 		opts.InitiatorNameFile = "/etc/iscsi/initiatorname.iscsi"
 	}
-	if opts.SysRoot == "" {
-		opts.SysRoot = "/sys"
-	}
 	if opts.DevRoot == "" {
 		opts.DevRoot = "/dev"
 	}
@@ -107,8 +105,8 @@ func New(opts Options) (*Transport, error) {
 	return &Transport{
 		opts: opts,
 		log:  opts.Logger,
-		sys:  sysfs{root: opts.SysRoot},
-		devs: devices.Roots{Sys: opts.SysRoot, Dev: opts.DevRoot},
+		sys:  sysTree{root: opts.Sys},
+		devs: devices.Roots{Sys: opts.Sys, Dev: opts.DevRoot},
 		db:   recordDB{nodes: opts.NodeDir, lockDir: opts.LockDir, walks: walks},
 		run:  recordsRunner{runner: execRunner{}, iscsiadm: opts.Iscsiadm, walks: walks},
 	}, nil

@@ -20,6 +20,7 @@ import (
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/sysfs"
 	"github.com/berth-csi/berth/test/vm"
 )
 
@@ -116,7 +117,7 @@ func vctx(tg *lioTarget, lun int, kv ...string) map[string]string {
 // sessionsOf lists the sessions of a target.
 func sessionsOf(t *testing.T, iqn string) []Session {
 	t.Helper()
-	all, err := sysfs{root: "/sys"}.Sessions(iqn)
+	all, err := sysTree{}.Sessions(iqn)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -131,7 +132,7 @@ func sessionsOf(t *testing.T, iqn string) []Session {
 
 func lunsOf(t *testing.T, sid int) []HCTL {
 	t.Helper()
-	l, err := sysfs{root: "/sys"}.LUNs(sid)
+	l, err := sysTree{}.LUNs(sid)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -252,7 +253,7 @@ func TestGuestISCSINodeNotReady(t *testing.T) {
 	if _, err := target(t, tr, vctx(lt, 0), nil).Attach(ctx); !errors.Is(err, errdefs.ErrUnavailable) {
 		t.Fatalf("missing iscsiadm: %v", err)
 	}
-	tr = guestTransport(t, Options{SysRoot: t.TempDir()})
+	tr = guestTransport(t, Options{Sys: sysfs.At(t.TempDir())})
 	if _, err := target(t, tr, vctx(lt, 0), nil).Attach(ctx); !errors.Is(err, errdefs.ErrUnavailable) || !strings.Contains(err.Error(), "iscsi_tcp") {
 		t.Fatalf("no iscsi_tcp: %v", err)
 	}

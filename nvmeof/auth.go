@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io/fs"
 	"net"
-	"path/filepath"
 	"time"
 
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -37,7 +36,7 @@ func (c ctrlAuth) describe() string {
 
 // readCtrlAuth reads a controller's key attributes.
 func (s sysTree) readCtrlAuth(name string) (ctrlAuth, error) {
-	dir := filepath.Join(s.root, "class", "nvme", name)
+	dir := s.root.Path("class", "nvme", name)
 	host, err := s.readAttr(dir, "dhchap_secret")
 	if errors.Is(err, fs.ErrNotExist) {
 		return ctrlAuth{}, nil

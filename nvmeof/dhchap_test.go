@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/sysfs/sysfstest"
 )
 
 // makeKey returns the DHHC-1 representation of n key bytes (each fill)
@@ -228,8 +229,9 @@ func TestParseWithDHCHAPSecrets(t *testing.T) {
 // (nvme1: host key k1; live) and [::1]:4421 (nvme2: host and controller
 // keys; reconnecting), and nvme5 of another subsystem on a kernel
 // without the key attributes.
-func authSys(t *testing.T, k1, k2, c2 string) string {
-	return fakeSys(t, map[string]string{
+func authSys(t *testing.T, k1, k2, c2 string) *sysfstest.Tree {
+	sys := sysfstest.New(t)
+	sys.Files(map[string]string{
 		"class/nvme/nvme1/transport":          "tcp\n",
 		"class/nvme/nvme1/subsysnqn":          subA + "\n",
 		"class/nvme/nvme1/state":              "live\n",
@@ -259,19 +261,20 @@ func authSys(t *testing.T, k1, k2, c2 string) string {
 
 		"block/nvme1n1/size":                          "2048\n",
 		"block/nvme1n1/nsid":                          "1\n",
-		"block/nvme1n1/device":                        "->../../class/nvme-subsystem/nvme-subsys1",
-		"block/nvme1n1/multipath/nvme1c1n1":           "->../../nvme1c1n1",
-		"block/nvme1n1/multipath/nvme1c2n1":           "->../../nvme1c2n1",
 		"block/nvme1c1n1/size":                        "2048\n",
 		"block/nvme1c2n1/size":                        "2048\n",
 		"class/nvme-subsystem/nvme-subsys1/subsysnqn": subA + "\n",
 	})
+	sys.Link("block/nvme1n1/device", "../../class/nvme-subsystem/nvme-subsys1")
+	sys.Link("block/nvme1n1/multipath/nvme1c1n1", "../../nvme1c1n1")
+	sys.Link("block/nvme1n1/multipath/nvme1c2n1", "../../nvme1c2n1")
+	return sys
 }
 
 func TestCheckReuseKeys(t *testing.T) {
 	k1, k2, c2 := makeKey(1, 32, 1), makeKey(2, 48, 2), makeKey(3, 64, 3)
-	root := authSys(t, k1, k2, c2)
-	tr, err := NewTransport(Options{SysRoot: root, Host: &HostIdentity{NQN: hostA, ID: hidA}})
+	sys := authSys(t, k1, k2, c2)
+	tr, err := NewTransport(Options{Sys: sys.Root(), Host: &HostIdentity{NQN: hostA, ID: hidA}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -319,7 +322,7 @@ func TestCheckReuseKeys(t *testing.T) {
 	// A kernel whose controllers lack the attributes refuses keys before
 	// connecting.
 	tg, _ := tr.Parse(vc, map[string]string{SecretDHCHAPKey: k1})
-	ctrls, err := sysTree{root: root}.readControllers("")
+	ctrls, err := sysTree{root: sys.Root()}.readControllers("")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -336,8 +339,8 @@ func TestCheckReuseKeys(t *testing.T) {
 // target is a reason; the key itself appears nowhere.
 func TestHealthNamesAuthentication(t *testing.T) {
 	k1, k2, c2 := makeKey(1, 32, 1), makeKey(2, 48, 2), makeKey(3, 64, 3)
-	root := authSys(t, k1, k2, c2)
-	tr, err := NewTransport(Options{SysRoot: root, Host: &HostIdentity{NQN: hostA, ID: hidA}})
+	sys := authSys(t, k1, k2, c2)
+	tr, err := NewTransport(Options{Sys: sys.Root(), Host: &HostIdentity{NQN: hostA, ID: hidA}})
 	if err != nil {
 		t.Fatal(err)
 	}

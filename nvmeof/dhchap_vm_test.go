@@ -34,11 +34,11 @@ func kernelAuth(t *testing.T, ctx context.Context, hostNQN, hostID string) (host
 	if err != nil {
 		t.Fatalf("probe connect: %v", err)
 	}
-	ca, err := sysTree{root: "/sys"}.readCtrlAuth("nvme" + itoa(inst))
+	ca, err := sysTree{}.readCtrlAuth("nvme" + itoa(inst))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := (sysTree{root: "/sys"}).deleteController(nqn, "nvme"+itoa(inst), func(*Controller) bool { return true }); err != nil {
+	if err := (sysTree{}).deleteController(nqn, "nvme"+itoa(inst), func(*Controller) bool { return true }); err != nil {
 		t.Fatal(err)
 	}
 	return ca.supported, tgt
@@ -236,7 +236,7 @@ func guestDHCHAPAuth(t *testing.T, tr *Transport, hostNQN string, k1, k2, c1, c2
 		}
 		mustAttach(t, ctx, tg)
 		cs := wantControllers(t, nqn, 1)
-		ca, err := sysTree{root: "/sys"}.readCtrlAuth(cs[0].Name)
+		ca, err := sysTree{}.readCtrlAuth(cs[0].Name)
 		if err != nil || !ca.supported || ca.host != k1 || ca.ctrl != "" {
 			t.Errorf("controller keys: supported %v, host key matches %v, controller key set %v, %v", ca.supported, ca.host == k1, ca.ctrl != "", err)
 		}
@@ -384,7 +384,7 @@ func guestDHCHAPAuth(t *testing.T, tr *Transport, hostNQN string, k1, k2, c1, c2
 			return len(cs) == 1 && cs[0].State == StateLive
 		})
 		cs := wantControllers(t, nqn, 1)
-		ca, err := sysTree{root: "/sys"}.readCtrlAuth(cs[0].Name)
+		ca, err := sysTree{}.readCtrlAuth(cs[0].Name)
 		abnormal, msg := tg.Health(ctx)
 		t.Logf("reconnected without authentication: %s %s, keys kept %v %v, health: %v %s", cs[0].Name, cs[0].State, ca.host == k1, ca.ctrl == c1, abnormal, msg)
 		if err != nil || cs[0].Name != before[0].Name || ca.host != k1 || ca.ctrl != c1 || abnormal {

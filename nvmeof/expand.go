@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"path/filepath"
 	"sync"
 	"time"
 
@@ -77,7 +76,7 @@ func (tg *Target) expand(ctx context.Context, minBytes int64) (int64, error) {
 			logctx.From(ctx, t.log).Debug("nvmeof: expand: no controller reported the namespace's size; waiting for a change instead", "target", tg.Key(), "error", err)
 		}
 	}
-	sizeOf := func() (int64, error) { return t.sys.readSize(filepath.Join(t.sys.root, "block", h.Name)) }
+	sizeOf := func() (int64, error) { return t.sys.readSize(t.sys.root.Path("block", h.Name)) }
 	// Subscribe first, then read: a change between the two is not lost.
 	m := &sizeMatcher{name: h.Name, min: minBytes, not: -1}
 	w := t.opts.Listener.Subscribe(m)

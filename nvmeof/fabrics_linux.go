@@ -158,7 +158,7 @@ func connectError(err error) error {
 // delete: no address of its controllers is read in this process while
 // the kernel tears the controller down (see readController).
 func (s sysTree) deleteController(nqn, name string, is func(*Controller) bool) error {
-	dir, err := os.OpenFile(filepath.Join(s.root, "class", "nvme", name), os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	dir, err := os.OpenFile(s.root.Path("class", "nvme", name), os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if sysfs.Gone(err) {
 		return nil
 	}
@@ -198,7 +198,7 @@ func (s sysTree) deleteController(nqn, name string, is func(*Controller) bool) e
 // rescanController asks a controller to identify its namespaces again,
 // which picks up size changes the target did not announce by AEN.
 func (s sysTree) rescanController(name string) error {
-	p := filepath.Join(s.root, "class", "nvme", name, "rescan_controller")
+	p := s.root.Path("class", "nvme", name, "rescan_controller")
 	if err := os.WriteFile(p, []byte("1"), 0); err != nil {
 		return fmt.Errorf("rescan controller %s: %w", name, err)
 	}

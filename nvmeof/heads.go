@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -45,17 +44,16 @@ func (h *Head) matches(v *Volume) bool {
 // belong to subsystem nqn ("" = all). Hidden multipath path devices
 // (nvme0c1n1) are not heads and are left out.
 func (s sysTree) readHeads(nqn string) ([]Head, error) {
-	dir := filepath.Join(s.root, "block")
-	ents, err := os.ReadDir(dir)
+	names, err := s.root.List("block")
 	if err != nil {
 		return nil, fmt.Errorf("list block devices: %w", err)
 	}
 	var out []Head
-	for _, e := range ents {
-		if !headNameRE.MatchString(e.Name()) {
+	for _, name := range names {
+		if !headNameRE.MatchString(name) {
 			continue
 		}
-		h, err := s.readHead(filepath.Join(dir, e.Name()))
+		h, err := s.readHead(s.root.Path("block", name))
 		if sysfs.Gone(err) {
 			continue // removed while listing
 		}

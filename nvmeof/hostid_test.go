@@ -186,7 +186,7 @@ func TestWriteIdentityFileRace(t *testing.T) {
 }
 
 func TestCheckHostConflict(t *testing.T) {
-	cs, err := sysTree{root: sampleSys(t)}.readControllers("")
+	cs, err := sysTree{root: sampleSys(t).Root()}.readControllers("")
 	if err != nil {
 		t.Fatal(err)
 	}

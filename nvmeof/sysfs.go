@@ -166,9 +166,9 @@ var pathNameRE = regexp.MustCompile(`^nvme([0-9]+)c([0-9]+)n([0-9]+)$`)
 // headNameRE matches a namespace head (or non-multipath namespace) device.
 var headNameRE = regexp.MustCompile(`^nvme([0-9]+)n([0-9]+)$`)
 
-// sysTree reads the sysfs tree mounted at root.
+// sysTree reads the kernel's NVMe objects in a sysfs tree.
 type sysTree struct {
-	root string
+	root sysfs.Root
 	// readFile reads an attribute; nil is sysfs.ReadFile (tests give errors
 	// only the kernel gives).
 	readFile func(name string) ([]byte, error)
@@ -193,8 +193,7 @@ func (s sysTree) readAttr(dir, name string) (string, error) {
 // ENODEV); a missing class directory (nvme-core not loaded) is an empty
 // list.
 func (s sysTree) readControllers(nqn string) ([]Controller, error) {
-	dir := filepath.Join(s.root, "class", "nvme")
-	ents, err := os.ReadDir(dir)
+	names, err := s.root.List("class", "nvme")
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
 	}
@@ -202,11 +201,11 @@ func (s sysTree) readControllers(nqn string) ([]Controller, error) {
 		return nil, fmt.Errorf("list NVMe controllers: %w", err)
 	}
 	var out []Controller
-	for _, e := range ents {
-		if !ctrlNameRE.MatchString(e.Name()) {
+	for _, name := range names {
+		if !ctrlNameRE.MatchString(name) {
 			continue
 		}
-		c, err := s.readController(filepath.Join(dir, e.Name()), nqn)
+		c, err := s.readController(s.root.Path("class", "nvme", name), nqn)
 		if sysfs.Gone(err) {
 			continue
 		}
@@ -389,27 +388,27 @@ func (s sysTree) readNamespacePaths(head string) ([]NamespacePath, error) {
 	if m == nil {
 		return nil, fmt.Errorf("read paths of %s: not an NVMe namespace name", head)
 	}
-	if _, err := os.Stat(filepath.Join(s.root, "block", head)); err != nil {
+	if _, err := os.Stat(s.root.Path("block", head)); err != nil {
 		return nil, fmt.Errorf("read paths of %s: %w", head, err)
 	}
 	var names []string
-	ents, err := os.ReadDir(filepath.Join(s.root, "block", head, "multipath"))
+	all, err := s.root.List("block", head, "multipath")
 	if errors.Is(err, fs.ErrNotExist) {
-		ents, err = os.ReadDir(filepath.Join(s.root, "block"))
+		all, err = s.root.List("block")
 	}
 	if err != nil {
 		return nil, fmt.Errorf("read paths of %s: %w", head, err)
 	}
-	for _, e := range ents {
-		if pm := pathNameRE.FindStringSubmatch(e.Name()); pm != nil && pm[1] == m[1] && pm[3] == m[2] {
-			names = append(names, e.Name())
+	for _, name := range all {
+		if pm := pathNameRE.FindStringSubmatch(name); pm != nil && pm[1] == m[1] && pm[3] == m[2] {
+			names = append(names, name)
 		}
 	}
 	var out []NamespacePath
 	for _, name := range names {
 		pm := pathNameRE.FindStringSubmatch(name)
 		p := NamespacePath{Name: name, Controller: "nvme" + pm[2]}
-		s, err := s.readAttr(filepath.Join(s.root, "block", name), "ana_state")
+		s, err := s.readAttr(s.root.Path("block", name), "ana_state")
 		if err != nil && !sysfs.Gone(err) {
 			return nil, fmt.Errorf("read ANA state of %s: %w", name, err)
 		}
@@ -420,7 +419,7 @@ func (s sysTree) readNamespacePaths(head string) ([]NamespacePath, error) {
 	if len(out) > 0 {
 		return out, nil
 	}
-	link, err := os.Readlink(filepath.Join(s.root, "block", head, "device"))
+	link, err := s.root.Readlink("block", head, "device")
 	if err != nil {
 		return nil, fmt.Errorf("read paths of %s: %w", head, err)
 	}

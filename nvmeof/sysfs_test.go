@@ -9,6 +9,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/berth-csi/berth/internal/sysfs/sysfstest"
 )
 
 func readSample(t *testing.T, name string) []byte {
@@ -63,29 +65,6 @@ func TestParseConnectReply(t *testing.T) {
 	}
 }
 
-// fakeSys builds a sysfs tree: entries ending in "->" are symbolic links
-// (name -> target), the others files.
-func fakeSys(t *testing.T, files map[string]string) string {
-	t.Helper()
-	root := t.TempDir()
-	for name, content := range files {
-		p := filepath.Join(root, name)
-		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if target, ok := strings.CutPrefix(content, "->"); ok {
-			if err := os.Symlink(target, p); err != nil {
-				t.Fatal(err)
-			}
-			continue
-		}
-		if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return root
-}
-
 const (
 	subA   = "nqn.2026-01.io.berth:a"
 	hostA  = "nqn.2014-08.org.nvmexpress:uuid:0f8fad5b-d9cb-469f-a165-70867728950e"
@@ -96,8 +75,9 @@ const (
 // sampleSys is a host with a PCIe disk (nvme0), two TCP paths to
 // subsystem A (nvme1 live, nvme2 connecting) joined under head nvme1n1
 // (namespace 1, subsystem instance 1) and a controller being deleted.
-func sampleSys(t *testing.T) string {
-	return fakeSys(t, map[string]string{
+func sampleSys(t *testing.T) *sysfstest.Tree {
+	sys := sysfstest.New(t)
+	sys.Files(map[string]string{
 		"class/nvme/nvme0/transport":    "pcie\n",
 		"class/nvme/nvme0/subsysnqn":    "nqn.2014.08.org.nvmexpress:80868086PHM\n",
 		"class/nvme/nvme0/state":        "live\n",
@@ -132,9 +112,6 @@ func sampleSys(t *testing.T) string {
 		"block/nvme1n1/uuid":                          "6E4F2A2D-0C1B-4B8E-9C55-7E4D3F1A2B3C\n",
 		"block/nvme1n1/nguid":                         nguid1 + "\n",
 		"block/nvme1n1/size":                          "2048\n",
-		"block/nvme1n1/device":                        "->../../class/nvme-subsystem/nvme-subsys1",
-		"block/nvme1n1/multipath/nvme1c1n1":           "->../../nvme1c1n1",
-		"block/nvme1n1/multipath/nvme1c2n1":           "->../../nvme1c2n1",
 		"block/nvme1c1n1/ana_state":                   "optimized\n",
 		"block/nvme1c1n1/size":                        "2048\n",
 		"block/nvme1c1n1/nsid":                        "1\n",
@@ -142,18 +119,22 @@ func sampleSys(t *testing.T) string {
 		"block/nvme1n2/nsid":                          "2\n",
 		"block/nvme1n2/uuid":                          "00000000-0000-0000-0000-000000000000\n",
 		"block/nvme1n2/size":                          "4096\n",
-		"block/nvme1n2/device":                        "->../../class/nvme-subsystem/nvme-subsys1",
 		"block/nvme0n1/nsid":                          "1\n",
 		"block/nvme0n1/size":                          "100\n",
-		"block/nvme0n1/device":                        "->../../class/nvme/nvme0",
 		"block/loop0/size":                            "8\n",
 		"class/nvme-subsystem/nvme-subsys1/subsysnqn": subA + "\n",
 	})
+	sys.Link("block/nvme1n1/device", "../../class/nvme-subsystem/nvme-subsys1")
+	sys.Link("block/nvme1n1/multipath/nvme1c1n1", "../../nvme1c1n1")
+	sys.Link("block/nvme1n1/multipath/nvme1c2n1", "../../nvme1c2n1")
+	sys.Link("block/nvme1n2/device", "../../class/nvme-subsystem/nvme-subsys1")
+	sys.Link("block/nvme0n1/device", "../../class/nvme/nvme0")
+	return sys
 }
 
 func TestReadControllers(t *testing.T) {
-	root := sampleSys(t)
-	cs, err := sysTree{root: root}.readControllers(subA)
+	sys := sampleSys(t)
+	cs, err := sysTree{root: sys.Root()}.readControllers(subA)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -180,7 +161,7 @@ func TestReadControllers(t *testing.T) {
 		t.Errorf("addresses of nvme2 %+v and nvme3 (deleting) %+v", cs[2].Address, cs[3].Address)
 	}
 	// Nor is any address of another subsystem.
-	others, err := sysTree{root: root}.readControllers("nqn.2026-01.io.berth:b")
+	others, err := sysTree{root: sys.Root()}.readControllers("nqn.2026-01.io.berth:b")
 	if err != nil || len(others) != 4 {
 		t.Fatalf("readControllers for another subsystem: %v, %v", others, err)
 	}
@@ -191,13 +172,13 @@ func TestReadControllers(t *testing.T) {
 	}
 
 	// Without nvme-core there is no class directory: no controllers.
-	if cs, err := (sysTree{root: t.TempDir()}).readControllers(subA); err != nil || len(cs) != 0 {
+	if cs, err := (sysTree{root: sysfstest.New(t).Root()}).readControllers(subA); err != nil || len(cs) != 0 {
 		t.Errorf("empty sysfs: %v, %v", cs, err)
 	}
 }
 
 func TestControllerMatches(t *testing.T) {
-	cs, err := sysTree{root: sampleSys(t)}.readControllers(subA)
+	cs, err := sysTree{root: sampleSys(t).Root()}.readControllers(subA)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -236,8 +217,8 @@ func TestControllerMatches(t *testing.T) {
 }
 
 func TestReadHeadsAndPaths(t *testing.T) {
-	root := sampleSys(t)
-	hs, err := sysTree{root: root}.readHeads(subA)
+	sys := sampleSys(t)
+	hs, err := sysTree{root: sys.Root()}.readHeads(subA)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -248,7 +229,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 	if !reflect.DeepEqual(hs, want) {
 		t.Fatalf("heads:\n got %+v\nwant %+v", hs, want)
 	}
-	all, err := sysTree{root: root}.readHeads("")
+	all, err := sysTree{root: sys.Root()}.readHeads("")
 	if err != nil || len(all) != 3 {
 		t.Errorf("all heads: %+v, %v", all, err)
 	}
@@ -268,7 +249,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 		}
 	}
 
-	paths, err := sysTree{root: root}.readNamespacePaths("nvme1n1")
+	paths, err := sysTree{root: sys.Root()}.readNamespacePaths("nvme1n1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -279,16 +260,14 @@ func TestReadHeadsAndPaths(t *testing.T) {
 	if !reflect.DeepEqual(paths, wantPaths) {
 		t.Errorf("paths:\n got %+v\nwant %+v", paths, wantPaths)
 	}
-	if _, err := (sysTree{root: root}).readNamespacePaths("nvme9n9"); err == nil {
+	if _, err := (sysTree{root: sys.Root()}).readNamespacePaths("nvme9n9"); err == nil {
 		t.Error("paths of a missing namespace: no error")
 	}
 
 	// Before Linux 6.14 there is no multipath directory: the hidden path
 	// devices are found in /sys/block by name.
-	if err := os.RemoveAll(filepath.Join(root, "block", "nvme1n1", "multipath")); err != nil {
-		t.Fatal(err)
-	}
-	paths, err = sysTree{root: root}.readNamespacePaths("nvme1n1")
+	sys.Remove("block/nvme1n1/multipath")
+	paths, err = sysTree{root: sys.Root()}.readNamespacePaths("nvme1n1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -296,7 +275,7 @@ func TestReadHeadsAndPaths(t *testing.T) {
 		t.Errorf("paths without multipath directory:\n got %+v\nwant %+v", paths, wantPaths)
 	}
 	// Without native multipath a namespace is its controller's device.
-	paths, err = sysTree{root: root}.readNamespacePaths("nvme0n1")
+	paths, err = sysTree{root: sys.Root()}.readNamespacePaths("nvme0n1")
 	if err != nil || !reflect.DeepEqual(paths, []NamespacePath{{Name: "nvme0n1", Controller: "nvme0"}}) {
 		t.Errorf("non-multipath paths: %+v, %v", paths, err)
 	}
@@ -325,8 +304,8 @@ func TestPathStatusHealthy(t *testing.T) {
 // ctrl-loss-tmo) answers ENODEV from its attributes: it is left out, as
 // one whose directory went away, and does not fail the listing.
 func TestReadControllersSkipsControllerTornDown(t *testing.T) {
-	root := sampleSys(t)
-	tree := sysTree{root: root, readFile: func(name string) ([]byte, error) {
+	sys := sampleSys(t)
+	tree := sysTree{root: sys.Root(), readFile: func(name string) ([]byte, error) {
 		if strings.HasSuffix(name, filepath.Join("nvme2", "address")) {
 			return nil, &fs.PathError{Op: "read", Path: name, Err: syscall.ENODEV}
 		}
@@ -350,21 +329,14 @@ func TestReadControllersSkipsControllerTornDown(t *testing.T) {
 // attributes; the listing leaves it out instead of failing the volume's
 // RPC.
 func TestReadHeadsSkipsNamespacesGoing(t *testing.T) {
-	root := sampleSys(t)
-	for name, v := range map[string]string{
+	sys := sampleSys(t)
+	sys.Files(map[string]string{
 		"class/nvme-subsystem/nvme-subsys7/subsysnqn": "nqn.2026-01.io.berth:going\n",
 		"block/nvme7n1/nsid":                          "1\n",
 		"block/nvme7n1/size":                          "2048\n",
-	} {
-		if err := os.MkdirAll(filepath.Dir(filepath.Join(root, name)), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		writeID(t, filepath.Dir(filepath.Join(root, name)), filepath.Base(name), v)
-	}
-	if err := os.Symlink("../../class/nvme-subsystem/nvme-subsys7", filepath.Join(root, "block/nvme7n1/device")); err != nil {
-		t.Fatal(err)
-	}
-	tree := sysTree{root: root, readFile: func(p string) ([]byte, error) {
+	})
+	sys.Link("block/nvme7n1/device", "../../class/nvme-subsystem/nvme-subsys7")
+	tree := sysTree{root: sys.Root(), readFile: func(p string) ([]byte, error) {
 		if strings.Contains(p, "/nvme7n1/") {
 			return nil, &fs.PathError{Op: "read", Path: p, Err: syscall.ENODEV}
 		}
@@ -383,14 +355,14 @@ func TestReadHeadsSkipsNamespacesGoing(t *testing.T) {
 // a subsystem's controller while it deletes one of that subsystem's
 // controllers, and reads of other subsystems go on meanwhile.
 func TestAddressReadWaitsForDelete(t *testing.T) {
-	root := sampleSys(t)
+	sys := sampleSys(t)
 	unlock := teardown.lock(subA)
 	read := make(chan error, 1)
 	go func() {
-		_, err := sysTree{root: root}.readControllers(subA)
+		_, err := sysTree{root: sys.Root()}.readControllers(subA)
 		read <- err
 	}()
-	if _, err := (sysTree{root: root}).readControllers("nqn.2026-01.io.berth:b"); err != nil {
+	if _, err := (sysTree{root: sys.Root()}).readControllers("nqn.2026-01.io.berth:b"); err != nil {
 		t.Fatalf("another subsystem's read during a delete: %v", err)
 	}
 	select {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -274,7 +273,7 @@ func equalSecret(a, b []byte) bool {
 // with, from sysfs tls_key; 0 for a controller without TLS (no such
 // attribute, or a kernel without TLS).
 func (s sysTree) readTLSKey(name string) (int, error) {
-	v, err := s.readAttr(filepath.Join(s.root, "class", "nvme", name), "tls_key")
+	v, err := s.readAttr(s.root.Path("class", "nvme", name), "tls_key")
 	if err != nil || v == "" || v == "none" {
 		return 0, nil
 	}

@@ -166,7 +166,7 @@ func TestTLSGuest(t *testing.T) {
 			if key == 0 {
 				t.Fatal("no key of berth's in the keyring while the volume is attached")
 			}
-			if got, _ := (sysTree{root: "/sys"}).readTLSKey(cs[0].Name); got != key {
+			if got, _ := (sysTree{}).readTLSKey(cs[0].Name); got != key {
 				t.Fatalf("controller %s: tls_key %08x, want berth's key %08x", cs[0].Name, got, key)
 			}
 			if i == 0 {
@@ -212,7 +212,7 @@ func TestTLSGuest(t *testing.T) {
 		cs := wantControllers(t, tlsNQN, 2)
 		key := berthKey(t, "NVMe0R01 "+tlsHostNQN+" "+tlsNQN)
 		for _, c := range cs {
-			if got, _ := (sysTree{root: "/sys"}).readTLSKey(c.Name); got != key || key == 0 {
+			if got, _ := (sysTree{}).readTLSKey(c.Name); got != key || key == 0 {
 				t.Errorf("controller %s: tls_key %08x, want berth's key %08x", c.Name, got, key)
 			}
 		}
@@ -262,11 +262,11 @@ func TestTLSGuest(t *testing.T) {
 		}
 		mustAttach(t, ctx, tg)
 		cs := wantControllers(t, tlsAuthNQN, 1)
-		ca, err := (sysTree{root: "/sys"}).readCtrlAuth(cs[0].Name)
+		ca, err := (sysTree{}).readCtrlAuth(cs[0].Name)
 		if err != nil || ca.host == "" {
 			t.Errorf("controller %s: no DH-HMAC-CHAP key (%v)", cs[0].Name, err)
 		}
-		if got, _ := (sysTree{root: "/sys"}).readTLSKey(cs[0].Name); got == 0 || got != berthKey(t, "NVMe0R01 "+tlsAuthHostNQN+" "+tlsAuthNQN) {
+		if got, _ := (sysTree{}).readTLSKey(cs[0].Name); got == 0 || got != berthKey(t, "NVMe0R01 "+tlsAuthHostNQN+" "+tlsAuthNQN) {
 			t.Errorf("controller %s: tls_key %08x, want berth's key", cs[0].Name, got)
 		}
 		if err := tg.Detach(ctx); err != nil {
@@ -334,7 +334,7 @@ func TestTLSGuest(t *testing.T) {
 		named := parse(vc("required", "tlsKeyName", "NVMe0R01 "+tlsHostNQN+" "+tlsNQN), nil)
 		mustAttach(t, ctx, named)
 		cs := wantControllers(t, tlsNQN, 1)
-		if got, _ := (sysTree{root: "/sys"}).readTLSKey(cs[0].Name); got == 0 {
+		if got, _ := (sysTree{}).readTLSKey(cs[0].Name); got == 0 {
 			t.Errorf("controller %s without TLS", cs[0].Name)
 		}
 		if err := named.Detach(ctx); err != nil {

@@ -267,7 +267,7 @@ func TestReadTLSKey(t *testing.T) {
 		"/sys/class/nvme/nvme0/tls_key": "334e6aca\n",
 		"/sys/class/nvme/nvme2/tls_key": "bogus\n",
 	}
-	s := sysTree{root: "/sys", readFile: func(name string) ([]byte, error) {
+	s := sysTree{readFile: func(name string) ([]byte, error) {
 		if v, ok := files[name]; ok {
 			return []byte(v), nil
 		}

@@ -12,6 +12,7 @@ import (
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/kmutex"
+	"github.com/berth-csi/berth/internal/sysfs"
 )
 
 // DefaultNamespaceTimeout bounds the wait for a namespace device after
@@ -34,8 +35,8 @@ type Options struct {
 	Host *HostIdentity
 	// HostDir holds hostnqn and hostid; default DefaultHostDir.
 	HostDir string
-	// SysRoot is where sysfs is mounted; default "/sys".
-	SysRoot string
+	// Sys is the sysfs tree; the zero value is /sys.
+	Sys sysfs.Root
 	// DevRoot holds block device nodes; default "/dev".
 	DevRoot string
 	// readFile reads sysfs attributes; nil is sysfs.ReadFile (tests).
@@ -97,9 +98,6 @@ func NewTransport(opts Options) (*Transport, error) {
 	if opts.HostDir == "" {
 		opts.HostDir = DefaultHostDir
 	}
-	if opts.SysRoot == "" {
-		opts.SysRoot = "/sys"
-	}
 	if opts.DevRoot == "" {
 		opts.DevRoot = "/dev"
 	}
@@ -120,7 +118,7 @@ func NewTransport(opts Options) (*Transport, error) {
 			return nil, err
 		}
 	}
-	t := &Transport{opts: opts, sys: sysTree{root: opts.SysRoot, readFile: opts.readFile}, log: opts.Logger, host: opts.Host, released: make(map[string]bool), stopping: make(map[string]bool), silent: make(map[string]time.Time)}
+	t := &Transport{opts: opts, sys: sysTree{root: opts.Sys, readFile: opts.readFile}, log: opts.Logger, host: opts.Host, released: make(map[string]bool), stopping: make(map[string]bool), silent: make(map[string]time.Time)}
 	if t.log == nil {
 		t.log = slog.Default()
 	}

@@ -17,8 +17,8 @@ import (
 )
 
 func TestStatusAndHealthFromSysfs(t *testing.T) {
-	root := sampleSys(t)
-	tr, err := NewTransport(Options{SysRoot: root, Host: &HostIdentity{NQN: hostA, ID: hidA}})
+	sys := sampleSys(t)
+	tr, err := NewTransport(Options{Sys: sys.Root(), Host: &HostIdentity{NQN: hostA, ID: hidA}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -104,14 +104,14 @@ func TestSizeMatcher(t *testing.T) {
 }
 
 func TestDetachKeepsControllersOthersNeed(t *testing.T) {
-	root := sampleSys(t)
+	sys := sampleSys(t)
 	for _, c := range []string{"nvme1", "nvme2", "nvme3"} {
-		writeID(t, root+"/class/nvme/"+c, "delete_controller", "")
+		sys.File("class/nvme/"+c+"/delete_controller", "")
 	}
 	deleted := func() []string {
 		var out []string
 		for _, c := range []string{"nvme1", "nvme2", "nvme3"} {
-			if readAttrT(t, root+"/class/nvme/"+c, "delete_controller") == "1" {
+			if readAttrT(t, sys.Root().Path("class/nvme", c), "delete_controller") == "1" {
 				out = append(out, c)
 			}
 		}
@@ -121,7 +121,7 @@ func TestDetachKeepsControllersOthersNeed(t *testing.T) {
 	vc2 := map[string]string{"nqn": subA, "nsid": "2", "traddr": "127.0.0.1"}
 	vcOther := map[string]string{"nqn": "nqn.2026-01.io.berth:b", "nsid": "1", "traddr": "127.0.0.1"}
 	staged := [][]map[string]string{{vc1, vc2, vcOther}}
-	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+	tr, err := NewTransport(Options{Sys: sys.Root(), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 		Staged: func(context.Context) ([]map[string]string, error) { return staged[0], nil }})
 	if err != nil {
 		t.Fatal(err)
@@ -148,15 +148,15 @@ func TestDetachKeepsControllersOthersNeed(t *testing.T) {
 	}
 
 	// A failing Staged callback fails the detach, deleting nothing.
-	root2 := sampleSys(t)
-	writeID(t, root2+"/class/nvme/nvme1", "delete_controller", "")
-	tr2, _ := NewTransport(Options{SysRoot: root2, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+	sys2 := sampleSys(t)
+	sys2.File("class/nvme/nvme1/delete_controller", "")
+	tr2, _ := NewTransport(Options{Sys: sys2.Root(), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 		Staged: func(context.Context) ([]map[string]string, error) { return nil, errors.New("state unreadable") }})
 	tg, _ := tr2.Parse(vc2, nil)
 	if err := tg.Detach(ctx); err == nil || !strings.Contains(err.Error(), "state unreadable") {
 		t.Errorf("Detach with a failing Staged: %v", err)
 	}
-	if readAttrT(t, root2+"/class/nvme/nvme1", "delete_controller") != "" {
+	if readAttrT(t, sys2.Root().Path("class/nvme/nvme1"), "delete_controller") != "" {
 		t.Error("controller deleted although the staged volumes are unknown")
 	}
 }
@@ -175,9 +175,9 @@ func readAttrT(t *testing.T, dir, name string) string {
 // vanishes after detach listed it and another subsystem's new controller
 // takes its name, detach must not delete that one.
 func TestDetachSparesAReusedControllerName(t *testing.T) {
-	root := sampleSys(t)
-	dir := root + "/class/nvme/nvme1"
-	writeID(t, dir, "delete_controller", "")
+	sys := sampleSys(t)
+	dir := sys.Root().Path("class/nvme/nvme1")
+	sys.File("class/nvme/nvme1/delete_controller", "")
 	vc := map[string]string{"nqn": subA, "nsid": "2", "traddr": "127.0.0.1"}
 	// Once nvme1 has been listed, it goes and a controller of another
 	// subsystem appears under its name.
@@ -187,20 +187,15 @@ func TestDetachSparesAReusedControllerName(t *testing.T) {
 		b, err := os.ReadFile(p)
 		if p == dir+"/address" && !swapped {
 			swapped = true
-			if err := os.Rename(dir, dir+".gone"); err != nil {
-				t.Fatal(err)
-			}
-			if err := os.Mkdir(dir, 0o755); err != nil {
-				t.Fatal(err)
-			}
+			sys.Remove("class/nvme/nvme1")
 			for name, v := range map[string]string{"transport": "tcp", "subsysnqn": other, "state": "live",
 				"hostnqn": hostA, "hostid": hidA, "address": "traddr=127.0.0.1,trsvcid=4420", "delete_controller": ""} {
-				writeID(t, dir, name, v)
+				sys.File("class/nvme/nvme1/"+name, v)
 			}
 		}
 		return b, err
 	}
-	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+	tr, err := NewTransport(Options{Sys: sys.Root(), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }, readFile: readFile})
 	if err != nil {
 		t.Fatal(err)
@@ -228,18 +223,14 @@ func TestDetachSparesAReusedControllerName(t *testing.T) {
 // health and detach of a volume read the addresses of its own subsystem's
 // controllers only, and none of a controller the kernel reports deleting.
 func TestAddressesReadOnlyOfTheVolumesSubsystem(t *testing.T) {
-	root := sampleSys(t)
+	sys := sampleSys(t)
 	other := "nqn.2026-01.io.berth:b"
-	dir4 := root + "/class/nvme/nvme4"
-	if err := os.MkdirAll(dir4, 0o755); err != nil {
-		t.Fatal(err)
-	}
 	for name, v := range map[string]string{"transport": "tcp", "subsysnqn": other, "state": "live",
 		"hostnqn": hostA, "hostid": hidA, "address": "traddr=127.0.0.1,trsvcid=4420"} {
-		writeID(t, dir4, name, v)
+		sys.File("class/nvme/nvme4/"+name, v)
 	}
 	for _, c := range []string{"nvme1", "nvme2", "nvme3", "nvme4"} {
-		writeID(t, root+"/class/nvme/"+c, "delete_controller", "")
+		sys.File("class/nvme/"+c+"/delete_controller", "")
 	}
 	read := map[string]int{}
 	readFile := func(p string) ([]byte, error) {
@@ -254,7 +245,7 @@ func TestAddressesReadOnlyOfTheVolumesSubsystem(t *testing.T) {
 		}
 		return os.ReadFile(p)
 	}
-	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+	tr, err := NewTransport(Options{Sys: sys.Root(), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }, readFile: readFile})
 	if err != nil {
 		t.Fatal(err)
@@ -280,7 +271,7 @@ func TestAddressesReadOnlyOfTheVolumesSubsystem(t *testing.T) {
 	if read["nvme3"] != 0 || read["nvme4"] != 0 {
 		t.Errorf("addresses read %v: nvme3 (deleting) and nvme4 (subsystem %s) must not be read", read, other)
 	}
-	if got := readAttrT(t, dir4, "delete_controller"); got != "" {
+	if got := readAttrT(t, sys.Root().Path("class/nvme/nvme4"), "delete_controller"); got != "" {
 		t.Errorf("nvme4 of another subsystem deleted (%q)", got)
 	}
 }
@@ -291,9 +282,9 @@ func TestAddressesReadOnlyOfTheVolumesSubsystem(t *testing.T) {
 // for the stuck flush without starting another, and once it returns the
 // next Detach flushes and deletes.
 func TestDetachFlushEndsWithContext(t *testing.T) {
-	root := sampleSys(t)
+	sys := sampleSys(t)
 	for _, c := range []string{"nvme1", "nvme2", "nvme3"} {
-		writeID(t, root+"/class/nvme/"+c, "delete_controller", "")
+		sys.File("class/nvme/"+c+"/delete_controller", "")
 	}
 	release := make(chan struct{})
 	var flushes atomic.Int32
@@ -304,7 +295,7 @@ func TestDetachFlushEndsWithContext(t *testing.T) {
 		return nil
 	}
 	t.Cleanup(func() { flushDev = old })
-	tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+	tr, err := NewTransport(Options{Sys: sys.Root(), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 		Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }})
 	if err != nil {
 		t.Fatal(err)
@@ -336,14 +327,14 @@ func TestDetachFlushEndsWithContext(t *testing.T) {
 	if err := detach(100 * time.Millisecond); !errors.Is(err, errdefs.ErrUnavailable) || flushes.Load() != 1 {
 		t.Errorf("Detach retried during the stuck flush = %v after %d flushes; want Unavailable, and no new flush", err, flushes.Load())
 	}
-	if readAttrT(t, root+"/class/nvme/nvme1", "delete_controller") != "" {
+	if readAttrT(t, sys.Root().Path("class/nvme/nvme1"), "delete_controller") != "" {
 		t.Error("a controller was deleted although its namespace was not flushed")
 	}
 	close(release)
 	if err := detach(10 * time.Second); err != nil || flushes.Load() != 2 {
 		t.Errorf("Detach once the flush returned = %v after %d flushes; want nil after 2", err, flushes.Load())
 	}
-	if readAttrT(t, root+"/class/nvme/nvme1", "delete_controller") != "1" {
+	if readAttrT(t, sys.Root().Path("class/nvme/nvme1"), "delete_controller") != "1" {
 		t.Error("Detach once the flush returned did not delete the controller")
 	}
 }
@@ -362,14 +353,14 @@ func TestDetachFencedFlush(t *testing.T) {
 		{"I/O error", fmt.Errorf("flush /dev/nvme0n1: fsync: %w", syscall.EIO), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			root := sampleSys(t)
+			sys := sampleSys(t)
 			for _, c := range []string{"nvme1", "nvme2", "nvme3"} {
-				writeID(t, root+"/class/nvme/"+c, "delete_controller", "")
+				sys.File("class/nvme/"+c+"/delete_controller", "")
 			}
 			old := flushDev
 			flushDev = func(string) error { return tc.err }
 			t.Cleanup(func() { flushDev = old })
-			tr, err := NewTransport(Options{SysRoot: root, DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
+			tr, err := NewTransport(Options{Sys: sys.Root(), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 				Staged: func(context.Context) ([]map[string]string, error) { return nil, nil }})
 			if err != nil {
 				t.Fatal(err)
@@ -379,7 +370,7 @@ func TestDetachFencedFlush(t *testing.T) {
 			if (err == nil) != tc.deleted {
 				t.Errorf("Detach = %v", err)
 			}
-			if got := readAttrT(t, root+"/class/nvme/nvme1", "delete_controller") == "1"; got != tc.deleted {
+			if got := readAttrT(t, sys.Root().Path("class/nvme/nvme1"), "delete_controller") == "1"; got != tc.deleted {
 				t.Errorf("controller deleted: %t, want %t", got, tc.deleted)
 			}
 		})
@@ -391,7 +382,7 @@ func TestDetachFencedFlush(t *testing.T) {
 // none there a controller of any host counts.
 func TestStatusCreatesNoHostIdentity(t *testing.T) {
 	hostDir := t.TempDir()
-	tr, err := NewTransport(Options{SysRoot: sampleSys(t), HostDir: hostDir})
+	tr, err := NewTransport(Options{Sys: sampleSys(t).Root(), HostDir: hostDir})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -77,7 +77,7 @@ func guestTransport(t *testing.T, staged func(context.Context) ([]map[string]str
 // controllersOf lists the live-or-reconnecting controllers of a subsystem.
 func controllersOf(t *testing.T, nqn string) []Controller {
 	t.Helper()
-	cs, err := sysTree{root: "/sys"}.readControllers(nqn)
+	cs, err := sysTree{}.readControllers(nqn)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -424,7 +424,7 @@ func TestGuestMultipath(t *testing.T) {
 	}
 	t.Logf("paths: %+v", paths)
 	// One head device, two hidden path devices under it.
-	if nsPaths, err := (sysTree{root: "/sys"}).readNamespacePaths(dev.Name); err != nil || len(nsPaths) != 2 {
+	if nsPaths, err := (sysTree{}).readNamespacePaths(dev.Name); err != nil || len(nsPaths) != 2 {
 		t.Fatalf("paths of %s: %+v, %v", dev.Name, nsPaths, err)
 	}
 
