@@ -18,7 +18,7 @@ import (
 // does not answer its INQUIRY or REPORT LUNS. unstick lets it end.
 func stuckScanAttr(t *testing.T, tr *Transport) (unstick func()) {
 	t.Helper()
-	attr := tr.sys.path("class", "scsi_host", "host3", "scan")
+	attr := tr.sys.root.Path("class", "scsi_host", "host3", "scan")
 	if err := os.MkdirAll(filepath.Dir(attr), 0o755); err != nil {
 		t.Fatal(err)
 	}
