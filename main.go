@@ -164,7 +164,7 @@ func serveCommand() *cli.Command {
 			&cli.IntFlag{Name: "iscsi-replacement-timeout", Value: -1, EnvVars: []string{"BERTH_ISCSI_REPLACEMENT_TIMEOUT"}, Usage: "node.session.timeo.replacement_timeout for new iSCSI sessions, seconds (-1: open-iscsi's default)"},
 			&cli.IntFlag{Name: "iscsi-login-timeout", Value: iscsi.DefaultLoginTimeout, EnvVars: []string{"BERTH_ISCSI_LOGIN_TIMEOUT"}, Usage: "node.conn[0].timeo.login_timeout for new iSCSI sessions, seconds (-1: iscsid.conf's)"},
 			&cli.IntFlag{Name: "iscsi-login-retry-max", Value: iscsi.DefaultLoginRetryMax, EnvVars: []string{"BERTH_ISCSI_LOGIN_RETRY_MAX"}, Usage: "node.session.initial_login_retry_max for new iSCSI sessions (-1: iscsid.conf's); a silent portal costs a stage (1 + this) * --iscsi-login-timeout"},
-			&cli.DurationFlag{Name: "shutdown-timeout", Value: 30 * time.Second, EnvVars: []string{"BERTH_SHUTDOWN_TIMEOUT"}, Usage: "how long calls in flight may take to finish on SIGTERM"},
+			&cli.DurationFlag{Name: "shutdown-timeout", Value: 30 * time.Second, EnvVars: []string{"BERTH_SHUTDOWN_TIMEOUT"}, Usage: "how long berth waits on SIGTERM for the calls in flight and the steps they left running in the kernel before it exits (keep systemd's TimeoutStopSec and the pod's terminationGracePeriodSeconds longer)"},
 			&cli.DurationFlag{Name: "trim-interval", EnvVars: []string{"BERTH_TRIM_INTERVAL"}, Usage: "trim the filesystem of every staged mount volume once per interval, each at its own offset into it (such as 24h; 0: never; see berth trim)"},
 			takeoverFlag(),
 		},

@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/urfave/cli/v2"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -698,4 +699,56 @@ func TestServeAfterKill(t *testing.T) {
 	second := serveBerth(t, berthArgs(sock, state, "b")...)
 	mustServe(t, second, sock, "b")
 	second.stop(t)
+}
+
+// stopMargin is what a stopping berth needs beyond --shutdown-timeout:
+// closing its sockets and the kubelet registration, and exiting.
+const stopMargin = 10 * time.Second
+
+// shutdownTimeout is berth serve's --shutdown-timeout in args, or its
+// default.
+func shutdownTimeout(t *testing.T, args []string) time.Duration {
+	t.Helper()
+	for _, a := range args {
+		if v, ok := strings.CutPrefix(a, "--shutdown-timeout="); ok {
+			d, err := time.ParseDuration(v)
+			if err != nil {
+				t.Fatalf("%s: %v", a, err)
+			}
+			return d
+		}
+	}
+	for _, f := range serveCommand().Flags {
+		if d, ok := f.(*cli.DurationFlag); ok && d.Name == "shutdown-timeout" {
+			return d.Value
+		}
+	}
+	t.Fatal("berth serve has no --shutdown-timeout")
+	return 0
+}
+
+// systemd stops berth.service with SIGTERM and kills what is left after
+// TimeoutStopSec: that must leave berth its --shutdown-timeout to finish
+// the calls in flight, or an unstage under way at shutdown is cut.
+func TestServiceStopTimeoutCoversShutdownTimeout(t *testing.T) {
+	unit, err := os.ReadFile(filepath.Join("systemd", "berth.service"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stop, exec string
+	for _, l := range strings.Split(string(unit), "\n") {
+		if v, ok := strings.CutPrefix(l, "TimeoutStopSec="); ok {
+			stop = v
+		}
+		if v, ok := strings.CutPrefix(l, "ExecStart="); ok {
+			exec = v
+		}
+	}
+	d, err := time.ParseDuration(stop)
+	if err != nil {
+		t.Fatalf("berth.service TimeoutStopSec=%q: want a Go-readable span such as 90s: %v", stop, err)
+	}
+	if st := shutdownTimeout(t, strings.Fields(exec)); d < st+stopMargin {
+		t.Errorf("berth.service TimeoutStopSec=%s, --shutdown-timeout %s: systemd kills berth before it has waited for the calls in flight; want at least %s", d, st, st+stopMargin)
+	}
 }

@@ -80,8 +80,9 @@ type Config struct {
 	// OnStopping is called when Serve begins to shut down
 	// (sd_notify STOPPING=1).
 	OnStopping func()
-	// ShutdownTimeout bounds how long Serve waits for RPCs in flight
-	// when ctx ends; default 30s. Then the remaining ones are cut.
+	// ShutdownTimeout bounds how long Serve waits, when ctx ends, for
+	// the RPCs in flight and the steps they left running in the kernel;
+	// default 30s. Then the remaining ones are cut.
 	ShutdownTimeout time.Duration
 	// TrimInterval, if positive, makes Serve trim the filesystem of every
 	// staged mount volume once per interval (see trimLoop); 0: never.
@@ -112,6 +113,7 @@ type Agent struct {
 	ownListener bool
 	stateLock   *lockfile.Lock
 	ready       atomic.Bool
+	left        leftRunning // steps calls left running; Serve waits for them
 
 	// verify re-checks that a device name still means the device found
 	// (devices.Device.Verify); lookup reads a device from sysfs
@@ -293,22 +295,20 @@ func (a *Agent) Server(opts ...grpc.ServerOption) *grpc.Server {
 }
 
 // Serve answers CSI calls on lis until ctx ends, then stops accepting
-// calls and waits up to Config.ShutdownTimeout for those in flight. It
-// calls OnReady once calls are accepted and OnStopping when shutdown
-// begins, and closes the agent before it returns. lis may come from
-// Listen or from socket activation.
+// calls and waits for those in flight, for the steps calls left running
+// in the kernel (see blocking) and for a trim under way, all within one
+// Config.ShutdownTimeout. It calls OnReady once calls are accepted and
+// OnStopping when shutdown begins, and closes the agent before it
+// returns. lis may come from Listen or from socket activation.
 func (a *Agent) Serve(ctx context.Context, lis net.Listener) error {
 	defer a.Close()
 	s := a.Server()
 	errc := make(chan error, 1)
 	go func() { errc <- s.Serve(lis) }()
+	tctx, stopTrim := context.WithCancel(ctx)
+	defer stopTrim()
 	trimDone := make(chan struct{})
 	if a.cfg.TrimInterval > 0 {
-		tctx, cancel := context.WithCancel(ctx)
-		defer func() {
-			cancel()
-			<-trimDone // a FITRIM under way is not interrupted
-		}()
 		go func() {
 			defer close(trimDone)
 			a.trimLoop(tctx, a.cfg.TrimInterval)
@@ -321,19 +321,29 @@ func (a *Agent) Serve(ctx context.Context, lis net.Listener) error {
 	if a.cfg.OnReady != nil {
 		a.cfg.OnReady()
 	}
+	var serveErr error
 	select {
 	case err := <-errc:
-		a.ready.Store(false)
-		return fmt.Errorf("serve gRPC: %w", err)
+		serveErr = fmt.Errorf("serve gRPC: %w", err)
 	case <-ctx.Done():
 	}
 	a.ready.Store(false)
-	if a.cfg.OnStopping != nil {
+	if serveErr == nil && a.cfg.OnStopping != nil {
 		a.cfg.OnStopping()
 	}
-	stopGRPC(a.log, s, a.cfg.ShutdownTimeout)
-	if err := <-errc; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-		return fmt.Errorf("serve gRPC: %w", err)
+	sctx, cancel := context.WithTimeout(context.Background(), a.cfg.ShutdownTimeout)
+	defer cancel()
+	a.log.Info("stopping: waiting for calls in flight", slog.Duration("timeout", a.cfg.ShutdownTimeout))
+	stopGRPC(sctx, a.log, s)
+	if serveErr == nil {
+		if err := <-errc; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+			serveErr = fmt.Errorf("serve gRPC: %w", err)
+		}
+	}
+	stopTrim() // a FITRIM under way is not interrupted
+	a.finish(sctx, trimDone)
+	if serveErr != nil {
+		return serveErr
 	}
 	a.log.Info("stopped")
 	return nil

@@ -102,32 +102,15 @@ func (c *Controller) Serve(ctx context.Context, lis net.Listener) error {
 	case <-ctx.Done():
 	}
 	c.ready.Store(false)
-	stopGRPC(c.log, s, c.cfg.ShutdownTimeout)
+	sctx, cancel := context.WithTimeout(context.Background(), c.cfg.ShutdownTimeout)
+	defer cancel()
+	c.log.Info("stopping: waiting for calls in flight", slog.Duration("timeout", c.cfg.ShutdownTimeout))
+	stopGRPC(sctx, c.log, s)
 	if err := <-errc; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("serve gRPC: %w", err)
 	}
 	c.log.Info("stopped")
 	return nil
-}
-
-// stopGRPC stops s gracefully, cutting the calls still in flight after
-// timeout.
-func stopGRPC(log *slog.Logger, s *grpc.Server, timeout time.Duration) {
-	log.Info("stopping: waiting for calls in flight", slog.Duration("timeout", timeout))
-	done := make(chan struct{})
-	go func() {
-		s.GracefulStop()
-		close(done)
-	}()
-	t := time.NewTimer(timeout)
-	defer t.Stop()
-	select {
-	case <-done:
-	case <-t.C:
-		log.Warn("calls still in flight after the shutdown timeout; cutting them")
-		s.Stop()
-		<-done
-	}
 }
 
 // controllerIdentity is berth controller's Identity service: the same

@@ -116,9 +116,10 @@ func (l *heldLocks) handOff() func() {
 // flush), and waits for it until ctx ends. A step still running then goes
 // on in the background and takes the RPC's locks over (locks.Release
 // becomes a no-op for the caller) until it returns: the volume answers
-// Aborted meanwhile, and the CO's next retry finds what the step did. The
-// step must not use what the caller changes or closes after it returns;
-// what it needs closed afterwards is added with locks.closeWith.
+// Aborted meanwhile, and the CO's next retry finds what the step did;
+// Serve waits for it before berth exits (leftRunning). The step must not
+// use what the caller changes or closes after it returns; what it needs
+// closed afterwards is added with locks.closeWith.
 func (n *nodeServer) blocking(ctx context.Context, what string, locks *heldLocks, step func() error) error {
 	done := make(chan error, 1)
 	go func() { done <- step() }()
@@ -130,7 +131,9 @@ func (n *nodeServer) blocking(ctx context.Context, what string, locks *heldLocks
 	release := locks.handOff()
 	log := logFrom(ctx, n.a.log)
 	start := time.Now()
+	n.a.left.add()
 	go func() {
+		defer n.a.left.done()
 		err := <-done
 		release()
 		attrs := []any{slog.String("step", what), slog.Duration("after", time.Since(start).Round(time.Millisecond))}

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -67,5 +69,83 @@ func TestServeFinishesCallsInFlight(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(dir, "csi.sock")); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("socket left behind after Serve: %v", err)
+	}
+}
+
+// A step that a call left running in the kernel (an unmount whose
+// writeback waits for the device, past the call's deadline) is waited for
+// when berth stops: exiting would cut it, with the programs it runs.
+// Past ShutdownTimeout, Serve returns without it.
+func TestServeWaitsForStepsLeftRunning(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		timeout time.Duration
+		release bool // the step ends while Serve waits
+	}{
+		{"step ends", time.Minute, true},
+		{"bounded", 300 * time.Millisecond, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			a, host, _ := newFakeAgent(t)
+			dir := t.TempDir()
+			staging := filepath.Join(dir, "s")
+			must(t, "mkdir", mkdirAll(staging))
+			n := &nodeServer{a: a}
+			_, err := n.NodeStageVolume(context.Background(), stageReq("vol", staging, "1"))
+			must(t, "stage", err)
+			gate := make(chan struct{})
+			host.mu.Lock()
+			host.unmountGate = gate
+			host.mu.Unlock()
+			var once sync.Once
+			open := func() { once.Do(func() { close(gate) }) }
+			t.Cleanup(open)
+
+			endpoint := "unix://" + filepath.Join(dir, "csi.sock")
+			lis, err := Listen(endpoint)
+			must(t, "Listen", err)
+			ready := make(chan struct{})
+			a.cfg.OnReady = func() { close(ready) }
+			a.cfg.ShutdownTimeout = c.timeout
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			served := make(chan error, 1)
+			go func() { served <- a.Serve(ctx, lis) }()
+			<-ready
+
+			conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+			must(t, "dial", err)
+			defer conn.Close()
+			cctx, ccancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+			defer ccancel()
+			if _, err := csi.NewNodeClient(conn).NodeUnstageVolume(cctx, &csi.NodeUnstageVolumeRequest{VolumeId: "vol", StagingTargetPath: staging}); err == nil {
+				t.Fatal("unstage answered OK with its unmount held")
+			}
+
+			start := time.Now()
+			cancel()
+			if !c.release {
+				select {
+				case err := <-served:
+					must(t, "Serve", err)
+				case <-time.After(10 * time.Second):
+					t.Fatal("Serve still waits for the step 10s after its 300ms shutdown timeout")
+				}
+				if el := time.Since(start); el < c.timeout {
+					t.Errorf("Serve returned after %v, before its shutdown timeout of %v with a step running", el, c.timeout)
+				}
+				return
+			}
+			select {
+			case err := <-served:
+				t.Fatalf("Serve returned with a step left running: %v", err)
+			case <-time.After(300 * time.Millisecond):
+			}
+			open()
+			must(t, "Serve", <-served)
+			if ev := host.eventLog(); !slices.Contains(ev, "unmount "+staging) {
+				t.Errorf("the unmount left running did not finish: %q", ev)
+			}
+		})
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -99,5 +100,44 @@ func TestUnitsAgree(t *testing.T) {
 		if v := unitValues(t, service, key); len(v) > 0 {
 			t.Errorf("berth.service sets %s=%v: berth would lose the host's mounts, devices or uevents", key, v)
 		}
+	}
+}
+
+// unitList returns the units every key= line of a unit file lists.
+func unitList(t *testing.T, data []byte, key string) []string {
+	t.Helper()
+	var units []string
+	for _, v := range unitValues(t, data, key) {
+		units = append(units, strings.Fields(v)...)
+	}
+	return units
+}
+
+// TestUnitsShutdownOrder checks the order systemd stops berth in, the
+// reverse of the start order: after the kubelet, whose last unpublish and
+// unstage calls must reach berth, and before the network and the
+// initiator's daemons, which those calls need. The main package checks
+// TimeoutStopSec against berth's --shutdown-timeout.
+func TestUnitsShutdownOrder(t *testing.T) {
+	after, before := unitList(t, serviceUnit, "After"), unitList(t, serviceUnit, "Before")
+	for _, u := range []string{"network.target", "network-online.target", "iscsid.service", "iscsid.socket", "multipathd.service"} {
+		if !slices.Contains(after, u) {
+			t.Errorf("berth.service is not After=%s: at shutdown %s may stop while berth still unmounts and detaches", u, u)
+		}
+		if slices.Contains(before, u) {
+			t.Errorf("berth.service is Before=%s: at shutdown berth would outlive it", u)
+		}
+	}
+	if !slices.Contains(unitList(t, serviceUnit, "Wants"), "network-online.target") {
+		t.Error("berth.service does not want network-online.target: After= it alone waits for nothing at boot")
+	}
+	if !slices.Contains(before, "kubelet.service") || slices.Contains(after, "kubelet.service") {
+		t.Errorf("berth.service Before=%v After=%v: want Before=kubelet.service, so that the kubelet stops first", before, after)
+	}
+	if v := unitValues(t, serviceUnit, "DefaultDependencies"); len(v) > 0 {
+		t.Errorf("berth.service sets DefaultDependencies=%v: without them it is not stopped before shutdown.target", v)
+	}
+	if v := unitValues(t, serviceUnit, "KillMode"); len(v) != 1 || v[0] != "mixed" {
+		t.Errorf("KillMode=%v, want mixed: SIGTERM to berth alone, so that the programs its calls run finish with them", v)
 	}
 }
