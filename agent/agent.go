@@ -354,8 +354,10 @@ type VolumeStatus struct {
 	// Paths counts the volume's storage paths by state ("live": 2,
 	// "connecting": 1), for transports that report them.
 	Paths map[string]int
-	// Unfenced: staged with fencing opted out (volume_context fencing
-	// "none").
+	// Unfenced: fencing applies to the volume and it has none: opted
+	// out (volume_context fencing "none"), a target without
+	// reservations, or staged by a berth that did not fence
+	// (volumeRecord.unfencedReason).
 	Unfenced bool
 }
 
@@ -371,7 +373,7 @@ func (a *Agent) Volumes(ctx context.Context) []VolumeStatus {
 		out = append(out, VolumeStatus{
 			ID: r.VolumeID, Transport: r.Transport, Staged: r.Staged,
 			Abnormal: c.Abnormal, Message: c.Message, Targets: len(r.Publishes),
-			Paths: a.pathStates(ctx, r, t), Unfenced: r.unfenced(),
+			Paths: a.pathStates(ctx, r, t), Unfenced: r.unfencedReason() != "",
 		})
 	}
 	return out

@@ -42,7 +42,7 @@ const (
 	fenceNone = "none"
 	// fenceUnavailable: the device's target has no reservations at all
 	// (an NVMe controller without them, devices.ReservationReadable):
-	// staged unfenced as before fencing, and reported so.
+	// staged unfenced, and reported so.
 	fenceUnavailable = "unavailable"
 )
 
@@ -105,34 +105,41 @@ func parseFencing(vctx map[string]string) (string, error) {
 }
 
 // fenceModeOf is the fencing a stage of mode on device d takes, "" for
-// none at all: a device that is node-local (a loop device of the file
-// transport: no other node reaches it) and reader-only modes (readers
-// need no registration under Write Exclusive – Registrants Only).
+// none at all (see fenceApplies).
 func fenceModeOf(d *devices.Device, mode csi.VolumeCapability_AccessMode_Mode, optOut bool) string {
-	switch d.ID.Kind {
-	case devices.KindSCSI, devices.KindNVMe, devices.KindDM:
-	default:
-		return ""
-	}
-	var m string
-	switch mode {
-	case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
-		csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
-		csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER:
-		m = fenceReserve
-	case csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER,
-		csi.VolumeCapability_AccessMode_MULTI_NODE_SINGLE_WRITER:
-		m = fenceRegister
-	default:
-		return ""
-	}
+	m := fenceApplies(d.ID.Kind, mode)
 	switch {
+	case m == "":
+		return ""
 	case optOut:
 		return fenceNone
 	case !devices.ReservationReadable(d):
 		return fenceUnavailable
 	}
 	return m
+}
+
+// fenceApplies is the fencing a volume of mode on a device of kind gets
+// from a target with reservations: fenceReserve, fenceRegister, or "" for
+// none at all: a device that is node-local (a loop device of the file
+// transport: no other node reaches it) and reader-only modes (readers
+// need no registration under Write Exclusive – Registrants Only).
+func fenceApplies(kind string, mode csi.VolumeCapability_AccessMode_Mode) string {
+	switch kind {
+	case devices.KindSCSI, devices.KindNVMe, devices.KindDM:
+	default:
+		return ""
+	}
+	switch mode {
+	case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER:
+		return fenceReserve
+	case csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER,
+		csi.VolumeCapability_AccessMode_MULTI_NODE_SINGLE_WRITER:
+		return fenceRegister
+	}
+	return ""
 }
 
 // describeKey names a reservation key for an operator.
@@ -162,11 +169,7 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 				return err
 			}
 		}
-		why := "volume_context fencing: none"
-		if mode == fenceUnavailable {
-			why = "the target of this " + s.dev.ID.Kind + " device has no persistent reservations"
-		}
-		s.log.WarnContext(ctx, "staged without fencing ("+why+"): another node that stages this volume can write it too")
+		s.log.WarnContext(ctx, "staged without fencing ("+rec.unfencedReason()+"): another node that stages this volume can write it too")
 		return nil
 	}
 	key := NodeKey(n.a.cfg.NodeID)
@@ -522,11 +525,24 @@ func (a *Agent) fenceCondition(rec *volumeRecord) *csi.VolumeCondition {
 	return nil
 }
 
-// unfenced reports whether a volume that fencing applies to was staged
-// without it: opted out, or a device whose reservation this berth cannot
-// read.
-func (rec *volumeRecord) unfenced() bool {
-	return rec.Fence != nil && (rec.Fence.Mode == fenceNone || rec.Fence.Mode == fenceUnavailable)
+// unfencedReason says why a volume that fencing applies to has none, ""
+// when it is fenced or fencing does not apply: opted out (fenceNone), a
+// target without reservations (fenceUnavailable), or a volume staged by
+// a berth that did not fence (no fence recorded), which the next stage
+// that goes through the device fences.
+func (rec *volumeRecord) unfencedReason() string {
+	switch {
+	case rec.Fence == nil:
+		mode := csi.VolumeCapability_AccessMode_Mode(csi.VolumeCapability_AccessMode_Mode_value[rec.Mode])
+		if rec.Staged && rec.Device != nil && fenceApplies(rec.Device.Kind, mode) != "" {
+			return "staged by a berth that did not fence volumes: it is fenced once staged again after an unstage"
+		}
+	case rec.Fence.Mode == fenceNone:
+		return fmt.Sprintf("opted out with volume_context %s: %q", ContextFencing, fenceNone)
+	case rec.Fence.Mode == fenceUnavailable:
+		return "the target has no persistent reservations: its NVMe controller lists none, as nvmet's before Linux 6.13 do"
+	}
+	return ""
 }
 
 // optedOut reports whether a volume was staged with volume_context

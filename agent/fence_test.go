@@ -670,6 +670,52 @@ func TestFenceUnsupportedAndOptOut(t *testing.T) {
 	must(t, "unstage", a.unstage())
 }
 
+// An unfenced volume's condition names why, for each way to be unfenced,
+// and Volumes (the metric) counts it; a fenced volume, and one fencing
+// does not apply to, are not unfenced.
+func TestUnfencedCondition(t *testing.T) {
+	tgt := newFakePRTarget()
+	a := newFenceNode(t, "node-a", tgt)
+	must(t, "stage", a.stage(snw, nil))
+	check := func(what, want string) {
+		t.Helper()
+		c := a.condition(t)
+		vs := a.a.Volumes(context.Background())
+		if len(vs) != 1 {
+			t.Fatalf("%s: Volumes %+v", what, vs)
+		}
+		switch {
+		case c.Abnormal:
+			t.Errorf("%s: abnormal: %+v", what, c)
+		case want == "" && (vs[0].Unfenced || strings.Contains(c.Message, "unfenced")):
+			t.Errorf("%s: unfenced: %+v, %q", what, vs[0], c.Message)
+		case want != "" && (!vs[0].Unfenced || !strings.Contains(c.Message, "unfenced ("+want)):
+			t.Errorf("%s: %q (unfenced %t), want it unfenced: %q", what, c.Message, vs[0].Unfenced, want)
+		}
+	}
+	check("fenced", "")
+	rec := a.record(t)
+	for _, c := range []struct {
+		what  string
+		fence *fenceRecord
+		mode  string
+		want  string
+	}{
+		{"opted out", &fenceRecord{Mode: fenceNone}, snw.String(), `opted out with volume_context fencing: "none"`},
+		{"target without reservations", &fenceRecord{Mode: fenceUnavailable}, snw.String(), "the target has no persistent reservations"},
+		{"staged by a berth that did not fence", nil, snw.String(), "staged by a berth that did not fence"},
+		{"a multi-node writer staged by a berth that did not fence", nil, csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER.String(), "staged by a berth that did not fence"},
+		{"a reader", nil, csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY.String(), ""},
+	} {
+		rec.Fence, rec.Mode = c.fence, c.mode
+		must(t, "record", a.a.state.put(rec))
+		check(c.what, c.want)
+	}
+	if why := (&volumeRecord{Staged: true, Mode: snw.String(), Device: &deviceRecord{Kind: devices.KindLoop}}).unfencedReason(); why != "" {
+		t.Errorf("a node-local device: unfenced (%s)", why)
+	}
+}
+
 // berth restarted on the holder: the repeated stage (a raw block one,
 // which goes through the fence again) changes nothing at the target, and
 // the unstage after the restart gives the reservation back.
