@@ -94,6 +94,11 @@ type Config struct {
 	// first that allows it decides. None: a stage never takes a volume
 	// over.
 	Takeover []TakeoverAuthority
+	// HolderName, if set, names the node whose key (NodeKey) a
+	// reservation key is, "" when it cannot; messages name the key
+	// either way. It answers at once, from what it knows:
+	// NodeGetVolumeStats and the metrics ask it.
+	HolderName func(key uint64) string
 }
 
 // Agent is a configured CSI node plugin. Create it with New, run it with

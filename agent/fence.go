@@ -142,15 +142,25 @@ func fenceApplies(kind string, mode csi.VolumeCapability_AccessMode_Mode) string
 	return ""
 }
 
-// describeKey names a reservation key for an operator.
+// describeKey names a reservation key for an operator: its node where
+// node is known.
 func describeKey(k uint64, node string) string {
 	switch {
 	case node != "":
 		return fmt.Sprintf("node %q (key %#016x)", node, k)
 	case IsBerthKey(k):
-		return fmt.Sprintf("key %#016x (another node's berth key)", k)
+		return fmt.Sprintf("key %#016x (the berth key of an unknown node)", k)
 	}
 	return fmt.Sprintf("key %#016x (not a berth key: multipathd's, an operator's or another cluster's)", k)
+}
+
+// describeHolder is describeKey for a key found at the target: node if
+// known, else the node Config.HolderName knows for a berth key.
+func (a *Agent) describeHolder(k uint64, node string) string {
+	if node == "" && IsBerthKey(k) && a.cfg.HolderName != nil {
+		node = a.cfg.HolderName(k)
+	}
+	return describeKey(k, node)
 }
 
 // fenceStage fences the attached device of a stage, before anything
@@ -381,7 +391,7 @@ func (n *nodeServer) refuseTakeover(ctx context.Context, s *stageRun, f prDevice
 		why = " (" + d.Reason + ")"
 	}
 	return errdefs.FailedPrecondition("volume %q: held at the target by %s; the volume has not been given to this node%s: it stages here once that node unstages it, or once the cluster (or an operator: berth takeover) moves it here",
-		s.id, describeKey(victim, d.HolderNode), why)
+		s.id, n.a.describeHolder(victim, d.HolderNode), why)
 }
 
 // lostRace ends a stage whose reserve conflicted with another node's
@@ -397,7 +407,7 @@ func (n *nodeServer) lostRace(ctx context.Context, s *stageRun, f prDevice, key 
 	if res, err := f.ReadReservation(); err == nil {
 		holder = res.Holder
 	}
-	return errdefs.FailedPrecondition("volume %q: another node reserved it at the same time: held by %s; it stages here once that node unstages it", s.id, describeKey(holder, ""))
+	return errdefs.FailedPrecondition("volume %q: another node reserved it at the same time: held by %s; it stages here once that node unstages it", s.id, n.a.describeHolder(holder, ""))
 }
 
 // takeOver preempts victim (and any other node's key registered) with
@@ -426,7 +436,7 @@ func (n *nodeServer) takeOver(ctx context.Context, s *stageRun, f prDevice, key,
 	}
 	s.took.mark("takeover")
 	s.log.WarnContext(ctx, "took the volume over: preempted the holder's reservation and aborted its commands",
-		slog.String("holder", describeKey(victim, d.HolderNode)), slog.String("reason", d.Reason), slog.String("key", fmt.Sprintf("%#016x", key)))
+		slog.String("holder", n.a.describeHolder(victim, d.HolderNode)), slog.String("reason", d.Reason), slog.String("key", fmt.Sprintf("%#016x", key)))
 	return nil
 }
 
@@ -469,7 +479,7 @@ func (a *Agent) preempted(rec *volumeRecord) string {
 		return ""
 	}
 	if res.Holder != 0 {
-		return "preempted by " + describeKey(res.Holder, "")
+		return "preempted by " + a.describeHolder(res.Holder, "")
 	}
 	return "this node's reservation key is no longer registered at the target"
 }
@@ -501,7 +511,7 @@ func (a *Agent) unfence(ctx context.Context, rec *volumeRecord, unreachable bool
 	}
 	if !slices.Contains(res.Keys, key) {
 		if res.Holder != 0 {
-			log.InfoContext(ctx, "the volume was preempted: nothing to give back", slog.String("holder", describeKey(res.Holder, "")))
+			log.InfoContext(ctx, "the volume was preempted: nothing to give back", slog.String("holder", a.describeHolder(res.Holder, "")))
 		}
 		return nil
 	}
