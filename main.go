@@ -324,6 +324,7 @@ func newServer(c *cli.Context) (_ *server, retErr error) {
 			return nil, fmt.Errorf("--%s: %w", takeoverFromKubernetes, err)
 		}
 		cfg.Takeover = append(cfg.Takeover, t)
+		cfg.HolderName = t.k.NodeOfKey
 	}
 	if c.String("probe-checks") != "" {
 		dc, err := probeConfig(c)

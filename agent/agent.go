@@ -95,6 +95,11 @@ type Config struct {
 	// first that allows it decides. None: a stage never takes a volume
 	// over.
 	Takeover []TakeoverAuthority
+	// HolderName, if set, names the node whose key (NodeKey) a
+	// reservation key is, "" when it cannot; messages name the key
+	// either way. It answers at once, from what it knows:
+	// NodeGetVolumeStats and the metrics ask it.
+	HolderName func(key uint64) string
 }
 
 // Agent is a configured CSI node plugin. Create it with New, run it with
@@ -364,8 +369,10 @@ type VolumeStatus struct {
 	// Paths counts the volume's storage paths by state ("live": 2,
 	// "connecting": 1), for transports that report them.
 	Paths map[string]int
-	// Unfenced: staged with fencing opted out (volume_context fencing
-	// "none").
+	// Unfenced: fencing applies to the volume and it has none: opted
+	// out (volume_context fencing "none"), a target without
+	// reservations, or staged by a berth that did not fence
+	// (volumeRecord.unfencedReason).
 	Unfenced bool
 }
 
@@ -381,7 +388,7 @@ func (a *Agent) Volumes(ctx context.Context) []VolumeStatus {
 		out = append(out, VolumeStatus{
 			ID: r.VolumeID, Transport: r.Transport, Staged: r.Staged,
 			Abnormal: c.Abnormal, Message: c.Message, Targets: len(r.Publishes),
-			Paths: a.pathStates(ctx, r, t), Unfenced: r.unfenced(),
+			Paths: a.pathStates(ctx, r, t), Unfenced: r.unfencedReason() != "",
 		})
 	}
 	return out

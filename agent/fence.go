@@ -42,7 +42,7 @@ const (
 	fenceNone = "none"
 	// fenceUnavailable: the device's target has no reservations at all
 	// (an NVMe controller without them, devices.ReservationReadable):
-	// staged unfenced as before fencing, and reported so.
+	// staged unfenced, and reported so.
 	fenceUnavailable = "unavailable"
 )
 
@@ -105,28 +105,12 @@ func parseFencing(vctx map[string]string) (string, error) {
 }
 
 // fenceModeOf is the fencing a stage of mode on device d takes, "" for
-// none at all: a device that is node-local (a loop device of the file
-// transport: no other node reaches it) and reader-only modes (readers
-// need no registration under Write Exclusive – Registrants Only).
+// none at all (see fenceApplies).
 func fenceModeOf(d *devices.Device, mode csi.VolumeCapability_AccessMode_Mode, optOut bool) string {
-	switch d.ID.Kind {
-	case devices.KindSCSI, devices.KindNVMe, devices.KindDM:
-	default:
-		return ""
-	}
-	var m string
-	switch mode {
-	case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
-		csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
-		csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER:
-		m = fenceReserve
-	case csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER,
-		csi.VolumeCapability_AccessMode_MULTI_NODE_SINGLE_WRITER:
-		m = fenceRegister
-	default:
-		return ""
-	}
+	m := fenceApplies(d.ID.Kind, mode)
 	switch {
+	case m == "":
+		return ""
 	case optOut:
 		return fenceNone
 	case !devices.ReservationReadable(d):
@@ -135,15 +119,48 @@ func fenceModeOf(d *devices.Device, mode csi.VolumeCapability_AccessMode_Mode, o
 	return m
 }
 
-// describeKey names a reservation key for an operator.
+// fenceApplies is the fencing a volume of mode on a device of kind gets
+// from a target with reservations: fenceReserve, fenceRegister, or "" for
+// none at all: a device that is node-local (a loop device of the file
+// transport: no other node reaches it) and reader-only modes (readers
+// need no registration under Write Exclusive – Registrants Only).
+func fenceApplies(kind string, mode csi.VolumeCapability_AccessMode_Mode) string {
+	switch kind {
+	case devices.KindSCSI, devices.KindNVMe, devices.KindDM:
+	default:
+		return ""
+	}
+	switch mode {
+	case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER:
+		return fenceReserve
+	case csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER,
+		csi.VolumeCapability_AccessMode_MULTI_NODE_SINGLE_WRITER:
+		return fenceRegister
+	}
+	return ""
+}
+
+// describeKey names a reservation key for an operator: its node where
+// node is known.
 func describeKey(k uint64, node string) string {
 	switch {
 	case node != "":
 		return fmt.Sprintf("node %q (key %#016x)", node, k)
 	case IsBerthKey(k):
-		return fmt.Sprintf("key %#016x (another node's berth key)", k)
+		return fmt.Sprintf("key %#016x (the berth key of an unknown node)", k)
 	}
 	return fmt.Sprintf("key %#016x (not a berth key: multipathd's, an operator's or another cluster's)", k)
+}
+
+// describeHolder is describeKey for a key found at the target: node if
+// known, else the node Config.HolderName knows for a berth key.
+func (a *Agent) describeHolder(k uint64, node string) string {
+	if node == "" && IsBerthKey(k) && a.cfg.HolderName != nil {
+		node = a.cfg.HolderName(k)
+	}
+	return describeKey(k, node)
 }
 
 // fenceStage fences the attached device of a stage, before anything
@@ -162,11 +179,7 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 				return err
 			}
 		}
-		why := "volume_context fencing: none"
-		if mode == fenceUnavailable {
-			why = "the target of this " + s.dev.ID.Kind + " device has no persistent reservations"
-		}
-		s.log.WarnContext(ctx, "staged without fencing ("+why+"): another node that stages this volume can write it too")
+		s.log.WarnContext(ctx, "staged without fencing ("+rec.unfencedReason()+"): another node that stages this volume can write it too")
 		return nil
 	}
 	key := NodeKey(n.a.cfg.NodeID)
@@ -378,7 +391,7 @@ func (n *nodeServer) refuseTakeover(ctx context.Context, s *stageRun, f prDevice
 		why = " (" + d.Reason + ")"
 	}
 	return errdefs.FailedPrecondition("volume %q: held at the target by %s; the volume has not been given to this node%s: it stages here once that node unstages it, or once the cluster (or an operator: berth takeover) moves it here",
-		s.id, describeKey(victim, d.HolderNode), why)
+		s.id, n.a.describeHolder(victim, d.HolderNode), why)
 }
 
 // lostRace ends a stage whose reserve conflicted with another node's
@@ -394,7 +407,7 @@ func (n *nodeServer) lostRace(ctx context.Context, s *stageRun, f prDevice, key 
 	if res, err := f.ReadReservation(); err == nil {
 		holder = res.Holder
 	}
-	return errdefs.FailedPrecondition("volume %q: another node reserved it at the same time: held by %s; it stages here once that node unstages it", s.id, describeKey(holder, ""))
+	return errdefs.FailedPrecondition("volume %q: another node reserved it at the same time: held by %s; it stages here once that node unstages it", s.id, n.a.describeHolder(holder, ""))
 }
 
 // takeOver preempts victim (and any other node's key registered) with
@@ -423,7 +436,7 @@ func (n *nodeServer) takeOver(ctx context.Context, s *stageRun, f prDevice, key,
 	}
 	s.took.mark("takeover")
 	s.log.WarnContext(ctx, "took the volume over: preempted the holder's reservation and aborted its commands",
-		slog.String("holder", describeKey(victim, d.HolderNode)), slog.String("reason", d.Reason), slog.String("key", fmt.Sprintf("%#016x", key)))
+		slog.String("holder", n.a.describeHolder(victim, d.HolderNode)), slog.String("reason", d.Reason), slog.String("key", fmt.Sprintf("%#016x", key)))
 	return nil
 }
 
@@ -466,7 +479,7 @@ func (a *Agent) preempted(rec *volumeRecord) string {
 		return ""
 	}
 	if res.Holder != 0 {
-		return "preempted by " + describeKey(res.Holder, "")
+		return "preempted by " + a.describeHolder(res.Holder, "")
 	}
 	return "this node's reservation key is no longer registered at the target"
 }
@@ -498,7 +511,7 @@ func (a *Agent) unfence(ctx context.Context, rec *volumeRecord, unreachable bool
 	}
 	if !slices.Contains(res.Keys, key) {
 		if res.Holder != 0 {
-			log.InfoContext(ctx, "the volume was preempted: nothing to give back", slog.String("holder", describeKey(res.Holder, "")))
+			log.InfoContext(ctx, "the volume was preempted: nothing to give back", slog.String("holder", a.describeHolder(res.Holder, "")))
 		}
 		return nil
 	}
@@ -522,11 +535,24 @@ func (a *Agent) fenceCondition(rec *volumeRecord) *csi.VolumeCondition {
 	return nil
 }
 
-// unfenced reports whether a volume that fencing applies to was staged
-// without it: opted out, or a device whose reservation this berth cannot
-// read.
-func (rec *volumeRecord) unfenced() bool {
-	return rec.Fence != nil && (rec.Fence.Mode == fenceNone || rec.Fence.Mode == fenceUnavailable)
+// unfencedReason says why a volume that fencing applies to has none, ""
+// when it is fenced or fencing does not apply: opted out (fenceNone), a
+// target without reservations (fenceUnavailable), or a volume staged by
+// a berth that did not fence (no fence recorded), which the next stage
+// that goes through the device fences.
+func (rec *volumeRecord) unfencedReason() string {
+	switch {
+	case rec.Fence == nil:
+		mode := csi.VolumeCapability_AccessMode_Mode(csi.VolumeCapability_AccessMode_Mode_value[rec.Mode])
+		if rec.Staged && rec.Device != nil && fenceApplies(rec.Device.Kind, mode) != "" {
+			return "staged by a berth that did not fence volumes: it is fenced once staged again after an unstage"
+		}
+	case rec.Fence.Mode == fenceNone:
+		return fmt.Sprintf("opted out with volume_context %s: %q", ContextFencing, fenceNone)
+	case rec.Fence.Mode == fenceUnavailable:
+		return "the target has no persistent reservations: its NVMe controller lists none, as nvmet's before Linux 6.13 do"
+	}
+	return ""
 }
 
 // optedOut reports whether a volume was staged with volume_context

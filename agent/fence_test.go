@@ -484,6 +484,53 @@ func TestFenceTwoNodes(t *testing.T) {
 	}
 }
 
+// A refused stage and the fenced node's condition name the holder's node
+// where berth can list it (Config.HolderName: the Kubernetes API's
+// Nodes), and otherwise its key, as the berth key of an unknown node.
+func TestFenceNamesHolder(t *testing.T) {
+	listed := func(nodes ...string) func(uint64) string {
+		return func(k uint64) string {
+			for _, n := range nodes {
+				if NodeKey(n) == k {
+					return n
+				}
+			}
+			return ""
+		}
+	}
+	keyA, keyB := fmt.Sprintf("%#016x", NodeKey("node-a")), fmt.Sprintf("%#016x", NodeKey("node-b"))
+	tgt := newFakePRTarget()
+	auth := &allow{}
+	a := newFenceNode(t, "node-a", tgt)
+	b := newFenceNode(t, "node-b", tgt, auth)
+	must(t, "stage on A", a.stage(snw, nil))
+
+	wantFenceCode(t, "B, no node list", b.stage(snw, nil), codes.FailedPrecondition, "held at the target by key "+keyA+" (the berth key of an unknown node)")
+	b.a.cfg.HolderName = listed("node-c")
+	wantFenceCode(t, "B, a list without A", b.stage(snw, nil), codes.FailedPrecondition, "key "+keyA+" (the berth key of an unknown node)")
+	b.a.cfg.HolderName = listed("node-a", "node-b")
+	wantFenceCode(t, "B, a list with A", b.stage(snw, nil), codes.FailedPrecondition, `held at the target by node "node-a" (key `+keyA+")")
+	auth.node = "node-z" // an authority's word comes first
+	wantFenceCode(t, "B, the authority names it", b.stage(snw, nil), codes.FailedPrecondition, `node "node-z"`)
+
+	auth.allowed, auth.node = true, ""
+	must(t, "B's authorised stage", b.stage(snw, nil))
+	for _, c := range []struct {
+		names func(uint64) string
+		want  string
+	}{
+		{nil, "preempted by key " + keyB + " (the berth key of an unknown node)"},
+		{listed("node-a"), "preempted by key " + keyB + " (the berth key of an unknown node)"},
+		{listed("node-a", "node-b"), `preempted by node "node-b" (key ` + keyB + "): this node's writes fail at the target"},
+	} {
+		a.a.cfg.HolderName = c.names
+		if got := a.condition(t); !got.Abnormal || !strings.Contains(got.Message, c.want) {
+			t.Errorf("A's condition %+v, want %q", got, c.want)
+		}
+	}
+	wantFenceCode(t, "repeated stage on the preempted A", a.stage(snw, nil), codes.FailedPrecondition, `preempted by node "node-b"`)
+}
+
 // A stage whose authority answers with an error, or that has none, fails
 // closed, and leaves nothing registered.
 func TestFenceFailsClosed(t *testing.T) {
@@ -670,6 +717,52 @@ func TestFenceUnsupportedAndOptOut(t *testing.T) {
 	must(t, "unstage", a.unstage())
 }
 
+// An unfenced volume's condition names why, for each way to be unfenced,
+// and Volumes (the metric) counts it; a fenced volume, and one fencing
+// does not apply to, are not unfenced.
+func TestUnfencedCondition(t *testing.T) {
+	tgt := newFakePRTarget()
+	a := newFenceNode(t, "node-a", tgt)
+	must(t, "stage", a.stage(snw, nil))
+	check := func(what, want string) {
+		t.Helper()
+		c := a.condition(t)
+		vs := a.a.Volumes(context.Background())
+		if len(vs) != 1 {
+			t.Fatalf("%s: Volumes %+v", what, vs)
+		}
+		switch {
+		case c.Abnormal:
+			t.Errorf("%s: abnormal: %+v", what, c)
+		case want == "" && (vs[0].Unfenced || strings.Contains(c.Message, "unfenced")):
+			t.Errorf("%s: unfenced: %+v, %q", what, vs[0], c.Message)
+		case want != "" && (!vs[0].Unfenced || !strings.Contains(c.Message, "unfenced ("+want)):
+			t.Errorf("%s: %q (unfenced %t), want it unfenced: %q", what, c.Message, vs[0].Unfenced, want)
+		}
+	}
+	check("fenced", "")
+	rec := a.record(t)
+	for _, c := range []struct {
+		what  string
+		fence *fenceRecord
+		mode  string
+		want  string
+	}{
+		{"opted out", &fenceRecord{Mode: fenceNone}, snw.String(), `opted out with volume_context fencing: "none"`},
+		{"target without reservations", &fenceRecord{Mode: fenceUnavailable}, snw.String(), "the target has no persistent reservations"},
+		{"staged by a berth that did not fence", nil, snw.String(), "staged by a berth that did not fence"},
+		{"a multi-node writer staged by a berth that did not fence", nil, csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER.String(), "staged by a berth that did not fence"},
+		{"a reader", nil, csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY.String(), ""},
+	} {
+		rec.Fence, rec.Mode = c.fence, c.mode
+		must(t, "record", a.a.state.put(rec))
+		check(c.what, c.want)
+	}
+	if why := (&volumeRecord{Staged: true, Mode: snw.String(), Device: &deviceRecord{Kind: devices.KindLoop}}).unfencedReason(); why != "" {
+		t.Errorf("a node-local device: unfenced (%s)", why)
+	}
+}
+
 // berth restarted on the holder: the repeated stage (a raw block one,
 // which goes through the fence again) changes nothing at the target, and
 // the unstage after the restart gives the reservation back.
@@ -727,6 +820,14 @@ func TestOperatorTakeover(t *testing.T) {
 	auth.now = func() time.Time { return time.Now().Add(2 * time.Minute) }
 	if d, _ := auth.AuthorizeTakeover(ctx, req); d.Allowed || !strings.Contains(d.Reason, "expired") {
 		t.Fatalf("expired: %+v", d)
+	}
+	// An expired authorisation names its node as the holder only if it
+	// is the holder.
+	for from, holder := range map[string]string{"node-a": "node-a", "node-c": ""} {
+		must(t, "write", WriteOperatorTakeover(dir, OperatorTakeover{VolumeID: "vol", FromNode: from, Expires: time.Now().Add(time.Minute)}))
+		if d, _ := auth.AuthorizeTakeover(ctx, req); d.Allowed || d.HolderNode != holder {
+			t.Fatalf("expired, from %s: %+v, want holder node %q", from, d, holder)
+		}
 	}
 	if ents, _ := os.ReadDir(takeoverDir(dir)); len(ents) != 0 {
 		t.Fatalf("left %d files", len(ents))

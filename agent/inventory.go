@@ -90,9 +90,13 @@ type InventoryVolume struct {
 	// record does not name (made outside berth, or propagated).
 	OtherMounts []string        `json:"otherMounts,omitempty"`
 	Usage       *InventoryUsage `json:"usage,omitempty"`
-	// Fencing is the volume's fencing at the target: "reservation",
-	// "registrant", "none" (opted out: unfenced), or "" (none applies: a
-	// node-local device, a reader-only mode).
+	// Fencing is the volume's fencing at the target as recorded:
+	// "reservation" (the node's key holds the reservation), "registrant"
+	// (a multi-node writer: the key is registered), "none" (opted out:
+	// unfenced), "unavailable" (the target has no reservations:
+	// unfenced), or "" (none recorded: none applies, a node-local device
+	// or a reader-only mode; or a volume staged by a berth that did not
+	// fence, whose Message then says it is unfenced).
 	Fencing string `json:"fencing,omitempty"`
 	// Abnormal and Message are the volume condition NodeGetVolumeStats
 	// would report.

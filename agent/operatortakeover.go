@@ -84,13 +84,17 @@ func (o *operatorAuthority) AuthorizeTakeover(_ context.Context, req TakeoverReq
 	if err := json.Unmarshal(b, &t); err != nil || t.VolumeID != req.VolumeID {
 		return TakeoverDecision{}, fmt.Errorf("the operator's takeover %s: not a takeover of volume %q", p, req.VolumeID)
 	}
-	if !o.now().Before(t.Expires) {
-		os.Remove(p)
-		return TakeoverDecision{HolderNode: t.FromNode, Reason: fmt.Sprintf("the operator's takeover expired at %s", t.Expires.Format(time.RFC3339))}, nil
-	}
 	key := t.FromKey
 	if t.FromNode != "" {
 		key = NodeKey(t.FromNode)
+	}
+	if !o.now().Before(t.Expires) {
+		os.Remove(p)
+		d := TakeoverDecision{Reason: fmt.Sprintf("the operator's takeover expired at %s", t.Expires.Format(time.RFC3339))}
+		if key == req.Holder {
+			d.HolderNode = t.FromNode
+		}
+		return d, nil
 	}
 	if key != req.Holder {
 		return TakeoverDecision{Reason: fmt.Sprintf("the operator's takeover names %s, not the holder", describeKey(key, t.FromNode))}, nil

@@ -98,11 +98,8 @@ func (a *Agent) conditionOf(ctx context.Context, rec *volumeRecord, t Target) *c
 			return &csi.VolumeCondition{Abnormal: true, Message: err.Error()}
 		}
 	}
-	switch {
-	case rec.optedOut():
-		return &csi.VolumeCondition{Abnormal: false, Message: "volume is attached and mounted; unfenced (volume_context fencing: none): the target does not keep other nodes from writing it"}
-	case rec.unfenced():
-		return &csi.VolumeCondition{Abnormal: false, Message: "volume is attached and mounted; unfenced (this berth cannot read the device's reservations yet): the target does not keep other nodes from writing it"}
+	if why := rec.unfencedReason(); why != "" {
+		return &csi.VolumeCondition{Abnormal: false, Message: "volume is attached and mounted; unfenced (" + why + "): the target does not keep other nodes from writing it"}
 	}
 	return &csi.VolumeCondition{Abnormal: false, Message: "volume is attached and mounted"}
 }

@@ -208,9 +208,8 @@ func (p *PR) readIoctl() (Reservation, error) {
 // (ReadReservation): SCSI disks and dm-multipath maps always; an NVMe
 // namespace (head) unless its controller says it has no reservations at
 // all (Identify Controller ONCS, as nvmet before Linux 6.13 answers): such
-// a volume stages unfenced and says so, as NVMe volumes did before berth
-// read the Reservation Report. When that cannot be asked, the reservation
-// is read, and its error says why.
+// a volume stages unfenced and says so. When that cannot be asked, the
+// reservation is read, and its error says why.
 func ReservationReadable(d *Device) bool {
 	switch d.ID.Kind {
 	case KindSCSI, KindDM:

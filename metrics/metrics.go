@@ -33,7 +33,7 @@ type Volume struct {
 	Transport string         // "iscsi", "nvmeof", "file"
 	Paths     map[string]int // number of paths per state, e.g. "live": 2, "failed": 1
 	Abnormal  bool           // what NodeGetVolumeStats reports as volume condition
-	Unfenced  bool           // staged with fencing opted out (volume_context fencing: "none")
+	Unfenced  bool           // not fenced though fencing applies (see descUnfenced)
 }
 
 // VolumeLister returns the volumes staged on this node. It is called on
@@ -184,7 +184,7 @@ var (
 		"1 when a staged volume is abnormal: the volume condition NodeGetVolumeStats reports (target connection, device identity, staging mount, every publish mount).",
 		[]string{"volume_id", "transport"}, nil)
 	descUnfenced = prometheus.NewDesc("berth_volume_unfenced",
-		"1 when a staged volume opted out of fencing (volume_context fencing: \"none\"): the target does not keep another node from writing it.",
+		"1 when a staged volume that fencing applies to is not fenced: opted out (volume_context fencing: \"none\"), its target has no persistent reservations, or staged by a berth that did not fence. The target does not keep another node from writing it; the volume condition says why.",
 		[]string{"volume_id", "transport"}, nil)
 )
 

@@ -115,7 +115,7 @@ func TestTLSIdentity(t *testing.T) {
 
 // The PSKs nvme-cli 2.13 (libnvme 1.13, Debian 13) inserted into the
 // .nvme keyring with check-tls-key --insert for these keys, host and
-// subsystem, read back in TestTLSGuestDerive.
+// subsystem, read back in TestTLSGuest/OperatorKey.
 var deriveVectors = []struct {
 	key, host, sub, psk string
 }{

@@ -4,7 +4,8 @@
 // (Takeover). It speaks plain HTTPS and JSON to the API server the pod's
 // environment names (KUBERNETES_SERVICE_HOST and _PORT) with the pod's
 // service-account token, without client-go: it reads three kinds of
-// objects, by name or in a list, and caches nothing.
+// objects, by name or in a list, and caches nothing a decision uses (the
+// Node names it keeps only name reservation keys in messages: NodeOfKey).
 package kubeapi
 
 import (

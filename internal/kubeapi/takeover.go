@@ -36,8 +36,9 @@ type Config struct {
 // whether the CO has moved a volume from the node that holds its
 // reservation to this one.
 type Takeover struct {
-	cfg Config
-	api *client
+	cfg   Config
+	api   *client
+	names nodeNames
 }
 
 // NewInCluster is a Takeover that asks the API server of the pod's
@@ -84,7 +85,8 @@ type Decision struct {
 	// Allowed: the API shows the volume given to this node and taken
 	// from the holder.
 	Allowed bool
-	// HolderNode is the holder's node name where a Node has its key.
+	// HolderNode is the holder's node name where one Node has its key
+	// (for a refusal, possibly from a Node list up to a minute old).
 	HolderNode string
 	// Reason says what the API showed, or what was missing.
 	Reason string
@@ -115,6 +117,15 @@ func (t *Takeover) Authorize(ctx context.Context, volumeID string, holder uint64
 	if holder == t.cfg.NodeKey(t.cfg.NodeName) {
 		return Decision{Reason: fmt.Sprintf("the holder's key %#016x is this node's own", holder)}
 	}
+	d := t.authorize(ctx, volumeID, holder)
+	if d.HolderNode == "" {
+		d.HolderNode = t.holderName(ctx, holder)
+	}
+	return d
+}
+
+// authorize is Authorize for a holder that is not this node.
+func (t *Takeover) authorize(ctx context.Context, volumeID string, holder uint64) Decision {
 	own := AttachmentName(volumeID, t.cfg.DriverName, t.cfg.NodeName)
 	va, err := t.api.getVolumeAttachment(ctx, own)
 	switch {
@@ -131,6 +142,7 @@ func (t *Takeover) Authorize(ctx context.Context, volumeID string, holder uint64
 	if err != nil {
 		return Decision{Reason: fmt.Sprintf("cannot list the nodes to find the holder of key %#016x: %v", holder, err)}
 	}
+	t.storeNodeNames(nodes)
 	var holders []node
 	for _, n := range nodes {
 		if n.Metadata.Name != "" && t.cfg.NodeKey(n.Metadata.Name) == holder {

@@ -286,38 +286,50 @@ func TestTakeoverRefused(t *testing.T) {
 			},
 			reason: []string{"names no PersistentVolume"},
 		},
+		// Refusals before the decision reads the Nodes name the
+		// holder from a Node list too.
 		"own attachment missing": {
-			setup:  func(api *fakeAPI) { delete(api.vas, AttachmentName("pvc-1", driver, "node-b")) },
-			reason: []string{"no VolumeAttachment", "0xb3e72e55d81a228c"},
+			setup:      func(api *fakeAPI) { delete(api.vas, AttachmentName("pvc-1", driver, "node-b")) },
+			holderNode: "node-a",
+			reason:     []string{"no VolumeAttachment", "0xb3e72e55d81a228c"},
 		},
 		"own attachment not attached yet": {
-			setup:  func(api *fakeAPI) { api.addVA("pvc-1", "node-b", false, false) },
-			reason: []string{"is not attached yet"},
+			setup:      func(api *fakeAPI) { api.addVA("pvc-1", "node-b", false, false) },
+			holderNode: "node-a",
+			reason:     []string{"is not attached yet"},
 		},
 		"own attachment being deleted": {
-			setup:  func(api *fakeAPI) { api.addVA("pvc-1", "node-b", true, true) },
-			reason: []string{"being deleted"},
+			setup:      func(api *fakeAPI) { api.addVA("pvc-1", "node-b", true, true) },
+			holderNode: "node-a",
+			reason:     []string{"being deleted"},
 		},
 		"own attachment another driver's": {
 			setup: func(api *fakeAPI) {
 				api.vas[AttachmentName("pvc-1", driver, "node-b")]["spec"].(map[string]any)["attacher"] = "other.csi.io"
 			},
-			reason: []string{"other.csi.io"},
+			holderNode: "node-a",
+			reason:     []string{"other.csi.io"},
 		},
 		"token expired": {
 			setup:  func(api *fakeAPI) { api.token = "tok-2" },
 			reason: []string{"401", "expired"},
 		},
 		"attachments forbidden": {
-			setup:  func(api *fakeAPI) { api.fail["/apis/storage.k8s.io/"] = http.StatusForbidden },
-			reason: []string{"403", "get and list on volumeattachments"},
+			setup:      func(api *fakeAPI) { api.fail["/apis/storage.k8s.io/"] = http.StatusForbidden },
+			holderNode: "node-a",
+			reason:     []string{"403", "get and list on volumeattachments"},
 		},
 		"nodes forbidden": {
 			setup:  func(api *fakeAPI) { api.fail["/api/v1/nodes"] = http.StatusForbidden },
 			reason: []string{"cannot list the nodes", "403"},
 		},
 		"server error": {
-			setup:  func(api *fakeAPI) { api.fail["/apis/"] = http.StatusInternalServerError },
+			setup:      func(api *fakeAPI) { api.fail["/apis/"] = http.StatusInternalServerError },
+			holderNode: "node-a",
+			reason:     []string{"500"},
+		},
+		"server error, nodes too": {
+			setup:  func(api *fakeAPI) { api.fail["/"] = http.StatusInternalServerError },
 			reason: []string{"500"},
 		},
 		"timeout": {
@@ -384,7 +396,8 @@ func TestTakeoverPartitionedNodeNeverTakesBack(t *testing.T) {
 }
 
 // The token is read again for each decision: a rotated token is used at
-// once, a missing or empty one refuses.
+// once, a missing or empty one refuses (naming the holder from the Node
+// list the first decision read).
 func TestTakeoverToken(t *testing.T) {
 	api := movedCluster()
 	tk, tokenFile := newTestTakeover(t, api, "node-b")
@@ -393,7 +406,7 @@ func TestTakeoverToken(t *testing.T) {
 	api.mu.Lock()
 	api.token = "tok-rotated"
 	api.mu.Unlock()
-	wantDecision(t, tk.Authorize(ctx, "pvc-1", nodeKey("node-a")), false, "", "401")
+	wantDecision(t, tk.Authorize(ctx, "pvc-1", nodeKey("node-a")), false, "node-a", "401")
 	if err := os.WriteFile(tokenFile, []byte("tok-rotated"), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -401,10 +414,10 @@ func TestTakeoverToken(t *testing.T) {
 	if err := os.WriteFile(tokenFile, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	wantDecision(t, tk.Authorize(ctx, "pvc-1", nodeKey("node-a")), false, "", "is empty")
+	wantDecision(t, tk.Authorize(ctx, "pvc-1", nodeKey("node-a")), false, "node-a", "is empty")
 	os.Remove(tokenFile)
 	d := tk.Authorize(ctx, "pvc-1", nodeKey("node-a"))
-	wantDecision(t, d, false, "", "read the service-account token")
+	wantDecision(t, d, false, "node-a", "read the service-account token")
 	if strings.Contains(d.Reason, "tok-") {
 		t.Errorf("the reason names a token: %s", d.Reason)
 	}
