@@ -21,10 +21,12 @@ const defaultRemoveWait = 60 * time.Second
 
 // Transient openers (udev's blkid, a monitoring agent) can hold a map for a
 // moment after its last real user left; DM_DEV_REMOVE then answers EBUSY.
-// The removal is retried a few times, briefly.
+// After a path came back, the map's reload and its change events keep
+// udev opening it for a while longer. The removal is retried for up to
+// dmRemoveWait, at dmRemoveBackoff growing to 8 times that.
 const (
-	dmRemoveAttempts = 10
-	dmRemoveBackoff  = 50 * time.Millisecond
+	dmRemoveWait    = 3 * time.Second
+	dmRemoveBackoff = 50 * time.Millisecond
 )
 
 // FlushDevice writes the device's dirty buffers and drops its buffer cache
@@ -178,6 +180,7 @@ func RemoveMultipathMap(ctx context.Context, l *Listener, dm *Device) error {
 	}
 	w := l.subscribeRemoval(cur)
 	defer w.Close()
+	start, backoff := time.Now(), dmRemoveBackoff
 	for attempt := 1; ; attempt++ {
 		err := cur.roots.dmRemove(cur.Major, cur.Minor)
 		if err == nil || errors.Is(err, unix.ENXIO) {
@@ -186,12 +189,13 @@ func RemoveMultipathMap(ctx context.Context, l *Listener, dm *Device) error {
 		if !errors.Is(err, unix.EBUSY) {
 			return fail(err)
 		}
-		if attempt == dmRemoveAttempts {
+		if time.Since(start)+backoff > dmRemoveWait {
 			n, _ := cur.roots.dmOpenCount(cur.Major, cur.Minor)
-			return fail(fmt.Errorf("still open %d time(s) after %d attempts (mounted, or used by a process: check `fuser -vm %s`): %w",
-				n, attempt, dm.Path, errdefs.ErrBusy))
+			return fail(fmt.Errorf("still open %d time(s) after %d attempts in %v (mounted, or used by a process: check `fuser -vm %s`): %w",
+				n, attempt, time.Since(start).Round(time.Millisecond), dm.Path, errdefs.ErrBusy))
 		}
-		t := time.NewTimer(dmRemoveBackoff)
+		t := time.NewTimer(backoff)
+		backoff = min(2*backoff, 8*dmRemoveBackoff)
 		select {
 		case <-t.C:
 		case <-ctx.Done():

@@ -71,10 +71,12 @@ func (tg *Target) ResumeQueueing(ctx context.Context) error {
 	if err := devices.SetQueueIfNoPath(dm, true); err != nil {
 		return fmt.Errorf("iSCSI %s LUN %d: %w", v.IQN, v.LUN, err)
 	}
-	qctx, cancel := context.WithTimeout(ctx, multipathdWait)
-	defer cancel()
-	if _, err := t.run.run(qctx, t.opts.Multipathd, "restorequeueing", "map", mapName(dm)); err != nil {
-		logctx.From(ctx, t.log).Debug("multipathd restorequeueing", "map", mapName(dm), "error", err)
+	// multipathd, told to disable queueing of the map, turns it off
+	// again at its next check until it is told to restore it: unlike
+	// the disable, this request is waited for as long as ctx allows
+	// (multipathd answers slowly while its checkers wait on dead paths).
+	if _, err := t.run.run(ctx, t.opts.Multipathd, "restorequeueing", "map", mapName(dm)); err != nil {
+		logctx.From(ctx, t.log).Warn("iSCSI: multipathd did not take the map's queueing back; it may turn queueing off again", "map", mapName(dm), "error", err)
 	}
 	tg.requeue = nil
 	logctx.From(ctx, t.log).Warn("iSCSI: the unstage did not finish; the multipath map queues I/O again while no path works", "target", v.IQN, "lun", v.LUN, "map", mapName(dm))
