@@ -379,15 +379,18 @@ func TestMultipathISCSIAgentUnstageOutage(t *testing.T) {
 	}
 	lt.Vanish(1)
 	lt.Vanish(2)
-	go func() {
-		time.Sleep(3 * time.Second)
-		lt.Restore(1)
-		lt.Restore(2)
-	}()
 	uctx, ucancel := context.WithTimeout(ctx, time.Minute)
 	defer ucancel()
 	start := time.Now()
-	if _, err := node.NodeUnstageVolume(uctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+	done := make(chan error, 1)
+	go func() {
+		_, err := node.NodeUnstageVolume(uctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+		done <- err
+	}()
+	time.Sleep(3 * time.Second)
+	lt.Restore(1)
+	lt.Restore(2)
+	if err := <-done; err != nil {
 		t.Fatalf("NodeUnstageVolume through a 3 s outage: %v after %v", err, time.Since(start))
 	}
 	t.Logf("unstage through a 3 s outage took %v", time.Since(start).Round(time.Millisecond))

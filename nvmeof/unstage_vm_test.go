@@ -1,6 +1,7 @@
 package nvmeof_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -158,5 +159,81 @@ func TestGuestAgentUnstageDeadController(t *testing.T) {
 	}
 	if states := controllerStates(nqn); len(states) != 0 {
 		t.Errorf("controllers left: %v", fmt.Sprint(states))
+	}
+}
+
+// TestGuestAgentUnstageOutage: both ports of a two-path volume go away
+// just before its unstage and come back 3 s into it (a switch failing
+// over, a target restarting). The unstage waits for a controller to be
+// live again, with the head still queueing, so that the dirty pages
+// written before it reach the namespace: staged again, the volume holds
+// every byte.
+func TestGuestAgentUnstageOutage(t *testing.T) {
+	vm.RequireGuest(t)
+	node := startAgent(t, slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelDebug})))
+	nqn := "nqn.2026-01.io.berth:blip"
+	ports := []string{"127.0.0.1:4456", "127.0.0.1:4457"}
+	tgt := target.NewNVMeTarget(t, target.NVMeConfig{NQN: nqn, Ports: ports, Namespaces: []target.NVMeNamespace{{Size: 64 << 20}}})
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	t.Cleanup(func() {
+		for c := range controllerStates(nqn) {
+			os.WriteFile(filepath.Join("/sys/class/nvme", c, "delete_controller"), []byte("1"), 0o200)
+		}
+	})
+	staging := filepath.Join(t.TempDir(), "staging")
+	os.MkdirAll(staging, 0o750)
+	id := "vol-blip"
+	vctx := map[string]string{"nqn": nqn, "nsid": "1", "targets": strings.Join(ports, ","), "ctrlLossTmo": "60", "reconnectDelay": "1"}
+	stage := func() {
+		t.Helper()
+		if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging,
+			VolumeCapability: csitest.MountCap("ext4"), VolumeContext: vctx}); err != nil {
+			t.Fatalf("NodeStageVolume: %v", err)
+		}
+	}
+	stage()
+	// Dirty pages, not yet written back: 4 MiB of a known pattern.
+	want := make([]byte, 4<<20)
+	for i := range want {
+		want[i] = byte(i*7 + i>>12)
+	}
+	if err := os.WriteFile(filepath.Join(staging, "data"), want, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range ports {
+		tgt.RemovePort(p)
+	}
+	uctx, ucancel := context.WithTimeout(ctx, time.Minute)
+	defer ucancel()
+	start := time.Now()
+	done := make(chan error, 1)
+	go func() {
+		_, err := node.NodeUnstageVolume(uctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+		done <- err
+	}()
+	time.Sleep(3 * time.Second)
+	for _, p := range ports {
+		tgt.AddPort(p)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("NodeUnstageVolume through a 3 s outage: %v after %v", err, time.Since(start))
+	}
+	t.Logf("unstage through a 3 s outage took %v", time.Since(start).Round(time.Millisecond))
+	if c := controllerStates(nqn); len(c) != 0 {
+		t.Errorf("controllers left after the unstage: %v", c)
+	}
+
+	stage()
+	got, err := os.ReadFile(filepath.Join(staging, "data"))
+	if err != nil || !bytes.Equal(got, want) {
+		n := 0
+		for n < len(got) && got[n] == want[n] {
+			n++
+		}
+		t.Errorf("staged again, the file holds %d bytes (%v), the first %d as written; want all %d", len(got), err, n, len(want))
+	}
+	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatalf("NodeUnstageVolume: %v", err)
 	}
 }
