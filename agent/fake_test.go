@@ -417,7 +417,7 @@ func (t *fakeTarget) StopQueueing(context.Context) (bool, error) {
 	}
 	return t.ft.unreachable[t.key], nil
 }
-func (t *fakeTarget) Detach(context.Context) error {
+func (t *fakeTarget) Detach(context.Context, *devices.Recorded) error {
 	t.ft.mu.Lock()
 	t.ft.detached[t.key]++
 	t.ft.mu.Unlock()

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/failpoint"
 	"github.com/berth-csi/berth/internal/logctx"
@@ -66,7 +67,7 @@ func (tg *Target) StopQueueing(ctx context.Context) (bool, error) {
 // that no other volume needs (see Options.Staged). It refuses while the
 // namespace itself is still mounted or held open. Controllers that are
 // already gone are success, so Detach can be repeated.
-func (tg *Target) Detach(ctx context.Context) error {
+func (tg *Target) Detach(ctx context.Context, _ *devices.Recorded) error {
 	t := tg.t
 	held, err := t.locks.Hold(ctx, tg.vol.NQN)
 	if err != nil {
