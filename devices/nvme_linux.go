@@ -44,11 +44,15 @@ const (
 	// nvmeIoctlAdminCmd is NVME_IOCTL_ADMIN_CMD, _IOWR('N', 0x41, struct
 	// nvme_admin_cmd), the same struct.
 	nvmeIoctlAdminCmd = 0xc0484e41
+
+	nvmeAdminIdentify = 0x06 // Identify; cdw10 CNS says what
 )
 
 // nvmeAdminCmd sends the admin command cmd with the data buffer buf
-// through the NVMe admin passthrough ioctl of f (a namespace's device: the
-// kernel sends it to the namespace's controller, or one of its head's).
+// through the NVMe admin passthrough ioctl of f: a controller's character
+// device, or a namespace's block device (the kernel sends it to the
+// namespace's controller, or to one of its head's). A status the
+// controller answers gives an error wrapping errNVMeStatus.
 func nvmeAdminCmd(f *os.File, cmd *nvmePassthruCmd, buf []byte) error {
 	cmd.addr = uint64(uintptr(unsafe.Pointer(&buf[0])))
 	cmd.dataLen = uint32(len(buf))
@@ -60,7 +64,7 @@ func nvmeAdminCmd(f *os.File, cmd *nvmePassthruCmd, buf []byte) error {
 	case errno != 0:
 		return errno
 	case status != 0:
-		return nvmeStatusError(uint32(status))
+		return fmt.Errorf("NVMe status %#x: %w", status, errNVMeStatus)
 	}
 	return nil
 }

@@ -5,7 +5,8 @@ import (
 	"unsafe"
 )
 
-// struct nvme_passthru_cmd is 72 bytes, and NVME_IOCTL_IO_CMD encodes it.
+// struct nvme_passthru_cmd is 72 bytes, and NVME_IOCTL_IO_CMD and
+// NVME_IOCTL_ADMIN_CMD encode it.
 func TestNVMePassthruLayout(t *testing.T) {
 	if n := unsafe.Sizeof(nvmePassthruCmd{}); n != 72 {
 		t.Fatalf("nvmePassthruCmd is %d bytes, want 72", n)
@@ -13,6 +14,9 @@ func TestNVMePassthruLayout(t *testing.T) {
 	const iowr = 3 << 30
 	if want := uint(iowr | 72<<16 | 'N'<<8 | 0x43); nvmeIoctlIOCmd != want {
 		t.Errorf("nvmeIoctlIOCmd %#x, want %#x", nvmeIoctlIOCmd, want)
+	}
+	if want := uint(iowr | 72<<16 | 'N'<<8 | 0x41); nvmeIoctlAdminCmd != want {
+		t.Errorf("nvmeIoctlAdminCmd %#x, want %#x", nvmeIoctlAdminCmd, want)
 	}
 	for _, f := range []struct {
 		name string

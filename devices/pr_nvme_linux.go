@@ -13,7 +13,6 @@ import (
 
 const (
 	nvmeAdminGetFeatures = 0x0a
-	nvmeAdminIdentify    = 0x06
 	nvmeIdentifyCtrl     = 0x01 // CNS 1: Identify Controller
 	nvmeIdentifyONCS     = 520  // bytes 520-521 of Identify Controller: optional NVM commands
 	nvmeONCSReservations = 1 << 5
