@@ -7,12 +7,12 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"strings"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/blockdev"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/nvmefabrics"
 	"github.com/berth-csi/berth/internal/sysfs"
 )
 
@@ -32,69 +32,21 @@ var errRefused = errors.New("connection refused")
 // handshake upcall found no tlshd listening.
 var errNoHandshake = errors.New("no TLS handshake daemon")
 
-// fabricsOptions reads the option list the kernel's connect interface
-// prints before any connect ("instance=-1,cntlid=-1,transport=%s,...").
-func fabricsOptions(dev string) (string, error) {
-	b, err := os.ReadFile(dev)
-	if errors.Is(err, fs.ErrNotExist) {
-		return "", fmt.Errorf("open %s: the nvme-fabrics module is not loaded (modprobe nvme-tcp): %w", dev, errdefs.ErrUnavailable)
-	}
-	if err != nil {
-		return "", fmt.Errorf("read the connect options of %s: %w", dev, err)
-	}
-	return strings.TrimSpace(string(b)), nil
-}
-
 // errSilent marks a connect to a path that did not answer: no SYN-ACK
 // (the kernel gives up after one SYN retry, about 3 s) or no ICResp to the
 // NVMe/TCP initialization (10 s), as a path behind a firewall that drops
 // packets, a dead switch port or a hung target looks.
 var errSilent = errors.New("the path did not answer")
 
-// connectResult is what one write to /dev/nvme-fabrics produced.
-type connectResult struct {
-	instance, cntlid int
-	err              error
-}
-
-// fabricsConnect writes one connect string to dev and reads back the new
-// controller's instance. The write blocks in the kernel for as long as
-// the connect takes (up to its own connect timeout); when ctx ends first
-// the call returns ctx's error and the kernel finishes on its own: a
-// controller it creates then is found and reused by the next attach, or
-// removed by the next detach.
+// fabricsConnect writes one connect string to dev (see
+// nvmefabrics.Connect) and names what the kernel's refusal means.
 func fabricsConnect(ctx context.Context, dev, opts string) (instance int, err error) {
-	ch := make(chan connectResult, 1)
-	go func() {
-		i, c, err := fabricsConnectSync(dev, opts)
-		ch <- connectResult{i, c, err}
-	}()
-	select {
-	case r := <-ch:
-		return r.instance, r.err
-	case <-ctx.Done():
-		return 0, fmt.Errorf("connect: %w", ctx.Err())
+	instance, err = nvmefabrics.Connect(ctx, dev, opts)
+	var ce *nvmefabrics.ConnectError
+	if errors.As(err, &ce) {
+		return 0, connectError(ce.Err)
 	}
-}
-
-func fabricsConnectSync(dev, opts string) (instance, cntlid int, err error) {
-	f, err := os.OpenFile(dev, os.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		if errors.Is(err, fs.ErrNotExist) {
-			return 0, 0, fmt.Errorf("open %s: the nvme-fabrics module is not loaded (modprobe nvme-tcp): %w", dev, errdefs.ErrUnavailable)
-		}
-		return 0, 0, fmt.Errorf("open %s: %w", dev, err)
-	}
-	defer f.Close()
-	if _, err := f.Write([]byte(opts)); err != nil {
-		return 0, 0, connectError(err)
-	}
-	buf := make([]byte, 128)
-	n, err := f.Read(buf)
-	if err != nil && n == 0 {
-		return 0, 0, fmt.Errorf("read back from %s: %w", dev, err)
-	}
-	return parseConnectReply(buf[:n])
+	return instance, err
 }
 
 // connectError names what an errno of a fabrics connect means.

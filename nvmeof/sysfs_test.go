@@ -51,18 +51,6 @@ func TestParseAddress(t *testing.T) {
 	}
 }
 
-func TestParseConnectReply(t *testing.T) {
-	i, c, err := parseConnectReply(readSample(t, "reply"))
-	if err != nil || i != 3 || c != 1 {
-		t.Errorf("reply sample: %d %d %v", i, c, err)
-	}
-	for _, bad := range []string{"", "instance=3", "cntlid=1", "instance=x,cntlid=1", "instance=-1,cntlid=1", "garbage"} {
-		if _, _, err := parseConnectReply([]byte(bad)); err == nil {
-			t.Errorf("parseConnectReply(%q) succeeded", bad)
-		}
-	}
-}
-
 // fakeSys builds a sysfs tree: entries ending in "->" are symbolic links
 // (name -> target), the others files.
 func fakeSys(t *testing.T, files map[string]string) string {

@@ -23,6 +23,7 @@ import (
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/keyring"
+	"github.com/berth-csi/berth/internal/nvmefabrics"
 	"github.com/berth-csi/berth/test/vm"
 	"github.com/berth-csi/berth/test/vm/target"
 )
@@ -649,7 +650,7 @@ func TestGuestTLSNoKernel(t *testing.T) {
 	ctx := guestContext(t)
 	tr := guestTransport(t, nil)
 	target.LoadModules(t, "nvme_tcp")
-	opts, err := fabricsOptions(DefaultFabricsDevice)
+	opts, err := nvmefabrics.Options(DefaultFabricsDevice)
 	if err != nil {
 		t.Fatal(err)
 	}
