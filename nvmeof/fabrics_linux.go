@@ -23,13 +23,13 @@ const DefaultFabricsDevice = "/dev/nvme-fabrics"
 // controller with the same options already exists.
 var errDuplicate = errors.New("a controller with these options already exists")
 
-// errRefused marks an ECONNREFUSED connect. Kernels before 6.7 also
-// answer a failed DH-HMAC-CHAP authentication so (newer ones say
-// EKEYREJECTED); the caller tells the two apart (see Target.authRefused).
+// errRefused marks a connect the target refused (nvmefabrics.Refused),
+// which on kernels before 6.7 is also a failed DH-HMAC-CHAP
+// authentication; the caller tells the two apart (see Target.authRefused).
 var errRefused = errors.New("connection refused")
 
-// errNoHandshake marks an ESRCH connect: with tls, the kernel's
-// handshake upcall found no tlshd listening.
+// errNoHandshake marks a connect with tls whose handshake upcall found no
+// tlshd listening (nvmefabrics.NoHandshake).
 var errNoHandshake = errors.New("no TLS handshake daemon")
 
 // errSilent marks a connect to a path that did not answer: no SYN-ACK
@@ -44,56 +44,47 @@ func fabricsConnect(ctx context.Context, dev, opts string) (instance int, err er
 	instance, err = nvmefabrics.Connect(ctx, dev, opts)
 	var ce *nvmefabrics.ConnectError
 	if errors.As(err, &ce) {
-		return 0, connectError(ce.Err)
+		return 0, connectError(ce)
 	}
 	return instance, err
 }
 
-// connectError names what an errno of a fabrics connect means.
-func connectError(err error) error {
-	var errno unix.Errno
-	if !errors.As(err, &errno) {
-		return fmt.Errorf("connect: %w", err)
-	}
-	switch errno {
-	case unix.EALREADY, unix.EBUSY:
+// connectError says what a refused connect means for the volume, and
+// what to check.
+func connectError(ce *nvmefabrics.ConnectError) error {
+	errno := ce.Errno()
+	switch ce.Reason() {
+	case nvmefabrics.Duplicate:
 		return fmt.Errorf("connect: %w (%v)", errDuplicate, errno)
-	case unix.ECONNREFUSED:
+	case nvmefabrics.Refused:
 		return fmt.Errorf("connect: the target refused the connection (no NVMe/TCP listener at that address and port?): %w: %w", errRefused, errdefs.ErrUnavailable)
-	case unix.EKEYREJECTED:
+	case nvmefabrics.AuthFailed:
 		return fmt.Errorf("connect: DH-HMAC-CHAP authentication failed (%v): the target rejected the host key (secret %q), or the controller did not prove the controller key (secret %q); check both against the target's keys for this hostnqn: %w",
 			errno, SecretDHCHAPKey, SecretDHCHAPCtrlKey, errdefs.ErrPermissionDenied)
-	case unix.ENOKEY:
+	case nvmefabrics.NoKey:
 		return fmt.Errorf("connect: the target requires DH-HMAC-CHAP authentication and the volume gives no key (%v): set the host key in the secret %q (node stage secrets): %w",
 			errno, SecretDHCHAPKey, errdefs.ErrPermissionDenied)
-	case unix.EPROTONOSUPPORT:
+	case nvmefabrics.AuthUnsupported:
 		return fmt.Errorf("connect: the target requires NVMe in-band authentication (DH-HMAC-CHAP), which this kernel does not support (%v; CONFIG_NVME_AUTH or CONFIG_NVME_HOST_AUTH is not set): %w",
 			errno, errdefs.ErrUnsupported)
-	case unix.ESRCH:
+	case nvmefabrics.NoHandshake:
 		return fmt.Errorf("connect: %w (%v)", errNoHandshake, errno)
-	case unix.ETIMEDOUT, unix.EHOSTUNREACH, unix.ENETUNREACH, unix.EHOSTDOWN:
+	case nvmefabrics.Unreachable:
 		// With tls, ETIMEDOUT is also a TLS handshake that failed
 		// (see tls.go): Target.tlsConnectError tells the two apart.
 		return fmt.Errorf("connect: target unreachable (%v): %w: %w", errno, errSilent, errdefs.ErrUnavailable)
-	case unix.EAGAIN:
-		// nvme-tcp's wait for the ICResp ended (its receive timeout).
+	case nvmefabrics.NoInitResponse:
 		return fmt.Errorf("connect: the target accepted the TCP connection but never answered the NVMe/TCP initialization (%v): check that an NVMe/TCP target, not another service, listens there and is not hung: %w: %w", errno, errSilent, errdefs.ErrUnavailable)
-	case unix.EINVAL:
+	case nvmefabrics.OptionsRejected:
 		return fmt.Errorf("connect: the kernel rejected the connect options (%v); check dmesg: a hostnqn paired with another hostid, a transport module missing, or a target refusing this host: %w", errno, errdefs.ErrFailedPrecondition)
-	case unix.ECONNRESET:
-		// Measured on 6.12: a connect without tls to an nvmet port
-		// that requires TLS (addr_treq "required").
+	case nvmefabrics.Reset:
 		return fmt.Errorf("connect: the target reset the connection (%v): when its port requires TLS, set volume_context %q=\"true\" and give the PSK (secret %q); else check that the subsystem exists and allows this hostnqn: %w", errno, KeyTLS, SecretTLSKey, errdefs.ErrFailedPrecondition)
-	case unix.EIO, unix.EPROTO:
-		// EIO is also what 6.12 answers, after its 60 s admin timeout,
-		// when the target dropped the connection over a rejected key
-		// while the host waited for its authentication reply (measured
-		// on 6.12.117 against nvmet, about one rejection in three).
+	case nvmefabrics.Rejected:
 		return fmt.Errorf("connect: the target rejected the connect (%v); check that the subsystem exists and allows this hostnqn, and whether it requires DH-HMAC-CHAP authentication (secrets %q, %q); when the volume gives keys and the connect took about a minute, a rejected key is the likely cause: check the keys against the target's for this hostnqn: %w", errno, SecretDHCHAPKey, SecretDHCHAPCtrlKey, errdefs.ErrFailedPrecondition)
-	case unix.ENOMEM, unix.ENOSPC:
+	case nvmefabrics.Exhausted:
 		return fmt.Errorf("connect: %v: %w", errno, errdefs.ErrResourceExhausted)
 	}
-	return fmt.Errorf("connect: %w", err)
+	return fmt.Errorf("connect: %w", ce)
 }
 
 // deleteController removes the fabrics controller called name through

@@ -1,6 +1,7 @@
 // Package nvmefabrics is the kernel's NVMe over Fabrics connect
 // interface, /dev/nvme-fabrics: the options it parses, and the connect
-// written to it that creates a controller.
+// written to it that creates a controller. A connect the kernel refuses
+// gives a *ConnectError that says what its errno means (Reason).
 package nvmefabrics
 
 import (
@@ -74,12 +75,3 @@ func connectSync(dev, opts string) (instance, cntlid int, err error) {
 	}
 	return parseReply(buf[:n])
 }
-
-// ConnectError is a connect the kernel refused: Err is the failed write.
-type ConnectError struct {
-	Err error
-}
-
-func (e *ConnectError) Error() string { return e.Err.Error() }
-
-func (e *ConnectError) Unwrap() error { return e.Err }
