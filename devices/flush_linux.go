@@ -2,7 +2,9 @@ package devices
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 
 	"golang.org/x/sys/unix"
@@ -34,4 +36,28 @@ func FlushDevice(ctx context.Context, dev *Device) error {
 	case <-ctx.Done():
 		return fmt.Errorf("flush %s: %w", dev.Path, ctx.Err())
 	}
+}
+
+// FlushPath is the flush of FlushDevice for a caller that has only the
+// device's path and bounds the wait itself. A device that is gone (no
+// node, or a node whose disk went: ENXIO, ENODEV) has nothing to flush. A
+// flush the device refuses with a reservation conflict (EBADE: NVMe Flush
+// is a write command, which a reservation that fences this host forbids)
+// returns an error wrapping ErrReservationConflict.
+func FlushPath(path string) error {
+	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENXIO) || errors.Is(err, unix.ENODEV) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("flush %s: %w", path, err)
+	}
+	defer f.Close()
+	if err := blockdev.Flush(f); err != nil {
+		if errors.Is(err, unix.EBADE) {
+			return fmt.Errorf("flush %s: %w: %w", path, err, ErrReservationConflict)
+		}
+		return fmt.Errorf("flush %s: %w", path, err)
+	}
+	return nil
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
 
@@ -144,27 +143,6 @@ func (s sysTree) rescanController(name string) error {
 	p := filepath.Join(s.root, "class", "nvme", name, "rescan_controller")
 	if err := os.WriteFile(p, []byte("1"), 0); err != nil {
 		return fmt.Errorf("rescan controller %s: %w", name, err)
-	}
-	return nil
-}
-
-// flushDevice writes back the page cache of a block device and asks the
-// device to flush its volatile cache (fsync on a block device issues a
-// flush), then drops the clean buffers.
-func flushDevice(path string) error {
-	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_CLOEXEC, 0)
-	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENXIO) || errors.Is(err, unix.ENODEV) {
-		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("flush %s: %w", path, err)
-	}
-	defer f.Close()
-	if err := blockdev.Flush(f); err != nil {
-		if errors.Is(err, unix.EBADE) {
-			return fmt.Errorf("flush %s: %w: %w", path, err, errFlushFenced)
-		}
-		return fmt.Errorf("flush %s: %w", path, err)
 	}
 	return nil
 }

@@ -358,7 +358,7 @@ func TestDetachFencedFlush(t *testing.T) {
 		err     error
 		deleted bool
 	}{
-		{"reservation conflict", fmt.Errorf("flush /dev/nvme0n1: fsync: %w: %w", syscall.EBADE, errFlushFenced), true},
+		{"reservation conflict", fmt.Errorf("flush /dev/nvme0n1: fsync: %w: %w", syscall.EBADE, devices.ErrReservationConflict), true},
 		{"I/O error", fmt.Errorf("flush /dev/nvme0n1: fsync: %w", syscall.EIO), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
