@@ -7,8 +7,6 @@ import (
 	"os"
 	"path/filepath"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/berth-csi/berth/internal/blockdev"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/nvmefabrics"
@@ -100,7 +98,7 @@ func connectError(ce *nvmefabrics.ConnectError) error {
 // delete: no address of its controllers is read in this process while
 // the kernel tears the controller down (see readController).
 func (s sysTree) deleteController(nqn, name string, is func(*Controller) bool) error {
-	dir, err := os.OpenFile(filepath.Join(s.root, "class", "nvme", name), os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	dir, err := os.Open(filepath.Join(s.root, "class", "nvme", name))
 	if sysfs.Gone(err) {
 		return nil
 	}
@@ -120,7 +118,7 @@ func (s sysTree) deleteController(nqn, name string, is func(*Controller) bool) e
 	if !is(&cur) {
 		return nil
 	}
-	f, err := os.OpenFile(filepath.Join(at, "delete_controller"), os.O_WRONLY|unix.O_CLOEXEC, 0)
+	f, err := os.OpenFile(filepath.Join(at, "delete_controller"), os.O_WRONLY, 0)
 	if sysfs.Gone(err) {
 		return nil
 	}

@@ -29,9 +29,6 @@ var osAccess = []string{"devices", "fs", "systemd", "internal", "test"}
 var osExceptions = map[string]string{
 	// signal.NotifyContext needs SIGTERM, which package os does not name.
 	"main.go": "signal numbers",
-	// The NVMe-oF transport still writes /dev/nvme-fabrics and reads
-	// ENODEV from sysfs itself; this moves into an OS-access package.
-	"nvmeof/fabrics_linux.go": "/dev/nvme-fabrics",
 }
 
 // No package outside osAccess imports x/sys/unix or syscall in its
