@@ -6,6 +6,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"github.com/berth-csi/berth/agent"
+	"github.com/berth-csi/berth/systemd"
 )
 
 // defaultControllerEndpoint is berth controller's socket when no
@@ -47,7 +48,7 @@ func runController(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	ctx, stop := stopOnSignal(c.Context)
+	ctx, stop := systemd.StopOnSignal(c.Context)
 	defer stop()
 	lis, err := agent.Listen(c.String("endpoint"))
 	if err != nil {

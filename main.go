@@ -9,13 +9,11 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"os/signal"
 	"runtime"
 	"runtime/debug"
 	"slices"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/urfave/cli/v2"
@@ -230,18 +228,13 @@ func serve(c *cli.Context) error {
 	if euid := os.Geteuid(); euid != 0 {
 		return fmt.Errorf("berth serve must run as root (it mounts filesystems, formats and attaches block devices); running as uid %d", euid)
 	}
-	ctx, stop := stopOnSignal(c.Context)
+	ctx, stop := systemd.StopOnSignal(c.Context)
 	defer stop()
 	s, err := newServer(c)
 	if err != nil {
 		return err
 	}
 	return s.run(ctx)
-}
-
-// stopOnSignal returns a context that ends on SIGTERM or SIGINT.
-func stopOnSignal(ctx context.Context) (context.Context, context.CancelFunc) {
-	return signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
 }
 
 // server is what berth serve runs: the agent, its CSI socket, and the

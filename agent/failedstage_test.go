@@ -33,7 +33,7 @@ func (failingTarget) Attach(context.Context) (*devices.Device, error) {
 	return nil, errors.Join(errors.New("the iscsi_tcp kernel module is not loaded"), errdefs.ErrUnavailable)
 }
 
-func (failingTarget) Detach(context.Context) error {
+func (failingTarget) Detach(context.Context, *devices.Recorded) error {
 	return errors.New(`exec: "iscsiadm": executable file not found in $PATH`)
 }
 

@@ -434,7 +434,7 @@ func (t *fakeTarget) ResumeQueueing(context.Context) error {
 	}
 	return nil
 }
-func (t *fakeTarget) Detach(context.Context) error {
+func (t *fakeTarget) Detach(context.Context, *devices.Recorded) error {
 	t.ft.mu.Lock()
 	t.ft.detached[t.key]++
 	t.ft.mu.Unlock()

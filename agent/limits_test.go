@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/fs"
 )
 
@@ -195,7 +196,7 @@ type blockingDetachTarget struct {
 	b *blockingDetach
 }
 
-func (t *blockingDetachTarget) Detach(ctx context.Context) error {
+func (t *blockingDetachTarget) Detach(ctx context.Context, _ *devices.Recorded) error {
 	t.b.mu.Lock()
 	t.b.calls++
 	first := !t.b.blocked[t.Key()]

@@ -56,10 +56,7 @@ func (n *nodeServer) detach(ctx context.Context, rec *volumeRecord, tr Transport
 		logFrom(ctx, n.a.log).WarnContext(ctx, "not detaching: another volume uses the same storage", slog.String("other_volume_id", owner))
 		return nil
 	}
-	if ld, ok := target.(LoopDetacher); ok {
-		return ld.DetachLoop(ctx, rec.Device.loopRef())
-	}
-	return target.Detach(ctx)
+	return target.Detach(ctx, rec.Device.recorded())
 }
 
 // lockVolumePath validates a volume ID and a path field of a request that

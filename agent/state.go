@@ -72,7 +72,7 @@ func formatVersion(file string, b []byte) (int, error) {
 // target at unpublish (an empty directory or a file; it had made it, or
 // taken an empty one the CO made), so its publishes are unpublished as
 // berth's own targets. Its loop devices have no backing file numbers and
-// are found again by their image (LoopDetacher with a nil reference); it
+// are found again by their image (Target.Detach without rec.Loop); it
 // had no crypt and no filesystem marks.
 func upgradeRecord(r *volumeRecord, version int) {
 	if version == 1 {
@@ -105,7 +105,7 @@ type deviceRecord struct {
 	// BackingDev and BackingIno are the device and inode numbers of a
 	// loop device's backing file as the kernel reported them at stage
 	// (LOOP_GET_STATUS64); with the device's number they find that
-	// attach again whatever the file is called by then (see LoopDetacher).
+	// attach again whatever the file is called by then (see Target.Detach).
 	// Records of earlier versions have none.
 	BackingDev uint64 `json:"backingDev,omitempty"`
 	BackingIno uint64 `json:"backingIno,omitempty"`
@@ -129,6 +129,22 @@ func (r *deviceRecord) loopRef() *devices.LoopRef {
 		return nil
 	}
 	return &devices.LoopRef{Name: r.Name, Major: r.Major, Minor: r.Minor, DiskSeq: r.DiskSeq, BackingDev: r.BackingDev, BackingIno: r.BackingIno}
+}
+
+// recorded is what the record says about the device for Target.Detach,
+// nil for a record without a device.
+func (r *deviceRecord) recorded() *devices.Recorded {
+	if r == nil {
+		return nil
+	}
+	return &devices.Recorded{
+		ID: devices.Identity{
+			Kind: r.Kind, WWID: r.WWID, HCTL: r.HCTL,
+			NQN: r.NQN, NSID: r.NSID, UUID: r.UUID, NGUID: r.NGUID,
+			BackingFile: r.BackingFile, DMName: r.DMName,
+		},
+		Loop: r.loopRef(),
+	}
 }
 
 // publishRecord is one target path a volume is published at.

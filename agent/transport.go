@@ -81,8 +81,16 @@ type Target interface {
 	ResumeQueueing(ctx context.Context) error
 	// Detach disconnects the target; a target already gone is success.
 	// It refuses (errdefs.ErrBusy) while the device is still mounted or
-	// held, and names what holds it.
-	Detach(ctx context.Context) error
+	// held, and names what holds it. rec is what the stage recorded
+	// about the device, nil when the record has none (a stage
+	// interrupted before it recorded one). A target whose storage is
+	// named by a path that may lead elsewhere by the time the volume is
+	// unstaged (an image file renamed, or replaced by a symbolic link to
+	// another file with a loop device of its own) detaches the device
+	// rec names and nothing else: one no longer bound to that storage
+	// is gone already. Without rec.Loop (no record, or a record of an
+	// earlier version) it finds its device by the path.
+	Detach(ctx context.Context, rec *devices.Recorded) error
 	// Expand makes the node see the target's current size (rescan) and
 	// returns the device size in bytes.
 	Expand(ctx context.Context) (int64, error)
@@ -99,21 +107,6 @@ type Target interface {
 	PathStates(ctx context.Context) (map[string]int, error)
 	// Health reports whether the connection to the target is abnormal.
 	Health(ctx context.Context) (abnormal bool, message string)
-}
-
-// LoopDetacher is implemented by a Target attached as a loop device over
-// a file named by a path (the file transport), where the name may lead
-// elsewhere by the time the volume is unstaged: the image renamed, or
-// replaced by a symbolic link to another file that has a loop device of
-// its own. The agent then calls DetachLoop instead of Detach, with the
-// loop device the stage recorded (its number and its backing file's
-// device and inode numbers), and the target detaches that attach and
-// nothing else: one no longer bound to that file is gone already. ref is
-// nil when the record has no such device (a stage interrupted before it
-// recorded one, a record of an earlier version); the target then finds
-// its device as Detach does.
-type LoopDetacher interface {
-	DetachLoop(ctx context.Context, ref *devices.LoopRef) error
 }
 
 // TransportFunc makes a Transport of a package whose Parse returns its

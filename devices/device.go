@@ -97,6 +97,15 @@ func (r LoopRef) String() string {
 	return fmt.Sprintf("/dev/%s (%d:%d) bound to file %d:%d", r.Name, r.Major, r.Minor, r.BackingDev, r.BackingIno)
 }
 
+// Recorded is what a stage recorded about the device it attached, which
+// its detach is given to compare the device it would remove with: the
+// device's identity and, for a loop device, its attach (Loop; nil for
+// another kind of device, or a record without the backing file's numbers).
+type Recorded struct {
+	ID   Identity
+	Loop *LoopRef
+}
+
 func (d *Device) String() string {
 	if d == nil {
 		return "<nil>"

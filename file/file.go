@@ -208,17 +208,38 @@ func (f *Target) open(flag int) (*os.File, error) {
 	return img, nil
 }
 
-// Detach detaches the loop device of the image, if any: the one that
-// shows exactly the image (devices.FindLoop), never a device attached to
-// it at an offset or with a size limit. An image deleted while attached
-// is found under the name the kernel gives it then ("<path> (deleted)")
-// and by berth's mark on the device, so its loop device does not leak.
-// A name that no longer reaches a regular file without symbolic links
-// is not followed: only such a deleted image's device is looked for.
-// The agent does not call Detach while another volume uses the image
-// (another name of it), and calls DetachLoop where it recorded the
-// device.
-func (f *Target) Detach(ctx context.Context) error {
+// Detach detaches the loop device the stage attached, rec.Loop, if it is
+// still bound to the file it was bound to then (devices.FindLoopRef): the
+// image's name is not looked up again, so an image renamed since still
+// has its device detached, and one whose name now leads to another file
+// (a symbolic link put in its place) does not have that file's loop
+// device detached instead. The agent does not call Detach while another
+// volume uses the image (another name of it).
+//
+// Without rec.Loop (no device recorded) it detaches the loop device of
+// the image, if any: the one that shows exactly the image
+// (devices.FindLoop), never a device attached to it at an offset or with
+// a size limit. An image deleted while attached is found under the name
+// the kernel gives it then ("<path> (deleted)") and by berth's mark on
+// the device, so its loop device does not leak. A name that no longer
+// reaches a regular file without symbolic links is not followed: only
+// such a deleted image's device is looked for.
+func (f *Target) Detach(ctx context.Context, rec *devices.Recorded) error {
+	if rec == nil || rec.Loop == nil {
+		return f.detachImage(ctx)
+	}
+	d, err := f.t.listener.Roots().FindLoopRef(*rec.Loop)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return nil // detached already, or the number was given to another attach
+	}
+	if err != nil {
+		return fmt.Errorf("image file %s: %w", f.path, err)
+	}
+	return f.detach(ctx, d)
+}
+
+// detachImage detaches the loop device found by the image's name.
+func (f *Target) detachImage(ctx context.Context) error {
 	var d *devices.Device
 	img, err := f.open(os.O_RDONLY)
 	if err == nil {
@@ -236,27 +257,6 @@ func (f *Target) Detach(ctx context.Context) error {
 	}
 	if err != nil {
 		return err
-	}
-	return f.detach(ctx, d)
-}
-
-// DetachLoop detaches the loop device ref names, the one the stage
-// attached, if it is still bound to the file it was bound to then
-// (devices.FindLoopRef): the image's name is not looked up again, so an
-// image renamed since still has its device detached, and one whose name
-// now leads to another file (a symbolic link put in its place) does not
-// have that file's loop device detached instead. A nil ref (no device
-// recorded) is Detach.
-func (f *Target) DetachLoop(ctx context.Context, ref *devices.LoopRef) error {
-	if ref == nil {
-		return f.Detach(ctx)
-	}
-	d, err := f.t.listener.Roots().FindLoopRef(*ref)
-	if errors.Is(err, errdefs.ErrNotFound) {
-		return nil // detached already, or the number was given to another attach
-	}
-	if err != nil {
-		return fmt.Errorf("image file %s: %w", f.path, err)
 	}
 	return f.detach(ctx, d)
 }

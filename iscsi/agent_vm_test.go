@@ -306,7 +306,7 @@ func TestBenchGuestISCSI(t *testing.T) {
 			t.Fatal(err)
 		}
 		da := time.Since(start)
-		if err := tg.Detach(ctx); err != nil {
+		if err := tg.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		la.Destroy()

@@ -127,7 +127,7 @@ func (t *Transport) logoutFailed(ctx context.Context, v *Volume, p path) error {
 // Detach removes the LUN's device (and its multipath map) and logs out of
 // each session that no longer has any LUN. Sessions that other volumes
 // still use stay. It needs no secrets and is idempotent.
-func (tg *Target) Detach(ctx context.Context) error {
+func (tg *Target) Detach(ctx context.Context, _ *devices.Recorded) error {
 	t, v := tg.t, tg.v
 	paths, _ := resolve(ctx, v.Portals)
 	pds, err := t.findPaths(v, paths)

@@ -342,7 +342,7 @@ func TestDetachNeverAttached(t *testing.T) {
 	if err := os.MkdirAll(tr.db.nodes, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := (&Target{t: tr, v: v}).Detach(context.Background()); err != nil {
+	if err := (&Target{t: tr, v: v}).Detach(context.Background(), nil); err != nil {
 		t.Fatalf("Detach of a target never logged in to: %v", err)
 	}
 	if len(fr.argv) != 0 {

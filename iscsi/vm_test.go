@@ -198,14 +198,14 @@ func TestGuestISCSILoginScanLogout(t *testing.T) {
 	if abnormal, msg := tg.Health(ctx); abnormal {
 		t.Fatalf("health: %s", msg)
 	}
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	assertDetached(t, lt.IQN)
 	if _, err := os.Stat("/sys/class/block/" + dev.Name); err == nil {
 		t.Fatalf("%s still exists", dev.Name)
 	}
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Fatalf("second detach: %v", err)
 	}
 }
@@ -314,7 +314,7 @@ func TestGuestISCSIHostnamePortals(t *testing.T) {
 		t.Fatalf("the record is not under the portal's address: %v", err)
 	}
 	t.Logf("attached %s through the second portal", dev.Path)
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	assertDetached(t, lt.IQN)
@@ -409,7 +409,7 @@ func TestGuestISCSICHAP(t *testing.T) {
 			if st, _ := os.Stat(files[0]); st.Mode().Perm() != 0o600 {
 				t.Fatalf("record with secrets has mode %v", st.Mode().Perm())
 			}
-			if err := tg.Detach(ctx); err != nil {
+			if err := tg.Detach(ctx, nil); err != nil {
 				t.Fatal(err)
 			}
 			assertDetached(t, lt.IQN)
@@ -465,7 +465,7 @@ func TestGuestISCSIDiscoveryCHAP(t *testing.T) {
 				t.Fatalf("discovery records left: %v", ents)
 			}
 			t.Logf("attached %s after discovery with CHAP", dev.Path)
-			if err := tg.Detach(ctx); err != nil {
+			if err := tg.Detach(ctx, nil); err != nil {
 				t.Fatal(err)
 			}
 			assertDetached(t, lt.IQN)
@@ -545,7 +545,7 @@ func TestGuestISCSITwoLUNsOneSession(t *testing.T) {
 	var werr error
 	done := make(chan struct{})
 	go func() { writes, werr = writeLoop(da.Path, stop, nil); close(done) }()
-	if err := b.Detach(ctx); err != nil {
+	if err := b.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	time.Sleep(200 * time.Millisecond) // let the writer run on after the detach
@@ -565,7 +565,7 @@ func TestGuestISCSITwoLUNsOneSession(t *testing.T) {
 		t.Fatalf("LUN 0 device changed: %v", err)
 	}
 	t.Logf("%d writes on LUN 0 while LUN 1 was detached", writes)
-	if err := a.Detach(ctx); err != nil {
+	if err := a.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	assertDetached(t, lt.IQN)
@@ -620,7 +620,7 @@ func TestGuestISCSILUNsWaitApart(t *testing.T) {
 		t.Fatalf("want one session with two LUNs: %+v", ss)
 	}
 	for _, tg := range []*Target{b, a} {
-		if err := tg.Detach(ctx); err != nil {
+		if err := tg.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -656,7 +656,7 @@ func TestGuestISCSIFailedAttachAfterDetach(t *testing.T) {
 		berr <- err
 	}()
 	<-held
-	if err := a.Detach(ctx); err != nil {
+	if err := a.Detach(ctx, nil); err != nil {
 		close(release)
 		t.Fatalf("detach LUN 0 while LUN 1 waits for its disk: %v", err)
 	}
@@ -682,7 +682,7 @@ func TestGuestISCSILUNDeletedFirst(t *testing.T) {
 	dctx, dcancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer dcancel()
 	start := time.Now()
-	if err := tg.Detach(dctx); err != nil {
+	if err := tg.Detach(dctx, nil); err != nil {
 		t.Fatalf("detach after the LUN was deleted: %v (after %v)", err, time.Since(start))
 	}
 	t.Logf("detached in %v", time.Since(start))
@@ -713,7 +713,7 @@ func TestGuestISCSITargetGone(t *testing.T) {
 	dctx, dcancel := context.WithTimeout(context.Background(), deadline)
 	defer dcancel()
 	start := time.Now()
-	err = tg.Detach(dctx)
+	err = tg.Detach(dctx, nil)
 	el := time.Since(start)
 	t.Logf("detach of a dead target: %v in %v", err, el)
 	if el > deadline+2*time.Second {
@@ -756,7 +756,7 @@ func TestGuestISCSITargetGoneSharedSession(t *testing.T) {
 	dctx, dcancel := context.WithTimeout(context.Background(), deadline)
 	defer dcancel()
 	start := time.Now()
-	err = b.Detach(dctx)
+	err = b.Detach(dctx, nil)
 	el := time.Since(start)
 	t.Logf("detach on a dead shared session: %v in %v", err, el)
 	if el > deadline+2*time.Second {
@@ -767,7 +767,7 @@ func TestGuestISCSITargetGoneSharedSession(t *testing.T) {
 	waitFor(t, 60*time.Second, "a detach retry to succeed", func() bool {
 		rctx, rcancel := context.WithTimeout(context.Background(), 3*time.Second)
 		defer rcancel()
-		return b.Detach(rctx) == nil
+		return b.Detach(rctx, nil) == nil
 	})
 	if _, err := os.Stat("/sys/class/block/" + db.Name); err == nil {
 		t.Fatalf("%s still exists", db.Name)
@@ -775,7 +775,7 @@ func TestGuestISCSITargetGoneSharedSession(t *testing.T) {
 	if ss := sessionsOf(t, lt.IQN); len(ss) != 1 {
 		t.Fatalf("the shared session should stay for LUN 0: %+v", ss)
 	}
-	if err := a.Detach(ctx); err != nil {
+	if err := a.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	assertDetached(t, lt.IQN)
@@ -892,7 +892,7 @@ func TestMultipathISCSIFailoverAndExpand(t *testing.T) {
 	// udev probes the map after its change event; let it finish, as it
 	// would long before a real unstage.
 	(execRunner{}).run(ctx, "udevadm", "settle", "--timeout=30")
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Fatalf("%v; openers: %s", err, openers(dm))
 	}
 	if _, err := os.Stat("/sys/class/block/" + dm.Name); err == nil {
@@ -1000,7 +1000,7 @@ func TestGuestISCSIConcurrentTargets(t *testing.T) {
 		start := time.Now()
 		all("attach", func(tg *Target) error { _, err := tg.Attach(ctx); return err })
 		attached := time.Since(start)
-		all("detach", func(tg *Target) error { return tg.Detach(ctx) })
+		all("detach", func(tg *Target) error { return tg.Detach(ctx, nil) })
 		for _, iqn := range iqns {
 			assertDetached(t, iqn)
 		}

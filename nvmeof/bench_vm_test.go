@@ -216,7 +216,7 @@ func TestBenchNVMeoFStage(t *testing.T) {
 			t.Fatal(err)
 		}
 		ba = append(ba, time.Since(start))
-		if err := tg.Detach(ctx); err != nil {
+		if err := tg.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		ra = append(ra, raw([]uint32{1}, "-"))
@@ -255,7 +255,7 @@ func TestBenchNVMeoFStage(t *testing.T) {
 		tgt.Grow(1, size)
 		rg = append(rg, rawRescan(t, ctx, nqn, dev.Name, size))
 	}
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/failpoint"
 	"github.com/berth-csi/berth/internal/logctx"
@@ -79,7 +80,7 @@ func (tg *Target) ResumeQueueing(context.Context) error {
 // that no other volume needs (see Options.Staged). It refuses while the
 // namespace itself is still mounted or held open. Controllers that are
 // already gone are success, so Detach can be repeated.
-func (tg *Target) Detach(ctx context.Context) error {
+func (tg *Target) Detach(ctx context.Context, _ *devices.Recorded) error {
 	t := tg.t
 	held, err := t.locks.Hold(ctx, tg.vol.NQN)
 	if err != nil {
@@ -97,7 +98,13 @@ func (tg *Target) Detach(ctx context.Context) error {
 			return fmt.Errorf("detach %s: %s is still mounted or held open: %w", tg.Key(), dev, errdefs.ErrBusy)
 		}
 		if err := t.flush(ctx, dev); err != nil {
-			if !errors.Is(err, errFlushFenced) {
+			// A flush refused with a reservation conflict: under Write
+			// Exclusive - Registrants Only, NVMe Flush is a write
+			// command, refused to a host that is not registered (a
+			// stage refused before it registered, a node another
+			// preempted). Such a host writes nothing to the namespace,
+			// so its detach goes on.
+			if !errors.Is(err, devices.ErrReservationConflict) {
 				return fmt.Errorf("detach %s: %w", tg.Key(), err)
 			}
 			logctx.From(ctx, t.log).Warn("nvmeof: the flush was refused with a reservation conflict: another host's reservation forbids this host's writes, so nothing this host holds can reach the namespace; disconnecting",
@@ -235,18 +242,11 @@ func (tg *Target) deleteControllers(ctx context.Context, keep func(ctrl string) 
 	return errors.Join(errs...)
 }
 
-// errFlushFenced: the namespace refused the flush with a reservation
-// conflict (EBADE): under Write Exclusive - Registrants Only, NVMe Flush
-// is a write command, refused to a host that is not registered (a stage
-// refused before it registered, a node another preempted). Such a host
-// writes nothing to the namespace, so its detach goes on.
-var errFlushFenced = errors.New("reservation conflict: this host may not write the namespace")
+// flushDev is devices.FlushPath; tests replace it with a device that
+// does not answer.
+var flushDev = devices.FlushPath
 
-// flushDev is flushDevice; tests replace it with a device that does not
-// answer.
-var flushDev = flushDevice
-
-// flush runs flushDevice on dev in a goroutine of its own and waits for
+// flush runs devices.FlushPath on dev in a goroutine of its own and waits for
 // it until ctx ends: a namespace whose I/O is queued (its controllers
 // reconnecting, with ctrl_loss_tmo -1 for ever) does not complete an
 // fsync, and nothing can cancel one. The caller then gets an error

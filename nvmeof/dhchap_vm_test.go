@@ -144,7 +144,7 @@ func TestGuestDHCHAPNoKernelAuth(t *testing.T) {
 	if after[0].Name != before[0].Name || after[0].State != StateLive {
 		t.Errorf("the other volume's controller changed: %+v, was %+v", after[0], before[0])
 	}
-	if err := plain.Detach(ctx); err != nil {
+	if err := plain.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	wantControllers(t, nqn, 0)
@@ -213,7 +213,7 @@ func guestDHCHAPAuth(t *testing.T, tr *Transport, hostNQN string, k1, k2, c1, c2
 		start := time.Now()
 		dev, err := tg.Attach(ctx)
 		if err == nil {
-			tg.Detach(ctx)
+			tg.Detach(ctx, nil)
 			t.Fatalf("attached %s", dev)
 		}
 		ok := false
@@ -255,10 +255,10 @@ func guestDHCHAPAuth(t *testing.T, tr *Transport, hostNQN string, k1, k2, c1, c2
 		}
 		mustAttach(t, ctx, tg2)
 		wantControllers(t, nqn, 1)
-		if err := tg2.Detach(ctx); err != nil {
+		if err := tg2.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
-		if err := tg.Detach(ctx); err != nil {
+		if err := tg.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, nqn, 0)
@@ -283,7 +283,7 @@ func guestDHCHAPAuth(t *testing.T, tr *Transport, hostNQN string, k1, k2, c1, c2
 		}
 		mustAttach(t, ctx, tg)
 		wantControllers(t, nqn, 1)
-		if err := tg.Detach(ctx); err != nil {
+		if err := tg.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, nqn, 0)
@@ -338,7 +338,7 @@ func guestDHCHAPAuth(t *testing.T, tr *Transport, hostNQN string, k1, k2, c1, c2
 		if _, err := tg.StopQueueing(ctx); err != nil {
 			t.Fatal(err)
 		}
-		if err := tg.Detach(ctx); err != nil {
+		if err := tg.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, nqn, 0)
@@ -347,7 +347,7 @@ func guestDHCHAPAuth(t *testing.T, tr *Transport, hostNQN string, k1, k2, c1, c2
 			t.Fatal(err)
 		}
 		mustAttach(t, ctx, tg2)
-		if err := tg2.Detach(ctx); err != nil {
+		if err := tg2.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 	})
@@ -391,7 +391,7 @@ func guestDHCHAPAuth(t *testing.T, tr *Transport, hostNQN string, k1, k2, c1, c2
 			t.Errorf("after the reconnect without authentication: controller %s (was %s), keys kept %v %v (%v), health %v %q",
 				cs[0].Name, before[0].Name, ca.host == k1, ca.ctrl == c1, err, abnormal, msg)
 		}
-		if err := tg.Detach(ctx); err != nil {
+		if err := tg.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, nqn, 0)
@@ -404,7 +404,7 @@ func guestDHCHAPAuth(t *testing.T, tr *Transport, hostNQN string, k1, k2, c1, c2
 		t.Logf("attach with both keys to a target that asks for none: %v %v", dev, err)
 		if err != nil {
 			t.Errorf("attach with both keys to a target that asks for none: %v (6.12 connects without authenticating)", err)
-		} else if err := tg.Detach(ctx); err != nil {
+		} else if err := tg.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, nqn, 0)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"sync"
 	"time"
 
@@ -143,7 +144,7 @@ func (tg *Target) reportedSize(ctrls []string, h Head) (int64, error) {
 	}
 	var errs []error
 	for _, c := range ctrls {
-		size, err := identifyNamespaceSize(tg.t.opts.DevRoot, c, h.NSID)
+		size, err := devices.NVMeNamespaceSize(filepath.Join(tg.t.opts.DevRoot, c), h.NSID)
 		if err == nil {
 			return size, nil
 		}

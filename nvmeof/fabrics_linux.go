@@ -4,15 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
-	"strings"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/blockdev"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/nvmefabrics"
 	"github.com/berth-csi/berth/internal/sysfs"
 )
 
@@ -23,27 +20,14 @@ const DefaultFabricsDevice = "/dev/nvme-fabrics"
 // controller with the same options already exists.
 var errDuplicate = errors.New("a controller with these options already exists")
 
-// errRefused marks an ECONNREFUSED connect. Kernels before 6.7 also
-// answer a failed DH-HMAC-CHAP authentication so (newer ones say
-// EKEYREJECTED); the caller tells the two apart (see Target.authRefused).
+// errRefused marks a connect the target refused (nvmefabrics.Refused),
+// which on kernels before 6.7 is also a failed DH-HMAC-CHAP
+// authentication; the caller tells the two apart (see Target.authRefused).
 var errRefused = errors.New("connection refused")
 
-// errNoHandshake marks an ESRCH connect: with tls, the kernel's
-// handshake upcall found no tlshd listening.
+// errNoHandshake marks a connect with tls whose handshake upcall found no
+// tlshd listening (nvmefabrics.NoHandshake).
 var errNoHandshake = errors.New("no TLS handshake daemon")
-
-// fabricsOptions reads the option list the kernel's connect interface
-// prints before any connect ("instance=-1,cntlid=-1,transport=%s,...").
-func fabricsOptions(dev string) (string, error) {
-	b, err := os.ReadFile(dev)
-	if errors.Is(err, fs.ErrNotExist) {
-		return "", fmt.Errorf("open %s: the nvme-fabrics module is not loaded (modprobe nvme-tcp): %w", dev, errdefs.ErrUnavailable)
-	}
-	if err != nil {
-		return "", fmt.Errorf("read the connect options of %s: %w", dev, err)
-	}
-	return strings.TrimSpace(string(b)), nil
-}
 
 // errSilent marks a connect to a path that did not answer: no SYN-ACK
 // (the kernel gives up after one SYN retry, about 3 s) or no ICResp to the
@@ -51,97 +35,53 @@ func fabricsOptions(dev string) (string, error) {
 // packets, a dead switch port or a hung target looks.
 var errSilent = errors.New("the path did not answer")
 
-// connectResult is what one write to /dev/nvme-fabrics produced.
-type connectResult struct {
-	instance, cntlid int
-	err              error
-}
-
-// fabricsConnect writes one connect string to dev and reads back the new
-// controller's instance. The write blocks in the kernel for as long as
-// the connect takes (up to its own connect timeout); when ctx ends first
-// the call returns ctx's error and the kernel finishes on its own: a
-// controller it creates then is found and reused by the next attach, or
-// removed by the next detach.
+// fabricsConnect writes one connect string to dev (see
+// nvmefabrics.Connect) and names what the kernel's refusal means.
 func fabricsConnect(ctx context.Context, dev, opts string) (instance int, err error) {
-	ch := make(chan connectResult, 1)
-	go func() {
-		i, c, err := fabricsConnectSync(dev, opts)
-		ch <- connectResult{i, c, err}
-	}()
-	select {
-	case r := <-ch:
-		return r.instance, r.err
-	case <-ctx.Done():
-		return 0, fmt.Errorf("connect: %w", ctx.Err())
+	instance, err = nvmefabrics.Connect(ctx, dev, opts)
+	var ce *nvmefabrics.ConnectError
+	if errors.As(err, &ce) {
+		return 0, connectError(ce)
 	}
+	return instance, err
 }
 
-func fabricsConnectSync(dev, opts string) (instance, cntlid int, err error) {
-	f, err := os.OpenFile(dev, os.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		if errors.Is(err, fs.ErrNotExist) {
-			return 0, 0, fmt.Errorf("open %s: the nvme-fabrics module is not loaded (modprobe nvme-tcp): %w", dev, errdefs.ErrUnavailable)
-		}
-		return 0, 0, fmt.Errorf("open %s: %w", dev, err)
-	}
-	defer f.Close()
-	if _, err := f.Write([]byte(opts)); err != nil {
-		return 0, 0, connectError(err)
-	}
-	buf := make([]byte, 128)
-	n, err := f.Read(buf)
-	if err != nil && n == 0 {
-		return 0, 0, fmt.Errorf("read back from %s: %w", dev, err)
-	}
-	return parseConnectReply(buf[:n])
-}
-
-// connectError names what an errno of a fabrics connect means.
-func connectError(err error) error {
-	var errno unix.Errno
-	if !errors.As(err, &errno) {
-		return fmt.Errorf("connect: %w", err)
-	}
-	switch errno {
-	case unix.EALREADY, unix.EBUSY:
+// connectError says what a refused connect means for the volume, and
+// what to check.
+func connectError(ce *nvmefabrics.ConnectError) error {
+	errno := ce.Errno()
+	switch ce.Reason() {
+	case nvmefabrics.Duplicate:
 		return fmt.Errorf("connect: %w (%v)", errDuplicate, errno)
-	case unix.ECONNREFUSED:
+	case nvmefabrics.Refused:
 		return fmt.Errorf("connect: the target refused the connection (no NVMe/TCP listener at that address and port?): %w: %w", errRefused, errdefs.ErrUnavailable)
-	case unix.EKEYREJECTED:
+	case nvmefabrics.AuthFailed:
 		return fmt.Errorf("connect: DH-HMAC-CHAP authentication failed (%v): the target rejected the host key (secret %q), or the controller did not prove the controller key (secret %q); check both against the target's keys for this hostnqn: %w",
 			errno, SecretDHCHAPKey, SecretDHCHAPCtrlKey, errdefs.ErrPermissionDenied)
-	case unix.ENOKEY:
+	case nvmefabrics.NoKey:
 		return fmt.Errorf("connect: the target requires DH-HMAC-CHAP authentication and the volume gives no key (%v): set the host key in the secret %q (node stage secrets): %w",
 			errno, SecretDHCHAPKey, errdefs.ErrPermissionDenied)
-	case unix.EPROTONOSUPPORT:
+	case nvmefabrics.AuthUnsupported:
 		return fmt.Errorf("connect: the target requires NVMe in-band authentication (DH-HMAC-CHAP), which this kernel does not support (%v; CONFIG_NVME_AUTH or CONFIG_NVME_HOST_AUTH is not set): %w",
 			errno, errdefs.ErrUnsupported)
-	case unix.ESRCH:
+	case nvmefabrics.NoHandshake:
 		return fmt.Errorf("connect: %w (%v)", errNoHandshake, errno)
-	case unix.ETIMEDOUT, unix.EHOSTUNREACH, unix.ENETUNREACH, unix.EHOSTDOWN:
+	case nvmefabrics.Unreachable:
 		// With tls, ETIMEDOUT is also a TLS handshake that failed
 		// (see tls.go): Target.tlsConnectError tells the two apart.
 		return fmt.Errorf("connect: target unreachable (%v): %w: %w", errno, errSilent, errdefs.ErrUnavailable)
-	case unix.EAGAIN:
-		// nvme-tcp's wait for the ICResp ended (its receive timeout).
+	case nvmefabrics.NoInitResponse:
 		return fmt.Errorf("connect: the target accepted the TCP connection but never answered the NVMe/TCP initialization (%v): check that an NVMe/TCP target, not another service, listens there and is not hung: %w: %w", errno, errSilent, errdefs.ErrUnavailable)
-	case unix.EINVAL:
+	case nvmefabrics.OptionsRejected:
 		return fmt.Errorf("connect: the kernel rejected the connect options (%v); check dmesg: a hostnqn paired with another hostid, a transport module missing, or a target refusing this host: %w", errno, errdefs.ErrFailedPrecondition)
-	case unix.ECONNRESET:
-		// Measured on 6.12: a connect without tls to an nvmet port
-		// that requires TLS (addr_treq "required").
+	case nvmefabrics.Reset:
 		return fmt.Errorf("connect: the target reset the connection (%v): when its port requires TLS, set volume_context %q=\"true\" and give the PSK (secret %q); else check that the subsystem exists and allows this hostnqn: %w", errno, KeyTLS, SecretTLSKey, errdefs.ErrFailedPrecondition)
-	case unix.EIO, unix.EPROTO:
-		// EIO is also what 6.12 answers, after its 60 s admin timeout,
-		// when the target dropped the connection over a rejected key
-		// while the host waited for its authentication reply (measured
-		// on 6.12.117 against nvmet, about one rejection in three).
+	case nvmefabrics.Rejected:
 		return fmt.Errorf("connect: the target rejected the connect (%v); check that the subsystem exists and allows this hostnqn, and whether it requires DH-HMAC-CHAP authentication (secrets %q, %q); when the volume gives keys and the connect took about a minute, a rejected key is the likely cause: check the keys against the target's for this hostnqn: %w", errno, SecretDHCHAPKey, SecretDHCHAPCtrlKey, errdefs.ErrFailedPrecondition)
-	case unix.ENOMEM, unix.ENOSPC:
+	case nvmefabrics.Exhausted:
 		return fmt.Errorf("connect: %v: %w", errno, errdefs.ErrResourceExhausted)
 	}
-	return fmt.Errorf("connect: %w", err)
+	return fmt.Errorf("connect: %w", ce)
 }
 
 // deleteController removes the fabrics controller called name through
@@ -158,7 +98,7 @@ func connectError(err error) error {
 // delete: no address of its controllers is read in this process while
 // the kernel tears the controller down (see readController).
 func (s sysTree) deleteController(nqn, name string, is func(*Controller) bool) error {
-	dir, err := os.OpenFile(s.root.Path("class", "nvme", name), os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	dir, err := os.Open(s.root.Path("class", "nvme", name))
 	if sysfs.Gone(err) {
 		return nil
 	}
@@ -178,7 +118,7 @@ func (s sysTree) deleteController(nqn, name string, is func(*Controller) bool) e
 	if !is(&cur) {
 		return nil
 	}
-	f, err := os.OpenFile(filepath.Join(at, "delete_controller"), os.O_WRONLY|unix.O_CLOEXEC, 0)
+	f, err := os.OpenFile(filepath.Join(at, "delete_controller"), os.O_WRONLY, 0)
 	if sysfs.Gone(err) {
 		return nil
 	}
@@ -201,27 +141,6 @@ func (s sysTree) rescanController(name string) error {
 	p := s.root.Path("class", "nvme", name, "rescan_controller")
 	if err := os.WriteFile(p, []byte("1"), 0); err != nil {
 		return fmt.Errorf("rescan controller %s: %w", name, err)
-	}
-	return nil
-}
-
-// flushDevice writes back the page cache of a block device and asks the
-// device to flush its volatile cache (fsync on a block device issues a
-// flush), then drops the clean buffers.
-func flushDevice(path string) error {
-	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_CLOEXEC, 0)
-	if errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ENXIO) || errors.Is(err, unix.ENODEV) {
-		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("flush %s: %w", path, err)
-	}
-	defer f.Close()
-	if err := blockdev.Flush(f); err != nil {
-		if errors.Is(err, unix.EBADE) {
-			return fmt.Errorf("flush %s: %w: %w", path, err, errFlushFenced)
-		}
-		return fmt.Errorf("flush %s: %w", path, err)
 	}
 	return nil
 }

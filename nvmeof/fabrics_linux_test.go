@@ -9,6 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/nvmefabrics"
 )
 
 // TestConnectErrorAuth: the errnos of a failed in-band authentication
@@ -29,7 +30,7 @@ func TestConnectErrorAuth(t *testing.T) {
 		{unix.EIO, errdefs.ErrFailedPrecondition, "rejected key"},
 		{unix.ECONNREFUSED, errdefs.ErrUnavailable, "refused"},
 	} {
-		err := connectError(fmt.Errorf("write /dev/nvme-fabrics: %w", tc.errno))
+		err := connectError(&nvmefabrics.ConnectError{Err: fmt.Errorf("write /dev/nvme-fabrics: %w", tc.errno)})
 		if !errors.Is(err, tc.want) || !strings.Contains(err.Error(), tc.say) {
 			t.Errorf("%v: %v, want %v saying %q", tc.errno, err, tc.want, tc.say)
 		}

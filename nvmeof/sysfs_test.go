@@ -53,18 +53,6 @@ func TestParseAddress(t *testing.T) {
 	}
 }
 
-func TestParseConnectReply(t *testing.T) {
-	i, c, err := parseConnectReply(readSample(t, "reply"))
-	if err != nil || i != 3 || c != 1 {
-		t.Errorf("reply sample: %d %d %v", i, c, err)
-	}
-	for _, bad := range []string{"", "instance=3", "cntlid=1", "instance=x,cntlid=1", "instance=-1,cntlid=1", "garbage"} {
-		if _, _, err := parseConnectReply([]byte(bad)); err == nil {
-			t.Errorf("parseConnectReply(%q) succeeded", bad)
-		}
-	}
-}
-
 const (
 	subA   = "nqn.2026-01.io.berth:a"
 	hostA  = "nqn.2014-08.org.nvmexpress:uuid:0f8fad5b-d9cb-469f-a165-70867728950e"

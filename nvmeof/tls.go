@@ -13,6 +13,7 @@ import (
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/keyring"
 	"github.com/berth-csi/berth/internal/logctx"
+	"github.com/berth-csi/berth/internal/nvmefabrics"
 )
 
 // NVMe/TCP with TLS (Linux 6.7 and later, CONFIG_NVME_TCP_TLS), as
@@ -73,7 +74,7 @@ type tlsConn struct {
 // the tls options, reading its option list once.
 func (t *Transport) tlsSupported() error {
 	t.tlsOnce.Do(func() {
-		opts, err := fabricsOptions(t.opts.FabricsDevice)
+		opts, err := nvmefabrics.Options(t.opts.FabricsDevice)
 		if err != nil {
 			t.tlsErr = err
 			return

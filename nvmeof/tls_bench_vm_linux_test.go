@@ -79,7 +79,7 @@ func TestBenchTLSGuest(t *testing.T) {
 				t.Fatalf("%s write: %v", k.name, err)
 			}
 			write[k.name] = append(write[k.name], mibs)
-			if err := tg.Detach(ctx); err != nil {
+			if err := tg.Detach(ctx, nil); err != nil {
 				t.Fatal(err)
 			}
 		}

@@ -23,6 +23,7 @@ import (
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/keyring"
+	"github.com/berth-csi/berth/internal/nvmefabrics"
 	"github.com/berth-csi/berth/test/vm"
 	"github.com/berth-csi/berth/test/vm/target"
 )
@@ -175,7 +176,7 @@ func TestTLSGuest(t *testing.T) {
 					t.Error("the marker written to a TLS volume showed in clear on the link")
 				}
 			}
-			if err := tg.Detach(ctx); err != nil {
+			if err := tg.Detach(ctx, nil); err != nil {
 				t.Fatal(err)
 			}
 			wantControllers(t, tlsNQN, 0)
@@ -197,7 +198,7 @@ func TestTLSGuest(t *testing.T) {
 			if i == 0 && !captureWrite(t, dev.Path) {
 				t.Error("the capture did not see the marker written to a volume without TLS: it cannot tell")
 			}
-			if err := pv.Detach(ctx); err != nil {
+			if err := pv.Detach(ctx, nil); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -237,7 +238,7 @@ func TestTLSGuest(t *testing.T) {
 			t.Fatal(err)
 		}
 		staged.set(vc2)
-		if err := first.Detach(ctx); err != nil {
+		if err := first.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, tlsNQN, 2)
@@ -245,7 +246,7 @@ func TestTLSGuest(t *testing.T) {
 			t.Errorf("berth's key is %08x after the first volume's unstage, want %08x kept for the second", k, key)
 		}
 		staged.set()
-		if err := second.Detach(ctx); err != nil {
+		if err := second.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, tlsNQN, 0)
@@ -269,7 +270,7 @@ func TestTLSGuest(t *testing.T) {
 		if got, _ := (sysTree{}).readTLSKey(cs[0].Name); got == 0 || got != berthKey(t, "NVMe0R01 "+tlsAuthHostNQN+" "+tlsAuthNQN) {
 			t.Errorf("controller %s: tls_key %08x, want berth's key", cs[0].Name, got)
 		}
-		if err := tg.Detach(ctx); err != nil {
+		if err := tg.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 	})
@@ -329,7 +330,7 @@ func TestTLSGuest(t *testing.T) {
 		t.Logf("with the operator's SHA-384 key (the target has the SHA-256 one): %v", err)
 		if err == nil {
 			t.Error("Attach succeeded with a key the target does not have")
-			tg.Detach(ctx)
+			tg.Detach(ctx, nil)
 		}
 		named := parse(vc("required", "tlsKeyName", "NVMe0R01 "+tlsHostNQN+" "+tlsNQN), nil)
 		mustAttach(t, ctx, named)
@@ -337,7 +338,7 @@ func TestTLSGuest(t *testing.T) {
 		if got, _ := (sysTree{}).readTLSKey(cs[0].Name); got == 0 {
 			t.Errorf("controller %s without TLS", cs[0].Name)
 		}
-		if err := named.Detach(ctx); err != nil {
+		if err := named.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 	})
@@ -356,7 +357,7 @@ func TestTLSGuest(t *testing.T) {
 		if after[0].Name != before[0].Name {
 			t.Errorf("the other volume's controller changed: %+v", after)
 		}
-		if err := plain.Detach(ctx); err != nil {
+		if err := plain.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 
@@ -388,7 +389,7 @@ func TestTLSGuest(t *testing.T) {
 			b, _ := os.ReadFile("/sys/class/nvme/" + cs[0].Name + "/state")
 			return strings.TrimSpace(string(b)) == StateLive
 		})
-		if err := first.Detach(ctx); err != nil {
+		if err := first.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 	})
@@ -649,7 +650,7 @@ func TestGuestTLSNoKernel(t *testing.T) {
 	ctx := guestContext(t)
 	tr := guestTransport(t, nil)
 	target.LoadModules(t, "nvme_tcp")
-	opts, err := fabricsOptions(DefaultFabricsDevice)
+	opts, err := nvmefabrics.Options(DefaultFabricsDevice)
 	if err != nil {
 		t.Fatal(err)
 	}

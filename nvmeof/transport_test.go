@@ -132,7 +132,7 @@ func TestDetachKeepsControllersOthersNeed(t *testing.T) {
 
 	// Volume 2 still uses the 127.0.0.1:4420 path (nvme1): only the
 	// ::1 path (nvme2) goes; nvme3 is being deleted already.
-	if err := tg1.Detach(ctx); err != nil {
+	if err := tg1.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	if got := deleted(); len(got) != 1 || got[0] != "nvme2" {
@@ -140,7 +140,7 @@ func TestDetachKeepsControllersOthersNeed(t *testing.T) {
 	}
 	// The agent still lists volume 1 (its record goes after Detach
 	// returns), but this process released it: nvme1 goes now.
-	if err := tg2.Detach(ctx); err != nil {
+	if err := tg2.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	if got := deleted(); len(got) != 2 || got[0] != "nvme1" {
@@ -153,7 +153,7 @@ func TestDetachKeepsControllersOthersNeed(t *testing.T) {
 	tr2, _ := NewTransport(Options{Sys: sys2.Root(), DevRoot: t.TempDir(), Host: &HostIdentity{NQN: hostA, ID: hidA},
 		Staged: func(context.Context) ([]map[string]string, error) { return nil, errors.New("state unreadable") }})
 	tg, _ := tr2.Parse(vc2, nil)
-	if err := tg.Detach(ctx); err == nil || !strings.Contains(err.Error(), "state unreadable") {
+	if err := tg.Detach(ctx, nil); err == nil || !strings.Contains(err.Error(), "state unreadable") {
 		t.Errorf("Detach with a failing Staged: %v", err)
 	}
 	if readAttrT(t, sys2.Root().Path("class/nvme/nvme1"), "delete_controller") != "" {
@@ -262,7 +262,7 @@ func TestAddressesReadOnlyOfTheVolumesSubsystem(t *testing.T) {
 	if _, err := tg.PathStates(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	if read["nvme1"] == 0 || read["nvme2"] == 0 {
@@ -305,7 +305,7 @@ func TestDetachFlushEndsWithContext(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), d)
 		defer cancel()
 		start := time.Now()
-		err := tg.Detach(ctx)
+		err := tg.Detach(ctx, nil)
 		if took := time.Since(start); took > d+5*time.Second {
 			t.Errorf("Detach with a %v deadline took %v", d, took)
 		}
@@ -349,7 +349,7 @@ func TestDetachFencedFlush(t *testing.T) {
 		err     error
 		deleted bool
 	}{
-		{"reservation conflict", fmt.Errorf("flush /dev/nvme0n1: fsync: %w: %w", syscall.EBADE, errFlushFenced), true},
+		{"reservation conflict", fmt.Errorf("flush /dev/nvme0n1: fsync: %w: %w", syscall.EBADE, devices.ErrReservationConflict), true},
 		{"I/O error", fmt.Errorf("flush /dev/nvme0n1: fsync: %w", syscall.EIO), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -366,7 +366,7 @@ func TestDetachFencedFlush(t *testing.T) {
 				t.Fatal(err)
 			}
 			tg, _ := tr.Parse(map[string]string{"nqn": subA, "nsid": "1", "targets": "127.0.0.1:4420,[::1]:4421"}, nil)
-			err = tg.Detach(context.Background())
+			err = tg.Detach(context.Background(), nil)
 			if (err == nil) != tc.deleted {
 				t.Errorf("Detach = %v", err)
 			}

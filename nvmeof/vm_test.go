@@ -109,7 +109,7 @@ func mustAttach(t *testing.T, ctx context.Context, tg *Target) *devices.Device {
 	t.Logf("attached %s as %s in %v", tg.Key(), dev, time.Since(start).Round(time.Microsecond))
 	// Leave no controller behind for the next test, even on failure.
 	t.Cleanup(func() {
-		if err := tg.Detach(context.Background()); err != nil {
+		if err := tg.Detach(context.Background(), nil); err != nil {
 			t.Logf("cleanup: %v", err)
 		}
 	})
@@ -180,14 +180,14 @@ func TestGuestAttachDetach(t *testing.T) {
 		t.Logf("health: %s", msg)
 	}
 
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Fatalf("Detach: %v", err)
 	}
 	wantControllers(t, nqn, 0)
 	if _, err := os.Stat("/sys/block/" + dev.Name); err == nil {
 		t.Errorf("%s still exists after detach", dev.Name)
 	}
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Errorf("second Detach: %v", err)
 	}
 	if abnormal, msg := tg.Health(ctx); !abnormal {
@@ -231,7 +231,7 @@ func TestGuestReuseAndDuplicate(t *testing.T) {
 	if cs[0].Name != fmt.Sprintf("nvme%d", inst) {
 		t.Errorf("attach used %s, the existing controller is nvme%d", cs[0].Name, inst)
 	}
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	wantControllers(t, nqn, 0)
@@ -290,7 +290,7 @@ func TestGuestIdentity(t *testing.T) {
 		if dev.ID.NSID != 1 {
 			t.Errorf("%v: nsid %d", vc, dev.ID.NSID)
 		}
-		if err := tg.Detach(ctx); err != nil {
+		if err := tg.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, nqn, 0)
@@ -338,7 +338,7 @@ func TestGuestTwoNamespaces(t *testing.T) {
 		}
 		wantControllers(t, nqn, 1)
 		// Volume 1 goes; volume 2 is staged: the controller stays.
-		if err := tg1.Detach(ctx); err != nil {
+		if err := tg1.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, nqn, 1)
@@ -347,7 +347,7 @@ func TestGuestTwoNamespaces(t *testing.T) {
 		}
 		// The agent has not dropped volume 1's record yet (it does so
 		// after Detach returns): volume 2's detach still disconnects.
-		if err := tg2.Detach(ctx); err != nil {
+		if err := tg2.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, nqn, 0)
@@ -355,12 +355,12 @@ func TestGuestTwoNamespaces(t *testing.T) {
 		mustAttach(t, ctx, tg1)
 		mustAttach(t, ctx, tg2)
 		staged.set(vc1, vc2)
-		if err := tg2.Detach(ctx); err != nil {
+		if err := tg2.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, nqn, 1)
 		staged.set(vc1)
-		if err := tg1.Detach(ctx); err != nil {
+		if err := tg1.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, nqn, 0)
@@ -377,17 +377,17 @@ func TestGuestTwoNamespaces(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := tg1.Detach(ctx); err != nil {
+		if err := tg1.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, nqn, 1)
 		// A namespace still held cannot be detached.
-		if err := tg2.Detach(ctx); !errors.Is(err, errdefs.ErrBusy) {
+		if err := tg2.Detach(ctx, nil); !errors.Is(err, errdefs.ErrBusy) {
 			t.Errorf("detach of a held namespace: %v, want ErrBusy", err)
 		}
 		wantControllers(t, nqn, 1)
 		unix.Close(fd2)
-		if err := tg2.Detach(ctx); err != nil {
+		if err := tg2.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
 		wantControllers(t, nqn, 0)
@@ -534,7 +534,7 @@ func TestGuestMultipath(t *testing.T) {
 		}
 	}
 	f.Close()
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	wantControllers(t, nqn, 0)
@@ -571,7 +571,7 @@ func TestGuestExpand(t *testing.T) {
 		t.Fatal(err)
 	}
 	dev := mustAttach(t, ctx, tg)
-	defer tg.Detach(ctx)
+	defer tg.Detach(ctx, nil)
 	if got, err := tg.Expand(ctx); err != nil || got != 64<<20 {
 		t.Fatalf("Expand before growing: %d, %v", got, err)
 	}
@@ -664,7 +664,7 @@ func TestGuestHostNQN(t *testing.T) {
 		t.Fatal(err)
 	}
 	mustAttach(t, ctx, tg)
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 
@@ -708,7 +708,7 @@ func TestGuestHostName(t *testing.T) {
 	if abnormal, msg := tg.Health(ctx); abnormal {
 		t.Errorf("Health: %s", msg)
 	}
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
 	wantControllers(t, nqn, 0)

@@ -19,22 +19,15 @@ var osImports = []string{"golang.org/x/sys/unix", "syscall"}
 // osAccess are the directories (relative to the module root, with their
 // subdirectories) whose code may import osImports: the packages that talk
 // to the kernel (block devices and their events, filesystems and mounts,
-// systemd's sockets and notifications), the internal OS helpers, and the
-// test harnesses. Everything else reaches the OS through them.
+// systemd's sockets, notifications and stop signals), the internal OS
+// helpers (the NVMe-oF connect interface among them), and the test
+// harnesses. Everything else reaches the OS through them.
 var osAccess = []string{"devices", "fs", "systemd", "internal", "test"}
 
 // osExceptions are files outside osAccess that import osImports all the
 // same, each with the reason. An entry whose file no longer imports them
 // fails the test, so the table only shrinks.
-var osExceptions = map[string]string{
-	// signal.NotifyContext needs SIGTERM, which package os does not name.
-	"main.go": "signal numbers",
-	// The NVMe-oF transport still writes /dev/nvme-fabrics, sends its
-	// identify ioctl and reads ENODEV from sysfs itself; this moves into
-	// an OS-access package.
-	"nvmeof/fabrics_linux.go":  "/dev/nvme-fabrics",
-	"nvmeof/identify_linux.go": "NVMe admin ioctl",
-}
+var osExceptions = map[string]string{}
 
 // No package outside osAccess imports x/sys/unix or syscall in its
 // non-test files, apart from the files listed in osExceptions.

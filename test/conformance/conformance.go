@@ -123,7 +123,7 @@ func attach(t *testing.T, ctx context.Context, tg agent.Target) *devices.Device 
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
-		if err := tg.Detach(ctx); err != nil {
+		if err := tg.Detach(ctx, nil); err != nil {
 			t.Errorf("cleanup: Detach %s: %v", tg.Key(), err)
 		}
 	})
@@ -133,7 +133,7 @@ func attach(t *testing.T, ctx context.Context, tg agent.Target) *devices.Device 
 func detach(t *testing.T, ctx context.Context, tg agent.Target, what string) {
 	t.Helper()
 	start := time.Now()
-	if err := tg.Detach(ctx); err != nil {
+	if err := tg.Detach(ctx, nil); err != nil {
 		t.Fatalf("%s: Detach %s: %v", what, tg.Key(), err)
 	}
 	t.Logf("%s: detached in %v", what, time.Since(start).Round(time.Millisecond))
@@ -230,7 +230,7 @@ func testDetachBusy(t *testing.T, h Harness) {
 	defer release()
 	bctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	err = tg.Detach(bctx)
+	err = tg.Detach(bctx, nil)
 	t.Logf("Detach of a held device: %v", err)
 	if !errors.Is(err, errdefs.ErrBusy) {
 		t.Fatalf("Detach of a held device: %v, want ErrBusy", err)

@@ -1,13 +1,17 @@
-package nvmeof
+package devices
 
 import (
 	"encoding/binary"
 	"fmt"
 )
 
-// identifyNamespaceLen is the size of the Identify Namespace data
-// structure (NVMe base specification, CNS 00h).
-const identifyNamespaceLen = 4096
+const (
+	// nvmeIdentifyNamespace is CNS 00h of Identify: Identify Namespace.
+	nvmeIdentifyNamespace = 0x00
+	// identifyNamespaceLen is the size of the Identify Namespace data
+	// structure (NVMe base specification, CNS 00h).
+	identifyNamespaceLen = 4096
+)
 
 // parseNamespaceSize returns the size in bytes a controller reports for a
 // namespace in its Identify Namespace data: the namespace size in logical
