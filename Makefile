@@ -70,9 +70,9 @@ test: export BERTH_ENCRYPTED_CRASH_LIFECYCLES ?= ext4-luks
 # import rule, and test/upgrade, which builds v0.1.0 from this clone's
 # history (a shallow clone fails it) and runs it and this berth on the
 # same state (about 30 s). VM entry tests are named TestVM*; the host crash
-# suite runs in reliability.
+# suite and the fault tests (FAULT_TESTS) run in reliability.
 unit-test: build
-	BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m -skip '^TestVM|^TestCrashAtEveryStep$$' ./...
+	BERTH_BIN=$(CURDIR)/$(BIN) $(GO) test -count=1 -timeout 15m -skip '^TestVM|^TestCrashAtEveryStep$$|^($(FAULT_TESTS))$$' ./...
 
 # The Kubernetes manifests as helm and kustomize render them (helm lint,
 # helm template, kustomize build: pinned, installed once beside staticcheck),
@@ -125,12 +125,13 @@ image-check: image
 	cmp $(IMAGE) bin/image-check/berth-image.tar
 	@echo "image-check: two builds gave the same archive ($$(sha256sum < $(IMAGE) | cut -c1-16))"
 
-# Tests that boot QEMU guests with real NVMe/TCP and iSCSI targets. One
-# package at a time: every guest has two emulated CPUs, and guests of
-# several packages at once on a small host make timing-sensitive tests
-# (path failover, event order) flaky.
+# Tests that boot QEMU guests with real NVMe/TCP and iSCSI targets, but
+# the crash suites and the fault tests (FAULT_TESTS), which run in
+# reliability. One package at a time: every guest has two emulated CPUs,
+# and guests of several packages at once on a small host make
+# timing-sensitive tests (path failover, event order) flaky.
 vm-test: build vm-image
-	$(GO) test -p 1 -count=1 -timeout 25m -run '^TestVM' -skip '^TestVMBench|^TestVMCrash' ./...
+	$(GO) test -p 1 -count=1 -timeout 25m -run '^TestVM' -skip '^TestVMBench|^TestVMCrash|^($(FAULT_TESTS))$$' ./...
 	cd test/sanity && $(GO) test -count=1 -timeout 20m -run '^TestVM' ./...
 
 # Coverage of the host tests (as unit-test runs them) and of the in-guest
@@ -159,14 +160,24 @@ COVER_LINES = tr '\t' '\n' | awk '/^coverage:/ { print p, $$2; next } NF { p = $
 # killed at each step boundary of a volume's whole life, restarted, and the
 # RPC retried; every run must converge with the data intact and nothing
 # left. File volumes on this host; NVMe/TCP and iSCSI volumes in one QEMU
-# guest per transport. Prints one table of every suite.
+# guest per transport. Then the fault tests (FAULT_TESTS, in FAULT_PKGS):
+# each fault scenario (a target outage, a silent path or portal, a dead
+# shared subsystem, a shut-down filesystem, ...) counts its volumes, RPCs,
+# RPCs past their deadline, bytes lost and leaks (test/reliability's
+# Fault). Prints one table of every crash suite and one of the faults;
+# unit-test and vm-test skip the fault tests, so make test runs them once.
 RELIABILITY_TABLE ?= bin/reliability.md
+FAULT_TESTS = TestUnstageShutDownFilesystem|TestVMNVMeoFFaults|TestVMISCSIFaults|TestVMISCSIFaultsMultipath
+FAULT_PKGS  = ./agent/ ./nvmeof/ ./iscsi/
 reliability: build vm-image
-	@mkdir -p $(dir $(RELIABILITY_TABLE)) && rm -f $(RELIABILITY_TABLE) $(RELIABILITY_TABLE).failures
+	@mkdir -p $(dir $(RELIABILITY_TABLE)) && rm -f $(RELIABILITY_TABLE) $(RELIABILITY_TABLE).faults $(RELIABILITY_TABLE).failures
 	@status=0; start=$$(date +%s); \
 	BERTH_RELIABILITY_TABLE=$(CURDIR)/$(RELIABILITY_TABLE) $(GO) test -count=1 -timeout 110m \
 		-run '^(TestEveryBoundaryHasASuite|TestCrashAtEveryStep|TestVMCrashNVMeoF|TestVMCrashISCSI|TestVMCrashEncrypted)$$' ./test/reliability/ || status=$$?; \
+	BERTH_RELIABILITY_TABLE=$(CURDIR)/$(RELIABILITY_TABLE) $(GO) test -p 1 -count=1 -timeout 30m \
+		-run '^($(FAULT_TESTS))$$' $(FAULT_PKGS) || status=$$?; \
 	echo; cat $(RELIABILITY_TABLE) 2>/dev/null || echo "no table: the suites did not get to report"; \
+	echo; cat $(RELIABILITY_TABLE).faults 2>/dev/null || echo "no fault table: the fault tests did not get to report"; \
 	if [ -s $(RELIABILITY_TABLE).failures ]; then echo; cat $(RELIABILITY_TABLE).failures; fi; \
 	echo "reliability: $$(( $$(date +%s) - start ))s"; exit $$status
 

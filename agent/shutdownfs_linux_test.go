@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/test/reliability"
 )
 
 // fsIOCShutdown is XFS_IOC_GOINGDOWN, which ext4 answers too
@@ -43,7 +44,7 @@ func triggerExt4Error(t *testing.T, dev string) {
 // A filesystem that stopped after I/O errors (xfs shut down, ext4 shut
 // down or remounted read-only by errors=remount-ro) is reported abnormal
 // and can still be unpublished and unstaged: nothing of it is left on
-// the node.
+// the node. Each case reports a row of make reliability's fault table.
 func TestUnstageShutDownFilesystem(t *testing.T) {
 	for _, tc := range []struct {
 		name, fsType string
@@ -63,6 +64,12 @@ func TestUnstageShutDownFilesystem(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newHarness(t)
+			then := ": unpublished and unstaged"
+			if tc.unpublished {
+				then = ": unstaged"
+			}
+			fault := reliability.StartFault(t, tc.name+then)
+			h.node = fault.Node(h.node)
 			v := h.newVol("down", tc.size, mountCap(tc.fsType, snw, tc.flags...))
 			must(t, "stage", h.stage(v))
 			paths := []string{v.staging}
@@ -107,15 +114,19 @@ func TestUnstageShutDownFilesystem(t *testing.T) {
 				}
 			}
 			must(t, "unstage", h.unstage(v))
-			if n := mountsAt(t, v.staging); n != 0 {
-				t.Errorf("%d mounts left at the staging path", n)
+			left := mountsAt(t, v.staging)
+			if left != 0 {
+				t.Errorf("%d mounts left at the staging path", left)
 			}
 			if d, err := (devices.Roots{}).FindLoop(filepath.Join(h.root, "down.img")); err == nil {
 				t.Errorf("image still attached to %s after unstage", d.Path)
+				left++
 			}
 			if n := len(stateFiles(t, h)); n != 0 {
 				t.Errorf("%d state files after unstage", n)
+				left += n
 			}
+			fault.Leaked(left)
 		})
 	}
 }

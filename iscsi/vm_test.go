@@ -72,6 +72,10 @@ func guestRun(all string) string {
 	return all
 }
 
+// GuestRun is guestRun for the package's external tests (its fault
+// tests' entry points).
+var GuestRun = guestRun
+
 // guestTransport returns a transport on a fresh listener.
 func guestTransport(t *testing.T, opts Options) *Transport {
 	t.Helper()

@@ -701,13 +701,6 @@ func progress(format string, args ...any) {
 	fmt.Fprintf(f, "crash suite: "+format+"\n", args...)
 }
 
-// rowMarker starts a table line in a guest's output, failureMarker the
-// account of a crash run that failed (quoted, one line).
-const (
-	rowMarker     = "BERTH-RELIABILITY-ROW "
-	failureMarker = "BERTH-RELIABILITY-FAILURE "
-)
-
 // failedRuns keeps the account of every crash run that failed, for the
 // end of the report: CI may show only the head and the tail of a long
 // output, and the guests' output comes as one block when they are done.
@@ -736,66 +729,26 @@ func (l *runLog) take() []string {
 // guestReport collects the table rows and the failed runs' accounts a
 // guest printed.
 func guestReport(out string) (rows, failures []string) {
-	for _, line := range strings.Split(out, "\n") {
-		if i := strings.Index(line, rowMarker); i >= 0 {
-			rows = append(rows, strings.TrimSpace(line[i+len(rowMarker):]))
-		}
-		if i := strings.Index(line, failureMarker); i >= 0 {
-			f, err := strconv.Unquote(strings.TrimSpace(line[i+len(failureMarker):]))
-			if err != nil {
-				f = line[i+len(failureMarker):]
-			}
-			failures = append(failures, f)
-		}
-	}
-	return rows, failures
+	return markedLines(out, rowMarker), guestFailures(out)
 }
 
 // reportTable prints the table of rows and the accounts of the failed
-// runs, and appends them to the file named by BERTH_RELIABILITY_TABLE
-// and to the same name with ".failures" added (make reliability prints
-// the rows of every suite as one table, the failures below it). In a
-// guest both go to the output, behind rowMarker and failureMarker, for
-// the host half to collect.
+// runs, and appends them to the file named by TableEnv and to the same
+// name with ".failures" added (make reliability prints the rows of every
+// suite as one table, the failures below it). In a guest both go to the
+// output, behind rowMarker and failureMarker, for the host half to
+// collect.
 func reportTable(t *testing.T, rows, failures []string) {
 	if vm.InGuest() {
-		for _, r := range rows {
-			fmt.Printf("%s%s\n", rowMarker, r)
-		}
-		for _, f := range failures {
-			fmt.Printf("%s%s\n", failureMarker, strconv.Quote(f))
-		}
+		printGuestReport(rowMarker, rows, failures)
 		return
 	}
 	fmt.Printf("\n%s\n%s\n", tableHeader, strings.Join(rows, "\n"))
 	for _, f := range failures {
 		fmt.Printf("FAILED %s\n", f)
 	}
-	p := os.Getenv("BERTH_RELIABILITY_TABLE")
-	if p == "" {
-		return
-	}
-	f, err := os.OpenFile(p, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
-	if err != nil {
+	if err := appendReport("", tableHeader, rows, failures); err != nil {
 		t.Fatal(err)
-	}
-	defer f.Close()
-	if st, err := f.Stat(); err == nil && st.Size() == 0 {
-		fmt.Fprintln(f, tableHeader)
-	}
-	for _, r := range rows {
-		fmt.Fprintln(f, r)
-	}
-	if len(failures) == 0 {
-		return
-	}
-	ff, err := os.OpenFile(p+".failures", os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ff.Close()
-	for _, fl := range failures {
-		fmt.Fprintf(ff, "FAILED %s\n", fl)
 	}
 }
 

@@ -740,9 +740,11 @@ func (m *Machine) ReportTests(t *testing.T) {
 
 // RunGuestTests runs this package's in-guest tests in a new guest and reports
 // each of them as a subtest of t. A guest whose kernel oopses in one of
-// knownKernelBugs is run once more, from a fresh boot.
-func RunGuestTests(t *testing.T, opts ...Option) {
+// knownKernelBugs is run once more, from a fresh boot. It returns the
+// guest, which has ended, for what else its output holds.
+func RunGuestTests(t *testing.T, opts ...Option) *Machine {
 	t.Helper()
 	m := Boot(t, append(opts, func(c *config) { c.rerunOnKernelBug = true })...)
 	m.ReportTests(t)
+	return m
 }
