@@ -271,7 +271,7 @@ func TestVMISCSIFaultsMultipath(t *testing.T) {
 		vm.WithModules("iscsi_tcp", "target_core_mod", "target_core_iblock", "iscsi_target_mod", "loop"),
 		vm.WithIscsid(),
 		vm.WithMultipathd(),
-		vm.WithTimeout(5*time.Minute))
+		vm.WithTimeout(9*time.Minute))
 	reliability.ReportFaults(t, m.Output())
 }
 

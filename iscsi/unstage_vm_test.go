@@ -1,7 +1,6 @@
 package iscsi_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -23,6 +22,7 @@ import (
 	"github.com/berth-csi/berth/fs"
 	"github.com/berth-csi/berth/iscsi"
 	"github.com/berth-csi/berth/test/csitest"
+	"github.com/berth-csi/berth/test/reliability"
 	"github.com/berth-csi/berth/test/vm"
 )
 
@@ -351,15 +351,16 @@ func stageMultipath(t *testing.T, ctx context.Context, node csi.NodeClient, lt i
 	return dm, vctx
 }
 
-// TestMultipathISCSIAgentUnstageOutage: both paths of a multipath volume
+// TestFaultMultipathISCSIUnstageOutage: both paths of a multipath volume
 // go down just before its unstage and come back 3 s into it (a switch
 // failing over, a target restarting). The unstage waits for them with the
 // map still queueing, so that the dirty pages written before it reach the
 // LUN: staged again, the volume holds every byte.
-func TestMultipathISCSIAgentUnstageOutage(t *testing.T) {
+func TestFaultMultipathISCSIUnstageOutage(t *testing.T) {
 	vm.RequireGuest(t)
 	queueForever(t)
-	node := startAgent(t, slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelDebug})))
+	fault := reliability.StartFault(t, "iSCSI multipath: both paths down for 3 s during an unstage with dirty pages, then staged again")
+	node := fault.Node(startAgent(t, slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelDebug}))))
 	lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260", "127.0.0.2:3260")
 	wwid := lt.AddLUN(0, 64<<20)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
@@ -403,32 +404,41 @@ func TestMultipathISCSIAgentUnstageOutage(t *testing.T) {
 		t.Fatalf("NodeStageVolume again: %v", err)
 	}
 	got, err := os.ReadFile(filepath.Join(staging, "data"))
-	if err != nil || !bytes.Equal(got, want) {
-		t.Errorf("staged again, the file holds %d bytes (%v), %d of them as written; want all %d", len(got), err, commonPrefix(got, want), len(want))
+	lost := differing(got, want)
+	fault.Lost(lost)
+	if err != nil || lost > 0 {
+		t.Errorf("staged again, the file holds %d bytes (%v), %d of the %d written differ", len(got), err, lost, len(want))
 	}
 	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
 		t.Fatalf("NodeUnstageVolume: %v", err)
 	}
+	fault.Leaked(iscsiSessions(t, lt.IQN))
 }
 
-func commonPrefix(a, b []byte) int {
-	n := 0
-	for n < len(a) && n < len(b) && a[n] == b[n] {
-		n++
+// differing counts the bytes of want that got does not hold at their
+// place.
+func differing(got, want []byte) int64 {
+	var n int64
+	for i := range want {
+		if i >= len(got) || got[i] != want[i] {
+			n++
+		}
 	}
 	return n
 }
 
-// TestMultipathISCSIAgentUnstageNotFinished: an unstage during an outage
+// TestFaultMultipathISCSIUnstageNotFinished: an unstage during an outage
 // too long to wait out makes the map fail I/O, and then cannot unmount (a
 // file is still open in the staging mount). The volume stays staged, and
 // its map queues I/O again, as before the unstage: the next outage does
 // not fail its writes at once. Once the file is closed and the paths are
-// back, the unstage finishes.
-func TestMultipathISCSIAgentUnstageNotFinished(t *testing.T) {
+// back, the unstage finishes: the kubelet's retry, since the first flush
+// reports the writes the map failed meanwhile.
+func TestFaultMultipathISCSIUnstageNotFinished(t *testing.T) {
 	vm.RequireGuest(t)
 	queueForever(t)
-	node := startAgent(t, slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelDebug})))
+	fault := reliability.StartFault(t, "iSCSI multipath: an unstage that stopped queueing and could not unmount, then every path back")
+	node := fault.Node(startAgent(t, slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelDebug}))))
 	lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260", "127.0.0.2:3260")
 	wwid := lt.AddLUN(0, 64<<20)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
@@ -464,10 +474,19 @@ func TestMultipathISCSIAgentUnstageNotFinished(t *testing.T) {
 	f.Close()
 	lt.Restore(1)
 	lt.Restore(2)
-	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
-		t.Fatalf("NodeUnstageVolume with the file closed and the paths back: %v", err)
+	unstage := func() error {
+		_, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+		return err
 	}
-	if n := iscsiSessions(t, lt.IQN); n != 0 {
+	if err := unstage(); err != nil {
+		t.Logf("NodeUnstageVolume with the file closed and the paths back: %v", err)
+		if err := unstage(); err != nil {
+			t.Fatalf("NodeUnstageVolume retried: %v", err)
+		}
+	}
+	n := iscsiSessions(t, lt.IQN)
+	fault.Leaked(n)
+	if n != 0 {
 		t.Errorf("%d sessions left", n)
 	}
 }

@@ -38,7 +38,7 @@ import (
 func TestVMNVMeoFFaults(t *testing.T) {
 	m := vm.RunGuestTests(t,
 		vm.WithTestRun(nvmeof.GuestRun("^TestFault")),
-		vm.WithTimeout(7*time.Minute),
+		vm.WithTimeout(9*time.Minute),
 	)
 	reliability.ReportFaults(t, m.Output())
 }
