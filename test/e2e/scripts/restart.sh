@@ -7,6 +7,9 @@
 #      pod deleted after it unmounts cleanly.
 #   3. berth is killed (SIGKILL) while a pod's volume is being staged: the
 #      container restarts and the pod starts with its data volume.
+#   4. berth upgraded in place: the DaemonSet rolled out to another image
+#      and rolled back while a pod appends to its volume and syncs: the
+#      pod runs on, and no write is lost or out of order.
 # Along the way, the attach step (attachRequired: true): a running pod's
 # volume has its VolumeAttachment, under the name the kubelet computes
 # (csi- and the SHA-256 of volume handle, driver and node), attached by
@@ -231,6 +234,58 @@ if [ $killed = 1 ] && until_ok 240 running p3 && [ "$(token p3)" = p3 ] && until
 	ok "berth killed (SIGKILL) during the start of p3: the pod started with its volume"
 else
 	fail "berth killed during the start of p3 (killed=$killed): the pod did not start with its volume"
+fi
+
+# 4. berth upgraded in place: a rolling update of the DaemonSet to another
+# image (berth's image under a second tag: the rollout replaces the pod as
+# for a new release) and a rollback, under a pod that appends a counter to
+# its volume and syncs after each line.
+counter_pod() { # NAME CLAIM
+	kc apply -f - >/dev/null <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: $1, namespace: $NS}
+spec:
+  nodeName: berth-e2e-node
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: c
+    image: registry.k8s.io/e2e-test-images/busybox:1.37.0-1
+    command: [sh, -c, 'i=0; while :; do i=\$((i+1)); echo \$i >> /data/count; sync; sleep 0.2; done']
+    volumeMounts: [{name: v, mountPath: /data}]
+  volumes: [{name: v, persistentVolumeClaim: {claimName: $2}}]
+EOF
+}
+count() { kc -n $NS exec "$1" -- tail -n 1 /data/count; }
+# in_order POD: the counter's lines are 1, 2, ... N, none lost or repeated.
+in_order() { kc -n $NS exec "$1" -- awk 'NR != $1 { bad = 1 } END { exit bad }' /data/count; }
+counting_past() { [ "$(count "$1")" -gt "$2" ]; } # POD N
+node_image() { kc -n kube-system get pods -l $node_pods -o jsonpath='{.items[*].spec.containers[?(@.name=="berth")].image}'; }
+# roll POD IMAGE WHAT KUBECTL-ARGS...: rolls the DaemonSet out to IMAGE.
+roll() {
+	local p=$1 img=$2 what=$3 before
+	shift 3
+	before=$(count "$p")
+	if kc -n kube-system "$@" >/dev/null &&
+		kc -n kube-system rollout status "ds/$ds" --timeout=180s >/dev/null &&
+		until_ok 120 berth_ready && [ "$(node_image)" = "$img" ] &&
+		until_ok 30 counting_past "$p" "$before" && running "$p" && in_order "$p"; then
+		ok "$what: berth's pod runs $img, and $p went on writing ($before lines before, $(count "$p") after, every line in order)"
+	else
+		fail "$what to $img: node image [$(node_image)], $p $(kc -n $NS get pod "$p" -o jsonpath='{.status.phase}'), count before $before, now [$(count "$p" 2>&1)]"
+	fi
+}
+claim c4
+counter_pod p4 c4
+ds=$(kc -n kube-system get ds -l $node_pods -o jsonpath='{.items[0].metadata.name}')
+img=$(kc -n kube-system get ds "$ds" -o jsonpath='{.spec.template.spec.containers[?(@.name=="berth")].image}')
+next=$img-next
+if until_ok 180 running p4 && until_ok 30 counting_past p4 5 &&
+	ctr --address "$R/containerd.sock" -n k8s.io images tag "$img" "$next" >/dev/null; then
+	roll p4 "$next" "rolling update of the DaemonSet" set image "ds/$ds" "berth=$next"
+	roll p4 "$img" "rollback of the DaemonSet" rollout undo "ds/$ds"
+else
+	fail "pod p4 did not start writing, or the image $img could not be tagged $next"
 fi
 
 # Everything deleted: nothing staged, published, attached or recorded.
