@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"os"
 
 	"golang.org/x/sys/unix"
 
@@ -18,7 +17,7 @@ func BlockDeviceSize(devPath string) (int64, error) {
 	if _, err := statBlockDevice(devPath); err != nil {
 		return 0, err
 	}
-	f, err := openDevice(devPath, unix.O_RDONLY)
+	f, err := blockdev.Open(devPath, unix.O_RDONLY)
 	if err != nil {
 		return 0, fmt.Errorf("device size %s: %w", devPath, err)
 	}
@@ -37,7 +36,7 @@ func FlushBuffers(devPath string) error {
 	if _, err := statBlockDevice(devPath); err != nil {
 		return err
 	}
-	f, err := openDevice(devPath, unix.O_RDONLY)
+	f, err := blockdev.Open(devPath, unix.O_RDONLY)
 	if err != nil {
 		return fmt.Errorf("flush %s: %w", devPath, err)
 	}
@@ -115,7 +114,7 @@ func SetDeviceReadOnly(devPath string, ro bool) error {
 	if _, err := statBlockDevice(devPath); err != nil {
 		return err
 	}
-	f, err := openDevice(devPath, unix.O_RDONLY)
+	f, err := blockdev.Open(devPath, unix.O_RDONLY)
 	if err != nil {
 		return fmt.Errorf("set read-only=%t on %s: %w", ro, devPath, err)
 	}
@@ -137,7 +136,7 @@ func DeviceReadOnly(devPath string) (bool, error) {
 	if _, err := statBlockDevice(devPath); err != nil {
 		return false, err
 	}
-	f, err := openDevice(devPath, unix.O_RDONLY)
+	f, err := blockdev.Open(devPath, unix.O_RDONLY)
 	if err != nil {
 		return false, fmt.Errorf("read-only state of %s: %w", devPath, err)
 	}
@@ -147,22 +146,6 @@ func DeviceReadOnly(devPath string) (bool, error) {
 		return false, fmt.Errorf("read-only state of %s: %w", devPath, err)
 	}
 	return ro, nil
-}
-
-// openDevice opens a block device or file and names the sentinel for the
-// common failures.
-func openDevice(path string, flags int) (*os.File, error) {
-	f, err := os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
-	if err != nil {
-		switch {
-		case errors.Is(err, os.ErrNotExist):
-			return nil, fmt.Errorf("%w: %w", err, errdefs.ErrNotFound)
-		case errors.Is(err, os.ErrPermission):
-			return nil, fmt.Errorf("%w: %w", err, errdefs.ErrPermissionDenied)
-		}
-		return nil, err
-	}
-	return f, nil
 }
 
 // statBlockDevice checks that path is a block device and returns its

@@ -96,7 +96,7 @@ func blockGeometry(devPath string) (logical int, size int64, err error) {
 	if _, err := statBlockDevice(devPath); err != nil {
 		return 0, 0, err
 	}
-	f, err := openDevice(devPath, unix.O_RDONLY)
+	f, err := blockdev.Open(devPath, unix.O_RDONLY)
 	if err != nil {
 		return 0, 0, err
 	}

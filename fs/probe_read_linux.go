@@ -116,9 +116,9 @@ func openForProbe(path string) (*os.File, int64, error) {
 // openDirect opens path for reading with O_DIRECT, or without it where
 // the file does not allow it (tmpfs).
 func openDirect(path string) (*os.File, error) {
-	f, err := openDevice(path, unix.O_RDONLY|unix.O_DIRECT)
+	f, err := blockdev.Open(path, unix.O_RDONLY|unix.O_DIRECT)
 	if errors.Is(err, unix.EINVAL) {
-		f, err = openDevice(path, unix.O_RDONLY)
+		f, err = blockdev.Open(path, unix.O_RDONLY)
 	}
 	return f, err
 }

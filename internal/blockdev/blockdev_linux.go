@@ -9,14 +9,33 @@
 package blockdev
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"os"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/forklock"
 )
+
+// Open opens a block device (or an image file) with flags, close-on-exec,
+// and names the sentinel for the common failures: errdefs.ErrNotFound for
+// a node that is not there, errdefs.ErrPermissionDenied for one berth may
+// not open.
+func Open(path string, flags int) (*os.File, error) {
+	f, err := os.OpenFile(path, flags|unix.O_CLOEXEC, 0)
+	switch {
+	case err == nil:
+		return f, nil
+	case errors.Is(err, os.ErrNotExist):
+		return nil, fmt.Errorf("%w: %w", err, errdefs.ErrNotFound)
+	case errors.Is(err, os.ErrPermission):
+		return nil, fmt.Errorf("%w: %w", err, errdefs.ErrPermissionDenied)
+	}
+	return nil, err
+}
 
 // Held reports whether the block device at path is mounted, stacked on
 // (a device-mapper table) or otherwise opened exclusively: the kernel
