@@ -475,9 +475,13 @@ func (a *Agent) preempted(rec *volumeRecord) string {
 // flush and before the detach: the reservation if this node's key holds
 // it, then the key on every path. A node that was preempted (its key
 // gone), or whose device or paths are gone, has nothing to give back.
-// Other keys are never touched.
+// Other keys are never touched. A record that may have lost its fence
+// (see mayHaveLostFence) is unfenced by unfenceUnrecorded.
 func (a *Agent) unfence(ctx context.Context, rec *volumeRecord, unreachable bool) error {
-	if rec.Fence == nil || rec.Fence.Key == 0 {
+	if rec.Fence == nil {
+		return a.unfenceUnrecorded(ctx, rec, unreachable)
+	}
+	if rec.Fence.Key == 0 {
 		return nil
 	}
 	log := logFrom(ctx, a.log)
@@ -502,6 +506,12 @@ func (a *Agent) unfence(ctx context.Context, rec *volumeRecord, unreachable bool
 		}
 		return nil
 	}
+	return a.giveBack(rec, d, f, res, key)
+}
+
+// giveBack releases the reservation if key holds it and unregisters key
+// on every path of d.
+func (a *Agent) giveBack(rec *volumeRecord, d *devices.Device, f prDevice, res devices.Reservation, key uint64) error {
 	if res.Holder == key {
 		if err := f.Release(key, res.Type); err != nil {
 			return fmt.Errorf("volume %q: give back the reservation: %w", rec.VolumeID, err)
@@ -511,6 +521,68 @@ func (a *Agent) unfence(ctx context.Context, rec *volumeRecord, unreachable bool
 		return fmt.Errorf("volume %q: unregister the node's key: %w", rec.VolumeID, err)
 	}
 	return nil
+}
+
+// mayHaveLostFence reports whether a record without a fence is of a
+// volume that a stage fences today (a writer mode on an iSCSI, NVMe or
+// multipath device): one v0.1.0 staged, which never fenced, or one whose
+// record v0.1.0 wrote again after a later berth had fenced it (a
+// rollback with volumes staged: its publish of a raw block volume),
+// which dropped the fence it did not know.
+func (rec *volumeRecord) mayHaveLostFence() bool {
+	if rec.Fence != nil || rec.Device == nil {
+		return false
+	}
+	switch rec.Device.Kind {
+	case devices.KindSCSI, devices.KindNVMe, devices.KindDM:
+	default:
+		return false
+	}
+	switch csi.VolumeCapability_AccessMode_Mode(csi.VolumeCapability_AccessMode_Mode_value[rec.Mode]) {
+	case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER,
+		csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER,
+		csi.VolumeCapability_AccessMode_MULTI_NODE_SINGLE_WRITER:
+		return true
+	}
+	return false
+}
+
+// unfenceUnrecorded gives back the fence a record lost (see
+// mayHaveLostFence). berth records a fence before it registers, and a
+// device is one volume's on a node, so this node's key registered on the
+// device of a record without a fence is a lost fence. Nothing recorded
+// says the node holds anything: a device that cannot be read for its
+// reservation is left as it is, with a warning.
+func (a *Agent) unfenceUnrecorded(ctx context.Context, rec *volumeRecord, unreachable bool) error {
+	if !rec.mayHaveLostFence() || a.pr == nil || unreachable {
+		return nil
+	}
+	d := a.recordedDevice(rec.Device)
+	if d == nil || !devices.ReservationReadable(d) {
+		return nil
+	}
+	log := logFrom(ctx, a.log)
+	key := NodeKey(a.cfg.NodeID)
+	const unread = "the volume's record has no fence, and its device's reservation could not be read to look for this node's key, which a record v0.1.0 wrote again loses: if it is there, it stays registered until this node stages the volume again or another node takes it over"
+	f, err := a.pr.open(d)
+	if err != nil {
+		log.WarnContext(ctx, unread, slog.String("error", err.Error()))
+		return nil
+	}
+	defer f.Close()
+	res, err := f.ReadReservation()
+	if err != nil {
+		log.WarnContext(ctx, unread, slog.String("error", err.Error()))
+		return nil
+	}
+	if !slices.Contains(res.Keys, key) {
+		return nil
+	}
+	log.WarnContext(ctx, "the node's reservation key is registered at the target though the volume's record has no fence (v0.1.0 wrote the record again and dropped the fence a later berth recorded): giving it back",
+		slog.String("key", describeKey(key, a.cfg.NodeID)))
+	return a.giveBack(rec, d, f, res, key)
 }
 
 // fenceCondition is the volume's condition as fencing sees it: abnormal
