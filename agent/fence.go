@@ -510,7 +510,8 @@ func (a *Agent) unfence(ctx context.Context, rec *volumeRecord, unreachable bool
 }
 
 // giveBack releases the reservation if key holds it and unregisters key
-// on every path of d.
+// on every path of d, then on the SCSI nexuses of this node that are
+// gone (dropGoneNexuses).
 func (a *Agent) giveBack(rec *volumeRecord, d *devices.Device, f prDevice, res devices.Reservation, key uint64) error {
 	if res.Holder == key {
 		if err := f.Release(key, res.Type); err != nil {
@@ -519,6 +520,50 @@ func (a *Agent) giveBack(rec *volumeRecord, d *devices.Device, f prDevice, res d
 	}
 	if err := unregisterPaths(a.pr, d, key); err != nil {
 		return fmt.Errorf("volume %q: unregister the node's key: %w", rec.VolumeID, err)
+	}
+	if d.ID.Kind == devices.KindNVMe {
+		// NVMe tells registrants apart by host, not by connection.
+		return nil
+	}
+	if err := dropGoneNexuses(f, key); err != nil {
+		return fmt.Errorf("volume %q: remove the node's key from its sessions that are gone: %w", rec.VolumeID, err)
+	}
+	return nil
+}
+
+// dropGoneNexuses removes key from the SCSI I_T nexuses that still have
+// it once every path of the device unregistered it: this node's sessions
+// that are gone (open-iscsi gives each session a new ISID), such as one
+// before a reboot or one of an unstage by v0.1.0, which knows no
+// fencing. One of them may hold the reservation, which a release through
+// another nexus does not give back (SPC: the holder is the nexus that
+// reserved). Through f registered again, a preempt of the node's own key
+// removes the other nexuses' registrations (the issuing one keeps its
+// own) and makes f's nexus the holder of a reservation they held; its
+// release and unregistration then give everything back.
+func dropGoneNexuses(f prDevice, key uint64) error {
+	res, err := f.ReadReservation()
+	if err != nil {
+		return err
+	}
+	if !slices.Contains(res.Keys, key) {
+		return nil
+	}
+	typ := fenceType
+	if res.Holder == key {
+		typ = res.Type
+	}
+	if err := f.Register(0, key, true); err != nil {
+		return fmt.Errorf("register: %w", err)
+	}
+	if err := f.Preempt(key, key, typ, false); err != nil {
+		return fmt.Errorf("preempt: %w", err)
+	}
+	if err := f.Release(key, typ); err != nil {
+		return fmt.Errorf("release: %w", err)
+	}
+	if err := f.Register(key, 0, false); err != nil {
+		return fmt.Errorf("unregister: %w", err)
 	}
 	return nil
 }

@@ -131,7 +131,9 @@ func (t *fakePRTarget) preempt(nx string, key, victim uint64, typ devices.PRType
 	holderKey := t.regs[t.holder]
 	found := false
 	for n, k := range t.regs {
-		if k == victim {
+		// The issuing nexus keeps its registration (SPC-4 5.14.11.5.4):
+		// a node preempting its own key removes its other nexuses'.
+		if k == victim && n != nx {
 			found = true
 			delete(t.regs, n)
 			if abort {
@@ -736,6 +738,28 @@ func TestFenceLostByV010Rewrite(t *testing.T) {
 		a.rewriteAsV010(t)
 		must(t, "unstage on a target without reservations", a.unstage())
 	})
+}
+
+// A nexus of the node that is gone keeps its key and the reservation:
+// the session of a login before a reboot, or of an unstage by v0.1.0,
+// which knows no fencing; open-iscsi gives a new session a new ISID, a
+// new I_T nexus. The stage after it registers the new paths, whose
+// release is no release (SPC: the holder is the nexus that reserved);
+// the unstage removes the old nexus's key and reservation too.
+func TestFenceStaleNexus(t *testing.T) {
+	tgt := newFakePRTarget()
+	a := newFenceNode(t, "node-a", tgt)
+	must(t, "stage", a.stage(snw, nil))
+	must(t, "unstage by hand", a.unstage())
+	// The node's key and reservation through sessions that are gone.
+	key := NodeKey("node-a")
+	tgt.regs["node-a/old-p0"], tgt.regs["node-a/old-p1"] = key, key
+	tgt.holder, tgt.typ = "node-a/old-p0", fenceType
+	must(t, "stage again", a.stage(snw, nil))
+	must(t, "unstage", a.unstage())
+	if len(tgt.regs) != 0 || tgt.holderKey() != 0 {
+		t.Fatalf("left at the target: keys %v, holder %q", tgt.regs, tgt.holder)
+	}
 }
 
 // rewriteAsV010 writes the volume's record again as v0.1.0 does (format

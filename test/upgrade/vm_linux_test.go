@@ -64,6 +64,39 @@ func TestGuestV010Rollback(t *testing.T) {
 	rollbackToV010(t, newGuestNode(t, "rollback"), guestV010, guestCur)
 }
 
+// TestGuestV010UnstagesFenced: v0.1.0, rolled back to with a volume
+// today's berth fenced (an iSCSI LUN: LIO has reservations), unstages it
+// without the reservation it does not know, which stays at the target
+// (README's rollback rule); today's berth staging and unstaging the
+// volume again on the node gives it back.
+func TestGuestV010UnstagesFenced(t *testing.T) {
+	vm.RequireGuest(t)
+	n := newGuestNode(t, "fenced")
+	v := n.vols[slices.IndexFunc(n.vols, func(v *volume) bool { return v.id == "iscsi-ext4" })]
+	if !n.start(guestCur) {
+		t.Fatalf("berth exited at start:\n%s", n.logs)
+	}
+	n.ok("NodeStageVolume", v, n.stage(v))
+	n.stop()
+	if !n.start(guestV010) {
+		t.Fatalf("v0.1.0 exited at start:\n%s", n.logs)
+	}
+	n.ok("v0.1.0 NodeUnstageVolume", v, n.unstage(v))
+	n.stop()
+	left := n.host().kernel
+	t.Logf("left by v0.1.0's unstage:\n\t%s", strings.Join(left, "\n\t"))
+	if !slices.ContainsFunc(left, func(s string) bool { return strings.HasPrefix(s, "iSCSI LUN 0 reservation:") }) {
+		t.Fatalf("v0.1.0's unstage gave back the reservation it does not know (README's rollback rule says it stays): %v", left)
+	}
+	if !n.start(guestCur) {
+		t.Fatalf("berth exited at start:\n%s", n.logs)
+	}
+	n.ok("NodeStageVolume again", v, n.stage(v))
+	n.ok("NodeUnstageVolume", v, n.unstage(v))
+	n.stop()
+	n.requireNothingLeft()
+}
+
 // newGuestNode is a node of an NVMe/TCP subsystem with two namespaces
 // and an iSCSI target with two LUNs, one path each: an ext4 and a raw
 // block volume of each transport, in the volume_context keys v0.1.0
