@@ -488,9 +488,13 @@ func (a *Agent) preempted(rec *volumeRecord) string {
 // flush and before the detach: the reservation if this node's key holds
 // it, then the key on every path. A node that was preempted (its key
 // gone), or whose device or paths are gone, has nothing to give back.
-// Other keys are never touched.
+// Other keys are never touched. A record that may have lost its fence
+// (see mayHaveLostFence) is unfenced by unfenceUnrecorded.
 func (a *Agent) unfence(ctx context.Context, rec *volumeRecord, unreachable bool) error {
-	if rec.Fence == nil || rec.Fence.Key == 0 {
+	if rec.Fence == nil {
+		return a.unfenceUnrecorded(ctx, rec, unreachable)
+	}
+	if rec.Fence.Key == 0 {
 		return nil
 	}
 	log := logFrom(ctx, a.log)
@@ -515,6 +519,13 @@ func (a *Agent) unfence(ctx context.Context, rec *volumeRecord, unreachable bool
 		}
 		return nil
 	}
+	return a.giveBack(rec, d, f, res, key)
+}
+
+// giveBack releases the reservation if key holds it and unregisters key
+// on every path of d, then on the SCSI nexuses of this node that are
+// gone (dropGoneNexuses).
+func (a *Agent) giveBack(rec *volumeRecord, d *devices.Device, f prDevice, res devices.Reservation, key uint64) error {
 	if res.Holder == key {
 		if err := f.Release(key, res.Type); err != nil {
 			return fmt.Errorf("volume %q: give back the reservation: %w", rec.VolumeID, err)
@@ -523,7 +534,113 @@ func (a *Agent) unfence(ctx context.Context, rec *volumeRecord, unreachable bool
 	if err := unregisterPaths(a.pr, d, key); err != nil {
 		return fmt.Errorf("volume %q: unregister the node's key: %w", rec.VolumeID, err)
 	}
+	if d.ID.Kind == devices.KindNVMe {
+		// NVMe tells registrants apart by host, not by connection.
+		return nil
+	}
+	if err := dropGoneNexuses(f, key); err != nil {
+		return fmt.Errorf("volume %q: remove the node's key from its sessions that are gone: %w", rec.VolumeID, err)
+	}
 	return nil
+}
+
+// dropGoneNexuses removes key from the SCSI I_T nexuses that still have
+// it once every path of the device unregistered it: this node's sessions
+// that are gone (open-iscsi gives each session a new ISID), such as one
+// before a reboot or one of an unstage by v0.1.0, which knows no
+// fencing. One of them may hold the reservation, which a release through
+// another nexus does not give back (SPC: the holder is the nexus that
+// reserved). Through f registered again, a preempt of the node's own key
+// removes the other nexuses' registrations (the issuing one keeps its
+// own) and makes f's nexus the holder of a reservation they held; its
+// release and unregistration then give everything back.
+func dropGoneNexuses(f prDevice, key uint64) error {
+	res, err := f.ReadReservation()
+	if err != nil {
+		return err
+	}
+	if !slices.Contains(res.Keys, key) {
+		return nil
+	}
+	typ := fenceType
+	if res.Holder == key {
+		typ = res.Type
+	}
+	if err := f.Register(0, key, true); err != nil {
+		return fmt.Errorf("register: %w", err)
+	}
+	if err := f.Preempt(key, key, typ, false); err != nil {
+		return fmt.Errorf("preempt: %w", err)
+	}
+	if err := f.Release(key, typ); err != nil {
+		return fmt.Errorf("release: %w", err)
+	}
+	if err := f.Register(key, 0, false); err != nil {
+		return fmt.Errorf("unregister: %w", err)
+	}
+	return nil
+}
+
+// mayHaveLostFence reports whether a record without a fence is of a
+// volume that a stage fences today (a writer mode on an iSCSI, NVMe or
+// multipath device): one v0.1.0 staged, which never fenced, or one whose
+// record v0.1.0 wrote again after a later berth had fenced it (a
+// rollback with volumes staged: its publish of a raw block volume),
+// which dropped the fence it did not know.
+func (rec *volumeRecord) mayHaveLostFence() bool {
+	if rec.Fence != nil || rec.Device == nil {
+		return false
+	}
+	switch rec.Device.Kind {
+	case devices.KindSCSI, devices.KindNVMe, devices.KindDM:
+	default:
+		return false
+	}
+	switch csi.VolumeCapability_AccessMode_Mode(csi.VolumeCapability_AccessMode_Mode_value[rec.Mode]) {
+	case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
+		csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER,
+		csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER,
+		csi.VolumeCapability_AccessMode_MULTI_NODE_SINGLE_WRITER:
+		return true
+	}
+	return false
+}
+
+// unfenceUnrecorded gives back the fence a record lost (see
+// mayHaveLostFence). berth records a fence before it registers, and a
+// device is one volume's on a node, so this node's key registered on the
+// device of a record without a fence is a lost fence. Nothing recorded
+// says the node holds anything: a device that cannot be read for its
+// reservation is left as it is, with a warning.
+func (a *Agent) unfenceUnrecorded(ctx context.Context, rec *volumeRecord, unreachable bool) error {
+	if !rec.mayHaveLostFence() || a.pr == nil || unreachable {
+		return nil
+	}
+	d := a.recordedDevice(rec.Device)
+	if d == nil || !devices.ReservationReadable(d) {
+		return nil
+	}
+	log := logFrom(ctx, a.log)
+	key := NodeKey(a.cfg.NodeID)
+	const unread = "the volume's record has no fence, and its device's reservation could not be read to look for this node's key, which a record v0.1.0 wrote again loses: if it is there, it stays registered until this node stages the volume again or another node takes it over"
+	f, err := a.pr.open(d)
+	if err != nil {
+		log.WarnContext(ctx, unread, slog.String("error", err.Error()))
+		return nil
+	}
+	defer f.Close()
+	res, err := f.ReadReservation()
+	if err != nil {
+		log.WarnContext(ctx, unread, slog.String("error", err.Error()))
+		return nil
+	}
+	if !slices.Contains(res.Keys, key) {
+		return nil
+	}
+	log.WarnContext(ctx, "the node's reservation key is registered at the target though the volume's record has no fence (v0.1.0 wrote the record again and dropped the fence a later berth recorded): giving it back",
+		slog.String("key", describeKey(key, a.cfg.NodeID)))
+	return a.giveBack(rec, d, f, res, key)
 }
 
 // fenceCondition is the volume's condition as fencing sees it: abnormal

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -130,7 +131,9 @@ func (t *fakePRTarget) preempt(nx string, key, victim uint64, typ devices.PRType
 	holderKey := t.regs[t.holder]
 	found := false
 	for n, k := range t.regs {
-		if k == victim {
+		// The issuing nexus keeps its registration (SPC-4 5.14.11.5.4):
+		// a node preempting its own key removes its other nexuses'.
+		if k == victim && n != nx {
 			found = true
 			delete(t.regs, n)
 			if abort {
@@ -790,6 +793,87 @@ func TestFenceRestart(t *testing.T) {
 	if len(tgt.regs) != 0 {
 		t.Fatalf("left %v", tgt.regs)
 	}
+}
+
+// A record v0.1.0 wrote again (in a rollback, v0.1.0's publish of a
+// raw block volume today's berth staged) is in format 1 and has lost the
+// fence, which v0.1.0 does not know. v0.1.0 never fenced, so the node's
+// key on the device of a format 1 record is one a later berth
+// registered: the unstage gives it back. v0.1.0's own volumes, never
+// fenced, are unstaged as before, on a target with reservations or
+// without.
+func TestFenceLostByV010Rewrite(t *testing.T) {
+	t.Run("fenced", func(t *testing.T) {
+		tgt := newFakePRTarget()
+		a := newFenceNode(t, "node-a", tgt)
+		must(t, "stage", a.stage(snw, nil))
+		a.rewriteAsV010(t)
+		must(t, "unstage", a.unstage())
+		if len(tgt.regs) != 0 || tgt.holderKey() != 0 {
+			t.Fatalf("left at the target: keys %v, holder %#x", tgt.regs, tgt.holderKey())
+		}
+	})
+	t.Run("never fenced", func(t *testing.T) {
+		tgt := newFakePRTarget()
+		a := newFenceNode(t, "node-a", tgt)
+		must(t, "stage", a.stage(snw, map[string]string{"fencing": "none"}))
+		a.rewriteAsV010(t)
+		must(t, "unstage", a.unstage())
+		if len(tgt.ops) != 0 {
+			t.Fatalf("the unstage of a volume never fenced changed the target: %v", tgt.ops)
+		}
+	})
+	t.Run("no reservations", func(t *testing.T) {
+		tgt := newFakePRTarget()
+		tgt.unsupported = true
+		a := newFenceNode(t, "node-a", tgt)
+		must(t, "stage", a.stage(snw, map[string]string{"fencing": "none"}))
+		a.rewriteAsV010(t)
+		must(t, "unstage on a target without reservations", a.unstage())
+	})
+}
+
+// A nexus of the node that is gone keeps its key and the reservation:
+// the session of a login before a reboot, or of an unstage by v0.1.0,
+// which knows no fencing; open-iscsi gives a new session a new ISID, a
+// new I_T nexus. The stage after it registers the new paths, whose
+// release is no release (SPC: the holder is the nexus that reserved);
+// the unstage removes the old nexus's key and reservation too.
+func TestFenceStaleNexus(t *testing.T) {
+	tgt := newFakePRTarget()
+	a := newFenceNode(t, "node-a", tgt)
+	must(t, "stage", a.stage(snw, nil))
+	must(t, "unstage by hand", a.unstage())
+	// The node's key and reservation through sessions that are gone.
+	key := NodeKey("node-a")
+	tgt.regs["node-a/old-p0"], tgt.regs["node-a/old-p1"] = key, key
+	tgt.holder, tgt.typ = "node-a/old-p0", fenceType
+	must(t, "stage again", a.stage(snw, nil))
+	must(t, "unstage", a.unstage())
+	if len(tgt.regs) != 0 || tgt.holderKey() != 0 {
+		t.Fatalf("left at the target: keys %v, holder %q", tgt.regs, tgt.holder)
+	}
+}
+
+// rewriteAsV010 writes the volume's record again as v0.1.0 does (format
+// 1, without the fields it does not know) and restarts the agent's state
+// on it.
+func (f *fenceNode) rewriteAsV010(t *testing.T) {
+	t.Helper()
+	p := filepath.Join(f.a.cfg.StateDir, "volumes", stateFileName("vol"))
+	b, err := os.ReadFile(p)
+	must(t, "read record", err)
+	var rec map[string]any
+	must(t, "parse record", json.Unmarshal(b, &rec))
+	rec["version"] = 1
+	delete(rec, "fence")
+	b, err = json.Marshal(rec)
+	must(t, "marshal record", err)
+	must(t, "write record", os.WriteFile(p, b, 0o600))
+	st, err := openStore(filepath.Dir(p))
+	must(t, "reopen state", err)
+	f.a.state = st
+	f.a.locks = newInflight()
 }
 
 // The operator's authorisation: it names the holder, is consumed by the

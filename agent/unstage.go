@@ -63,7 +63,7 @@ func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstage
 	if err := n.releaseStagedDevice(ctx, rec, unreachable, locks, took); err != nil {
 		return nil, err
 	}
-	if rec.Fence != nil && rec.Fence.Key != 0 {
+	if rec.Fence != nil && rec.Fence.Key != 0 || rec.mayHaveLostFence() {
 		if err := n.blocking(ctx, "give back the reservation", locks, func() error { return n.a.unfence(ctx, rec, unreachable) }); err != nil {
 			return nil, err
 		}

@@ -1,8 +1,9 @@
 // Package upgrade runs berth's released v0.1.0 and today's berth on the
 // same state directory: volumes v0.1.0 staged and published are driven
 // by today's berth to the end of their life, and today's state is shown
-// to v0.1.0 (a rollback). File volumes only: NVMe/TCP and iSCSI need the
-// QEMU guests of test/vm.
+// to v0.1.0 (a rollback). File volumes run on the host; NVMe/TCP and
+// iSCSI volumes in a QEMU guest of test/vm, against nvmet and LIO there
+// (TestVMUpgrade).
 package upgrade
 
 import (
@@ -152,54 +153,107 @@ func must(t *testing.T, err error) {
 	}
 }
 
-// node is one world of volumes: image files, a state directory, staging
-// and target paths, all below a temporary directory.
+// node is one world of volumes: a state directory, staging and target
+// paths below a temporary directory, and the storage of one or more
+// transports.
 type node struct {
 	t     *testing.T
 	dir   string
-	root  string // --file-root
 	state string
 	sock  string
-	cmd   *exec.Cmd
-	ended chan struct{} // closed when cmd has exited
-	logs  *bytes.Buffer
-	conn  *grpc.ClientConn
-	csi   csi.NodeClient
-	vols  []*volume
+	// args are serve's flags of the node's transports (both berths
+	// take them).
+	args []string
+	// kernel lists what berth made in the kernel for the node's
+	// volumes (loop devices, NVMe controllers, iSCSI sessions and node
+	// records, reservations at the target), sorted; wantKernel is how
+	// many entries it has while every volume is staged.
+	kernel     func() []string
+	wantKernel int
+	// release tears down what kernel lists, when a test failed.
+	release func()
+	cmd     *exec.Cmd
+	ended   chan struct{} // closed when cmd has exited
+	logs    *bytes.Buffer
+	conn    *grpc.ClientConn
+	csi     csi.NodeClient
+	vols    []*volume
 }
 
 type volume struct {
-	id      string
-	fsType  string // "" for raw block
-	size    int64
+	id     string
+	fsType string // "" for raw block
+	size   int64
+	// vctx is the volume_context, in keys v0.1.0 knows.
+	vctx map[string]string
+	// grow enlarges the storage to size bytes.
+	grow    func(size int64)
 	staging string
 	target  string
 	payload []byte
 }
 
-func (v *volume) image() string { return v.id + ".img" }
-
-func newNode(t *testing.T) *node {
+// newNode makes the node's directories and the paths of vols; kernel,
+// wantKernel and release are the caller's to set.
+func newNode(t *testing.T, args []string, vols ...*volume) *node {
 	dir := t.TempDir()
-	n := &node{t: t, dir: dir, root: filepath.Join(dir, "images"), state: filepath.Join(dir, "state"), sock: filepath.Join(dir, "csi.sock")}
-	must(t, os.MkdirAll(n.root, 0o750))
-	for _, v := range []*volume{
-		{id: "vol-ext4", fsType: "ext4", size: 64 * mib},
-		{id: "vol-xfs", fsType: "xfs", size: 300 * mib},
-		{id: "vol-block", size: 64 * mib},
-	} {
+	n := &node{t: t, dir: dir, state: filepath.Join(dir, "state"), sock: filepath.Join(dir, "csi.sock"), args: args, vols: vols,
+		kernel: func() []string { return nil }, release: func() {}}
+	for _, v := range vols {
 		v.staging = filepath.Join(dir, "staging", v.id)
 		// The target's parent is the CO's; the target is the plugin's
 		// to make.
 		v.target = filepath.Join(dir, "pods", v.id, "vol")
 		must(t, os.MkdirAll(v.staging, 0o750))
 		must(t, os.MkdirAll(filepath.Dir(v.target), 0o750))
-		must(t, os.WriteFile(filepath.Join(n.root, v.image()), nil, 0o600))
-		must(t, os.Truncate(filepath.Join(n.root, v.image()), v.size))
-		n.vols = append(n.vols, v)
 	}
 	t.Cleanup(n.cleanup)
 	return n
+}
+
+// newFileNode is a node of file volumes (ext4, xfs, raw block) over
+// image files below its --file-root.
+func newFileNode(t *testing.T) *node {
+	root := filepath.Join(t.TempDir(), "images")
+	must(t, os.MkdirAll(root, 0o750))
+	var vols []*volume
+	for _, v := range []*volume{
+		{id: "vol-ext4", fsType: "ext4", size: 64 * mib},
+		{id: "vol-xfs", fsType: "xfs", size: 300 * mib},
+		{id: "vol-block", size: 64 * mib},
+	} {
+		img := filepath.Join(root, v.id+".img")
+		must(t, os.WriteFile(img, nil, 0o600))
+		must(t, os.Truncate(img, v.size))
+		v.vctx = map[string]string{"file": filepath.Base(img)}
+		v.grow = func(size int64) { must(t, os.Truncate(img, size)) }
+		vols = append(vols, v)
+	}
+	n := newNode(t, []string{"--file-root", root, "--transports", ""}, vols...)
+	n.kernel = func() []string { return loopDevices(root) }
+	n.wantKernel = len(vols)
+	n.release = func() {
+		for _, l := range loopDevices(root) {
+			dev, _, _ := strings.Cut(l, " ")
+			_ = exec.Command("losetup", "-d", "/dev/"+dev).Run()
+		}
+	}
+	return n
+}
+
+// loopDevices lists the loop devices of image files below root: "loopN
+// backing-file".
+func loopDevices(root string) []string {
+	var out []string
+	ents, _ := os.ReadDir("/sys/block")
+	for _, e := range ents {
+		bf, err := os.ReadFile(filepath.Join("/sys/block", e.Name(), "loop", "backing_file"))
+		if err == nil && strings.HasPrefix(strings.TrimSpace(string(bf)), root+"/") {
+			out = append(out, "loop device "+e.Name()+" "+strings.TrimSpace(string(bf)))
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 // start runs bin serve on the node's state and waits for it to be ready;
@@ -207,8 +261,8 @@ func newNode(t *testing.T) *node {
 func (n *node) start(bin string) bool {
 	n.t.Helper()
 	n.logs = &bytes.Buffer{}
-	cmd := exec.Command(bin, "serve", "--endpoint", "unix://"+n.sock, "--node-id", "upgrade-node", "--state-dir", n.state,
-		"--file-root", n.root, "--transports", "", "--log-format", "text", "--log-level", "debug")
+	cmd := exec.Command(bin, append([]string{"serve", "--endpoint", "unix://" + n.sock, "--node-id", "upgrade-node", "--state-dir", n.state,
+		"--log-format", "text", "--log-level", "debug"}, n.args...)...)
 	cmd.Stdout, cmd.Stderr = n.logs, n.logs
 	must(n.t, cmd.Start())
 	n.cmd = cmd
@@ -271,14 +325,14 @@ func (v *volume) capability() *csi.VolumeCapability {
 func (n *node) stage(v *volume) error {
 	ctx, cancel := n.ctx()
 	defer cancel()
-	_, err := n.csi.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging, VolumeCapability: v.capability(), VolumeContext: map[string]string{"file": v.image()}})
+	_, err := n.csi.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging, VolumeCapability: v.capability(), VolumeContext: v.vctx})
 	return err
 }
 
 func (n *node) publish(v *volume) error {
 	ctx, cancel := n.ctx()
 	defer cancel()
-	_, err := n.csi.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging, TargetPath: v.target, VolumeCapability: v.capability(), VolumeContext: map[string]string{"file": v.image()}})
+	_, err := n.csi.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging, TargetPath: v.target, VolumeCapability: v.capability(), VolumeContext: v.vctx})
 	return err
 }
 
@@ -302,10 +356,10 @@ func (n *node) stats(v *volume) (*csi.NodeGetVolumeStatsResponse, error) {
 	return n.csi.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: v.id, VolumePath: v.target})
 }
 
-// expand doubles the image file and has berth grow the volume.
+// expand doubles the storage and has berth grow the volume.
 func (n *node) expand(v *volume) error {
 	v.size *= 2
-	must(n.t, os.Truncate(filepath.Join(n.root, v.image()), v.size))
+	v.grow(v.size)
 	ctx, cancel := n.ctx()
 	defer cancel()
 	r, err := n.csi.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: v.id, VolumePath: v.target, CapacityRange: &csi.CapacityRange{RequiredBytes: v.size}, VolumeCapability: v.capability()})
@@ -381,10 +435,10 @@ func (n *node) check(v *volume) error {
 }
 
 // host is what of the node a berth made: the mounts below the node's
-// directory, the loop devices of its images, the state records.
+// directory, the kernel's objects of its volumes, the state records.
 type host struct {
 	mounts  []string
-	loops   []string
+	kernel  []string
 	records map[string]string // file name: contents
 }
 
@@ -398,14 +452,7 @@ func (n *node) host() host {
 		}
 	}
 	slices.Sort(h.mounts)
-	ents, _ := os.ReadDir("/sys/block")
-	for _, e := range ents {
-		bf, err := os.ReadFile(filepath.Join("/sys/block", e.Name(), "loop", "backing_file"))
-		if err == nil && strings.HasPrefix(strings.TrimSpace(string(bf)), n.root+"/") {
-			h.loops = append(h.loops, e.Name()+" "+strings.TrimSpace(string(bf)))
-		}
-	}
-	slices.Sort(h.loops)
+	h.kernel = n.kernel()
 	recs, _ := os.ReadDir(filepath.Join(n.state, "volumes"))
 	for _, r := range recs {
 		b, err := os.ReadFile(filepath.Join(n.state, "volumes", r.Name()))
@@ -435,9 +482,7 @@ func (n *node) requireNothingLeft() {
 	for _, m := range h.mounts {
 		left = append(left, "mount "+m)
 	}
-	for _, l := range h.loops {
-		left = append(left, "loop device "+l)
-	}
+	left = append(left, h.kernel...)
 	for name := range h.records {
 		left = append(left, "state record "+name)
 	}
@@ -457,10 +502,7 @@ func (n *node) cleanup() {
 	for i := len(h.mounts) - 1; i >= 0; i-- {
 		_ = unix.Unmount(h.mounts[i], unix.MNT_DETACH)
 	}
-	for _, l := range h.loops {
-		dev, _, _ := strings.Cut(l, " ")
-		_ = exec.Command("losetup", "-d", "/dev/"+dev).Run()
-	}
+	n.release()
 }
 
 // hasCapSysResource reports whether this process may grow a mounted
@@ -482,21 +524,35 @@ func hasCapSysResource() bool {
 func TestUpgradeFromV010(t *testing.T) {
 	prerequisites(t)
 	old, cur := buildV010(t), currentBinary(t)
-	n := newNode(t)
+	upgradeFromV010(t, newFileNode(t), old, cur)
+}
 
+// Today's state shown to v0.1.0 (a rollback with volumes staged): see
+// rollbackToV010.
+func TestRollbackToV010(t *testing.T) {
+	prerequisites(t)
+	old, cur := buildV010(t), currentBinary(t)
+	rollbackToV010(t, newFileNode(t), old, cur)
+}
+
+// upgradeFromV010 has v0.1.0 (old) stage, publish and write every volume
+// of n, and today's berth (cur), started on the same state, carry them
+// on: stats, expand, unpublish, unstage, and a new stage and publish,
+// with the data intact and nothing left on the node.
+func upgradeFromV010(t *testing.T, n *node, old, cur string) {
 	if !n.start(old) {
 		t.Fatalf("v0.1.0 exited at start:\n%s", n.logs)
 	}
 	n.lifecycleStart()
 	n.stop()
 	before := n.host()
-	if len(before.records) != len(n.vols) || len(before.loops) != len(n.vols) {
-		t.Fatalf("after v0.1.0: records %v, loop devices %v", before.records, before.loops)
+	if len(before.records) != len(n.vols) || len(before.kernel) != n.wantKernel {
+		t.Fatalf("after v0.1.0: records %v, kernel objects %v (want %d)", before.records, before.kernel, n.wantKernel)
 	}
 	if f := before.formats(t); slices.ContainsFunc(f, func(v int) bool { return v != 1 }) {
 		t.Fatalf("v0.1.0's records in formats %v, want 1", f)
 	}
-	t.Logf("v0.1.0 left %d records in format 1, %d loop devices, %d mounts", len(before.records), len(before.loops), len(before.mounts))
+	t.Logf("v0.1.0 left %d records in format 1, %d mounts, kernel objects:\n\t%s", len(before.records), len(before.mounts), strings.Join(before.kernel, "\n\t"))
 
 	if !n.start(cur) {
 		t.Fatalf("today's berth exited at start on v0.1.0's state:\n%s", n.logs)
@@ -530,12 +586,23 @@ func TestUpgradeFromV010(t *testing.T) {
 			t.Errorf("filesystem mark %s: %s; want format 2, of a filesystem found (v0.1.0 made it)", m.Name(), b)
 		}
 	}
-	if len(marks) != 2 {
-		t.Errorf("%d filesystem marks, want one per filesystem volume", len(marks))
+	if want := n.filesystems(); len(marks) != want {
+		t.Errorf("%d filesystem marks, want one per filesystem volume (%d)", len(marks), want)
 	}
 	n.lifecycleEnd()
 	n.stop()
 	n.requireNothingLeft()
+}
+
+// filesystems is how many of the node's volumes have a filesystem.
+func (n *node) filesystems() int {
+	c := 0
+	for _, v := range n.vols {
+		if v.fsType != "" {
+			c++
+		}
+	}
+	return c
 }
 
 // lifecycleStartAgain stages and publishes every volume again and reads
@@ -549,16 +616,14 @@ func (n *node) lifecycleStartAgain() {
 	}
 }
 
-// Today's state shown to v0.1.0 (a rollback with volumes staged): v0.1.0
-// does not check the format version, so it starts and reads today's
-// records as its own. What it must not do is drop a record or unmount or
-// detach anything on its own. A record in a newer format than today's is
-// refused by today's berth, kept as it is.
-func TestRollbackToV010(t *testing.T) {
-	prerequisites(t)
-	old, cur := buildV010(t), currentBinary(t)
-	n := newNode(t)
-
+// rollbackToV010 shows today's state to v0.1.0 (a rollback with volumes
+// staged): v0.1.0 does not check the format version, so it starts and
+// reads today's records as its own. What it must not do is drop a
+// record or unmount or detach anything on its own. A record v0.1.0
+// writes again (a raw block volume's, at unpublish and publish) is in
+// format 1, and today's berth carries it on. A record in a newer format
+// than today's is refused by today's berth, kept as it is.
+func rollbackToV010(t *testing.T, n *node, old, cur string) {
 	if !n.start(cur) {
 		t.Fatalf("berth exited at start:\n%s", n.logs)
 	}
@@ -576,8 +641,8 @@ func TestRollbackToV010(t *testing.T) {
 	n.stop()
 	t.Logf("v0.1.0 on today's state (started: %t):\n%s", started, n.logs)
 	after := n.host()
-	if !slices.Equal(after.mounts, before.mounts) || !slices.Equal(after.loops, before.loops) {
-		t.Fatalf("v0.1.0 changed the node:\nmounts %v\nwere %v\nloop devices %v\nwere %v", after.mounts, before.mounts, after.loops, before.loops)
+	if !slices.Equal(after.mounts, before.mounts) || !slices.Equal(after.kernel, before.kernel) {
+		t.Fatalf("v0.1.0 changed the node:\nmounts %v\nwere %v\nkernel objects %v\nwere %v", after.mounts, before.mounts, after.kernel, before.kernel)
 	}
 	for name, b := range before.records {
 		if after.records[name] != b {
@@ -591,10 +656,14 @@ func TestRollbackToV010(t *testing.T) {
 	if !n.start(old) {
 		t.Fatalf("v0.1.0 exited at start:\n%s", n.logs)
 	}
-	blk := n.vols[2]
-	n.ok("v0.1.0 NodeUnpublishVolume", blk, n.unpublish(blk))
-	n.ok("v0.1.0 NodePublishVolume", blk, n.publish(blk))
-	n.ok("read after v0.1.0's publish", blk, n.check(blk))
+	for _, blk := range n.vols {
+		if blk.fsType != "" {
+			continue
+		}
+		n.ok("v0.1.0 NodeUnpublishVolume", blk, n.unpublish(blk))
+		n.ok("v0.1.0 NodePublishVolume", blk, n.publish(blk))
+		n.ok("read after v0.1.0's publish", blk, n.check(blk))
+	}
 	n.stop()
 	rewritten := n.host()
 	if f := rewritten.formats(t); !slices.Contains(f, 1) {
