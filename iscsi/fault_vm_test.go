@@ -40,7 +40,7 @@ func TestVMISCSIFaults(t *testing.T) {
 		vm.WithTestRun(iscsi.GuestRun("^TestFaultISCSI")),
 		vm.WithModules("iscsi_tcp", "target_core_mod", "target_core_iblock", "iscsi_target_mod", "loop"),
 		vm.WithIscsid(),
-		vm.WithTimeout(5*time.Minute))
+		vm.WithTimeout(7*time.Minute))
 	reliability.ReportFaults(t, m.Output())
 }
 
