@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -44,7 +45,7 @@ const (
 )
 
 // fenceGroups are TestVMFencing's groups of cases, in the order they run.
-var fenceGroups = []string{"ext4", "block", "fs", "timings"}
+var fenceGroups = []string{"ext4", "block", "fs", "relogin", "restart", "timings"}
 
 // TestVMFencing boots the target and the two nodes once and runs the
 // fencing cases of issue 30 in order, each checked on the target too
@@ -54,26 +55,26 @@ var fenceGroups = []string{"ext4", "block", "fs", "timings"}
 // (comma-separated; they still run in fenceGroups' order), to iterate on
 // one:
 //
-//	BERTH_FENCE_CASES=block go test -count=1 -timeout 40m -run '^TestVMFencing$' -v ./iscsi/
+//	BERTH_FENCE_CASES=relogin,restart go test -count=1 -timeout 40m -run '^TestVMFencing$' -v ./iscsi/
 func TestVMFencing(t *testing.T) {
 	t.Parallel()
 	cases := fenceCases(t, os.Getenv("BERTH_FENCE_CASES"), os.Getenv("BERTH_FENCE_REPRO") == "1")
 	linkA, linkB := vm.NewLink(t), vm.NewLink(t)
 	tgt := vm.Boot(t, vm.WithName("fence-target"), vm.WithTestRun("^TestFenceGuestTarget$"),
-		vm.WithNIC(linkA, "192.168.79.1/24"), vm.WithNIC(linkB, "192.168.80.1/24"), vm.WithTimeout(15*time.Minute))
+		vm.WithNIC(linkA, "192.168.79.1/24"), vm.WithNIC(linkB, "192.168.80.1/24"), vm.WithTimeout(30*time.Minute))
 	dir := t.TempDir()
 	nodeOpts := func(name, iqn string, link *vm.Link, addr, portal string) []vm.Option {
 		f := filepath.Join(dir, name+"-initiatorname.iscsi")
 		if err := os.WriteFile(f, []byte("InitiatorName="+iqn+"\n"), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		return []vm.Option{vm.WithName(name), vm.WithIscsid(), vm.WithTimeout(15 * time.Minute),
+		return []vm.Option{vm.WithName(name), vm.WithIscsid(), vm.WithTimeout(30 * time.Minute),
 			vm.WithExtraFiles(map[string]string{f: "/etc/iscsi/initiatorname.iscsi"}),
 			vm.WithNIC(link, addr), vm.WithEnv(map[string]string{"BERTH_FENCE_PORTAL": portal})}
 	}
 	a := vm.Boot(t, append(nodeOpts("node-a", fenceIQNA, linkA, "192.168.79.2/24", "192.168.79.1:3260"), vm.WithTestRun("^TestFenceGuestNodeA$"))...)
 	b := vm.Boot(t, append(nodeOpts("node-b", fenceIQNB, linkB, "192.168.80.2/24", "192.168.80.1:3260"), vm.WithTestRun("^TestFenceGuestNodeB$"))...)
-	const step = 4 * time.Minute
+	const step = 5 * time.Minute
 	tgt.WaitSignal("target-ready", step)
 	a.WaitSignal("ready", step)
 	b.WaitSignal("ready", step)
@@ -159,6 +160,29 @@ func TestVMFencing(t *testing.T) {
 		do(b, "release-fs")
 		check("fs-oracle")
 	})
+	group("relogin", "case 9: A's session logged out and in again (a new ISID, a new I_T nexus)", func() {
+		do(a, "relogin-stage")
+		check("relogin-before")
+		// By hand, under the staged volume: the new nexus is not
+		// registered, and its writes fail at the target.
+		do(a, "relogin")
+		check("relogin-new-nexus")
+		// The next stage registers the new nexus, and it writes.
+		do(a, "relogin-restage")
+		check("relogin-registered")
+		do(a, "unstage-blk")
+		check("free-blk")
+	})
+	group("restart", "case 10: the target restarted from its saved configuration", func() {
+		do(a, "restart-target-stage")
+		check("aptpl")
+		check("restart-target")
+		do(a, "restart-target-write")
+		do(b, "stage-blk-refused")
+		check("blk-a-holds")
+		do(a, "unstage-blk")
+		check("free-blk")
+	})
 	group("timings", "the cost: stage times with and without fencing", func() {
 		do(a, "timings")
 	})
@@ -219,6 +243,7 @@ func TestFenceGuestTarget(t *testing.T) {
 		},
 		"fs-oracle": func() { fenceFSOracle(t, x.BackingDevice(0)) },
 	}
+	maps.Copy(checks, fencePathChecks(t, x))
 	steps := map[string]func(){}
 	for name, fn := range checks {
 		steps["check-"+name] = func() {
@@ -682,6 +707,7 @@ func TestFenceGuestNodeA(t *testing.T) {
 			}
 		},
 	}
+	maps.Copy(steps, fencePathSteps(t, n))
 	fenceSteps(t, steps)
 }
 
@@ -751,6 +777,7 @@ func TestFenceGuestNodeB(t *testing.T) {
 		},
 		"release-fs": func() { n.mustUnstage(fsVol) },
 	}
+	maps.Copy(steps, fencePathSteps(t, n))
 	fenceSteps(t, steps)
 }
 
