@@ -8,32 +8,98 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/berth-csi/berth/agent"
+	"github.com/berth-csi/berth/iscsi"
 	"github.com/berth-csi/berth/test/csitest"
 	"github.com/berth-csi/berth/test/vm/target"
 )
 
-// The fencing cases about I_T nexuses (issue 30's cases 9 and 10), steps
-// of TestVMFencing: a session logged out and in again with a new ISID
-// (relogin), and the target restarted (restart).
+// The fencing cases about paths and I_T nexuses (issue 30's cases 8 to
+// 10), steps of TestVMFencing: a session logged out and in again with a
+// new ISID (relogin), the target restarted (restart), and a volume with
+// two paths on each node (multipath).
 
 // fenceProbeAt is where a probe write lands on LUN 1: past the record
 // region, so that it changes nothing the oracle reads.
 const fenceProbeAt = 8 << 20
 
-// fencePathSteps are a node guest's steps of these cases: node-a's
-// (node-b only runs its stage-blk-refused in them).
+// fencePathSteps are a node guest's steps of these cases (node-b also
+// runs its stage-blk-refused in them).
 func fencePathSteps(t *testing.T, n *fenceNode) map[string]func() {
-	if n.id != "node-a" {
-		return nil
-	}
 	blk := n.vol("vol-blk", "1", csitest.BlockCap())
+	mp := n.vol("vol-mp", "2", csitest.BlockCap())
+	ip, _, _ := strings.Cut(os.Getenv("BERTH_FENCE_PORTAL"), ":")
+	delete(mp.vctx, "targetPortal")
+	mp.vctx["portals"] = fmt.Sprintf(`["%s:3260","%s:3261"]`, ip, ip)
+	// A path that fails fails over within seconds, not open-iscsi's 120.
+	mp.vctx[iscsi.ParamReplacementTimeout] = "5"
+	var w *fenceWriter
+	if n.id == "node-b" {
+		return map[string]func(){
+			"mp-takeover": func() {
+				out, err := exec.Command("berth", "takeover", "--state-dir", n.stateDir, "--volume-id", mp.id, "--from-node", "node-a").CombinedOutput()
+				if err != nil {
+					t.Fatalf("berth takeover: %v: %s", err, out)
+				}
+				d := n.mustStage(mp)
+				n.publish(mp)
+				t.Logf("node-b: takeover stage of vol-mp in %v over %s", d.Round(time.Millisecond), mapPaths(t, mp.target))
+				writeMarkers(t, mp.target, "node-b")
+			},
+			"mp-writer": func() {
+				w = startFenceWriter(t, mp.target, "node-b", fenceProbeAt)
+				for w.ok.Load() < 20 && w.failed.Load() == 0 {
+					time.Sleep(20 * time.Millisecond)
+				}
+				if w.failed.Load() != 0 {
+					t.Errorf("node-b: the holder's writes fail: %v", w.lastErr.Load())
+				}
+			},
+			"mp-one-path": func() {
+				// The target took the holding path away: the map sees it
+				// fail once the session's replacement timeout passed.
+				start := time.Now()
+				for !strings.Contains(mapStatus(t, mp.target), " F ") {
+					if time.Since(start) > 2*time.Minute {
+						t.Fatalf("node-b: no path of the map failed within 2 minutes: %s", mapStatus(t, mp.target))
+					}
+					time.Sleep(200 * time.Millisecond)
+				}
+				failedAt, before := time.Since(start), w.ok.Load()
+				time.Sleep(5 * time.Second)
+				t.Logf("node-b: a path failed after %v (%s); %d writes in the 5 s after, %d failed in all, longest stall %v",
+					failedAt.Round(time.Millisecond), mapStatus(t, mp.target), w.ok.Load()-before, w.failed.Load(), time.Duration(w.maxGap.Load()).Round(time.Millisecond))
+				if w.ok.Load() == before || w.failed.Load() != 0 {
+					t.Errorf("node-b: with one path left, %d writes succeeded and %d failed (last: %v); want writes to go on, none failing",
+						w.ok.Load()-before, w.failed.Load(), w.lastErr.Load())
+				}
+			},
+			"mp-unstage": func() {
+				// The path back (its session logged in again, multipathd
+				// reinstated it) before the unstage.
+				start := time.Now()
+				for strings.Contains(mapStatus(t, mp.target), " F ") && time.Since(start) < 2*time.Minute {
+					time.Sleep(200 * time.Millisecond)
+				}
+				w.halt()
+				t.Logf("node-b: the path back after %v (%s); %d writes, %d failed, longest stall %v", time.Since(start).Round(time.Millisecond),
+					mapStatus(t, mp.target), w.ok.Load(), w.failed.Load(), time.Duration(w.maxGap.Load()).Round(time.Millisecond))
+				if w.failed.Load() != 0 {
+					t.Errorf("node-b: %d writes failed (last: %v)", w.failed.Load(), w.lastErr.Load())
+				}
+				n.unstageRetried(mp)
+			},
+		}
+	}
 	return map[string]func(){
 		"relogin-stage": func() {
 			d := n.mustStage(blk)
@@ -101,12 +167,41 @@ func fencePathSteps(t *testing.T, n *fenceNode) map[string]func() {
 				t.Errorf("node-a: the holder's write after the target's restart: %v", err)
 			}
 		},
+		"mp-stage": func() {
+			d := n.mustStage(mp)
+			n.publish(mp)
+			t.Logf("node-a: staged vol-mp in %v over %s", d.Round(time.Millisecond), mapPaths(t, mp.target))
+			w = startFenceWriter(t, mp.target, "node-a", 0)
+			for w.ok.Load() < 20 && w.failed.Load() == 0 {
+				time.Sleep(20 * time.Millisecond)
+			}
+			if w.failed.Load() != 0 {
+				t.Errorf("node-a: the holder's writes fail: %v", w.lastErr.Load())
+			}
+		},
+		"mp-resumed": func() {
+			time.Sleep(2 * time.Second)
+			before := w.ok.Load()
+			time.Sleep(5 * time.Second)
+			w.halt()
+			after := w.ok.Load() - before
+			t.Logf("node-a after the takeover of vol-mp: %d writes succeeded, %d failed (last: %v); %s", after, w.failed.Load(), w.lastErr.Load(), mapStatus(t, mp.target))
+			if after != 0 || w.failed.Load() == 0 {
+				t.Errorf("node-a: %d writes succeeded after it was fenced, %d failed; want none and some", after, w.failed.Load())
+			}
+		},
+		"mp-unstage-fenced": func() {
+			if c := n.condition(mp); c == nil || !c.Abnormal || !strings.Contains(c.Message, "preempted") {
+				t.Errorf("node-a: condition %+v, want abnormal: preempted", c)
+			}
+			n.unstageRetried(mp)
+		},
 	}
 }
 
 // fencePathChecks are the target's checks of these cases.
 func fencePathChecks(t *testing.T, x *target.ISCSITarget) map[string]func() {
-	var isid string
+	var isid, failed string
 	return map[string]func(){
 		"relogin-before": func() {
 			fenceHolds(t, x, 1, fenceIQNA, fenceIQNB, 1)
@@ -149,6 +244,28 @@ func fencePathChecks(t *testing.T, x *target.ISCSITarget) map[string]func() {
 			if h := holderISID(x, 1, fenceIQNA); h != isid {
 				t.Errorf("after the restart, node-a holds through ISID %q, want %q as before", h, isid)
 			}
+		},
+		"mp-a-holds": func() { fenceHolds(t, x, 2, fenceIQNA, fenceIQNB, 2) },
+		"mp-b-holds": func() { fenceHolds(t, x, 2, fenceIQNB, fenceIQNA, 2) },
+		"mp-oracle":  func() { fenceOracle(t, x.BackingDevice(2)) },
+		"free-mp":    func() { fenceFree(t, x, 2) },
+		"mp-restore-path": func() {
+			x.SetPortalEnabled(failed, true)
+		},
+		"mp-fail-holder-path": func() {
+			port := x.PR(2, "res_pr_holder_tg_port")
+			m := regexp.MustCompile(`Portal Group Tag: (\d+)`).FindStringSubmatch(port)
+			if m == nil {
+				t.Fatalf("no holder's TPG in %q", port)
+			}
+			tag, _ := strconv.Atoi(m[1])
+			for _, p := range x.Portals() {
+				if x.TPGT(p) == tag {
+					failed = p
+				}
+			}
+			t.Logf("the reservation is held through TPG %d (portal %s): disabling it", tag, failed)
+			x.SetPortalEnabled(failed, false)
 		},
 	}
 }
@@ -262,9 +379,66 @@ func sessionStates() string {
 	return strings.Join(out, "; ")
 }
 
+// unstageRetried unstages v as the kubelet does, again after a refusal
+// that asks for a retry (Aborted, Unavailable), up to 5 times; each
+// refusal is logged.
+func (n *fenceNode) unstageRetried(v *fenceVol) {
+	n.t.Helper()
+	for i := 1; ; i++ {
+		err := n.unstage(v)
+		if c := status.Code(err); err == nil || i == 5 || (c != codes.Aborted && c != codes.Unavailable) {
+			if err != nil {
+				n.t.Errorf("%s: unstage %s (attempt %d): %v", n.id, v.id, i, err)
+			}
+			return
+		}
+		n.t.Logf("%s: unstage %s refused (attempt %d), retried in 2 s as the kubelet would: %v", n.id, v.id, i, err)
+		time.Sleep(2 * time.Second)
+	}
+}
+
 func iscsiadm(t *testing.T, args ...string) {
 	t.Helper()
 	if out, err := exec.Command("iscsiadm", args...).CombinedOutput(); err != nil {
 		t.Fatalf("iscsiadm %s: %v: %s", strings.Join(args, " "), err, out)
 	}
+}
+
+// mapOf is the dm-multipath map a published raw block target is.
+func mapOf(t *testing.T, target string) string {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Stat(target, &st); err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/sys/dev/block/%d:%d/dm/name", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
+	if err != nil {
+		t.Fatalf("%s is no device-mapper device: %v", target, err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// mapPaths names the map behind target and its paths.
+func mapPaths(t *testing.T, target string) string {
+	var st unix.Stat_t
+	if err := unix.Stat(target, &st); err != nil {
+		t.Fatal(err)
+	}
+	ents, _ := os.ReadDir(fmt.Sprintf("/sys/dev/block/%d:%d/slaves", unix.Major(st.Rdev), unix.Minor(st.Rdev)))
+	var paths []string
+	for _, e := range ents {
+		paths = append(paths, e.Name())
+	}
+	return fmt.Sprintf("map %s (paths %s)", mapOf(t, target), strings.Join(paths, ", "))
+}
+
+// mapStatus is the map's status line (dmsetup status): each path's state
+// is A (active) or F (failed).
+func mapStatus(t *testing.T, target string) string {
+	name := mapOf(t, target)
+	out, err := exec.Command("dmsetup", "status", name).CombinedOutput()
+	if err != nil {
+		t.Fatalf("dmsetup status %s: %v: %s", name, err, out)
+	}
+	return strings.TrimSpace(string(out))
 }

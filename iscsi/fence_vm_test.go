@@ -34,10 +34,12 @@ import (
 
 // The fencing guests: one LIO target, two nodes running berth, each node
 // on a private link of its own to the target (a link joins two guests).
-// LUN 0 holds an ext4 volume, LUN 1 a raw block one.
+// LUN 0 holds an ext4 volume, LUN 1 a raw block one, LUN 2 a raw block
+// one reached through two portals (a TPG each) as a dm-multipath map.
 const (
 	fenceIQN     = "iqn.2003-01.io.berth:fence"
-	fenceListen  = "0.0.0.0:3260" // one TPG, reached on each node's link
+	fenceListen  = "0.0.0.0:3260" // TPG 1, reached on each node's link
+	fenceListen2 = "0.0.0.0:3261" // TPG 2: the second path of LUN 2
 	fenceIQNA    = "iqn.2003-01.io.berth:node-a"
 	fenceIQNB    = "iqn.2003-01.io.berth:node-b"
 	fenceRegion  = 1024 // 4 KiB records the writer cycles through
@@ -45,7 +47,11 @@ const (
 )
 
 // fenceGroups are TestVMFencing's groups of cases, in the order they run.
-var fenceGroups = []string{"ext4", "block", "fs", "relogin", "restart", "timings"}
+var fenceGroups = []string{"ext4", "block", "fs", "relogin", "restart", "multipath", "timings"}
+
+// fenceMultipathConf makes multipathd build maps only over WWIDs with two
+// paths: the single-path volumes stay sd disks.
+const fenceMultipathConf = "defaults {\n\tuser_friendly_names no\n\tfind_multipaths yes\n}\n"
 
 // TestVMFencing boots the target and the two nodes once and runs the
 // fencing cases of issue 30 in order, each checked on the target too
@@ -63,13 +69,17 @@ func TestVMFencing(t *testing.T) {
 	tgt := vm.Boot(t, vm.WithName("fence-target"), vm.WithTestRun("^TestFenceGuestTarget$"),
 		vm.WithNIC(linkA, "192.168.79.1/24"), vm.WithNIC(linkB, "192.168.80.1/24"), vm.WithTimeout(30*time.Minute))
 	dir := t.TempDir()
+	mpConf := filepath.Join(dir, "multipath.conf")
+	if err := os.WriteFile(mpConf, []byte(fenceMultipathConf), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	nodeOpts := func(name, iqn string, link *vm.Link, addr, portal string) []vm.Option {
 		f := filepath.Join(dir, name+"-initiatorname.iscsi")
 		if err := os.WriteFile(f, []byte("InitiatorName="+iqn+"\n"), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		return []vm.Option{vm.WithName(name), vm.WithIscsid(), vm.WithTimeout(30 * time.Minute),
-			vm.WithExtraFiles(map[string]string{f: "/etc/iscsi/initiatorname.iscsi"}),
+		return []vm.Option{vm.WithName(name), vm.WithIscsid(), vm.WithMultipathd(), vm.WithTimeout(30 * time.Minute),
+			vm.WithExtraFiles(map[string]string{f: "/etc/iscsi/initiatorname.iscsi", mpConf: "/etc/multipath.conf"}),
 			vm.WithNIC(link, addr), vm.WithEnv(map[string]string{"BERTH_FENCE_PORTAL": portal})}
 	}
 	a := vm.Boot(t, append(nodeOpts("node-a", fenceIQNA, linkA, "192.168.79.2/24", "192.168.79.1:3260"), vm.WithTestRun("^TestFenceGuestNodeA$"))...)
@@ -183,6 +193,29 @@ func TestVMFencing(t *testing.T) {
 		do(a, "unstage-blk")
 		check("free-blk")
 	})
+	group("multipath", "case 8: two portals, a dm-multipath map on each node", func() {
+		// Both of A's paths are registered, and B's preempt removes
+		// both; A's writes then fail on both paths.
+		do(a, "mp-stage")
+		check("mp-a-holds")
+		a.Pause()
+		do(b, "mp-takeover")
+		check("mp-b-holds")
+		a.Resume()
+		do(a, "mp-resumed")
+		check("mp-oracle")
+		do(a, "mp-unstage-fenced")
+		check("mp-b-holds")
+		// The path of B's that holds the reservation fails: B's writes
+		// go on through its other registered path.
+		do(b, "mp-writer")
+		check("mp-fail-holder-path")
+		do(b, "mp-one-path")
+		check("mp-b-holds")
+		check("mp-restore-path")
+		do(b, "mp-unstage")
+		check("free-mp")
+	})
 	group("timings", "the cost: stage times with and without fencing", func() {
 		do(a, "timings")
 	})
@@ -221,8 +254,8 @@ func fenceCases(t *testing.T, names string, repro bool) map[string]bool {
 func TestFenceGuestTarget(t *testing.T) {
 	vm.RequireGuest(t)
 	x := target.NewISCSITarget(t, target.ISCSIConfig{
-		IQN: fenceIQN, Portals: []string{fenceListen},
-		LUNs:       []target.ISCSILUN{{Size: 64 << 20}, {Size: 32 << 20}},
+		IQN: fenceIQN, Portals: []string{fenceListen, fenceListen2},
+		LUNs:       []target.ISCSILUN{{Size: 64 << 20}, {Size: 32 << 20}, {Size: 32 << 20}},
 		Initiators: []target.ISCSIInitiator{{IQN: fenceIQNA}, {IQN: fenceIQNB}},
 	})
 	vm.SignalHost("target-ready")
@@ -248,7 +281,7 @@ func TestFenceGuestTarget(t *testing.T) {
 	for name, fn := range checks {
 		steps["check-"+name] = func() {
 			fn()
-			t.Logf("check %s: LUN 0 %s; LUN 1 %s", name, fencePR(x, 0), fencePR(x, 1))
+			t.Logf("check %s: LUN 0 %s; LUN 1 %s; LUN 2 %s", name, fencePR(x, 0), fencePR(x, 1), fencePR(x, 2))
 		}
 	}
 	fenceSteps(t, steps)
@@ -529,16 +562,18 @@ func mountedRW(staging string) bool {
 }
 
 // fenceWriter writes records of node id through dev, one 4 KiB block at
-// a time with O_DIRECT and O_DSYNC, cycling through the region, until
-// stopped. It counts the writes that succeeded and failed.
+// a time with O_DIRECT and O_DSYNC, cycling through the region that
+// starts at byte base, until stopped. It counts the writes that succeeded
+// and failed, and keeps the longest time between two that succeeded.
 type fenceWriter struct {
 	ok, failed atomic.Int64
+	maxGap     atomic.Int64 // nanoseconds
 	lastErr    atomic.Value
 	stop       chan struct{}
 	done       chan struct{}
 }
 
-func startFenceWriter(t *testing.T, dev, id string) *fenceWriter {
+func startFenceWriter(t *testing.T, dev, id string, base int64) *fenceWriter {
 	f, err := os.OpenFile(dev, os.O_WRONLY|unix.O_DIRECT|unix.O_DSYNC, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -548,6 +583,7 @@ func startFenceWriter(t *testing.T, dev, id string) *fenceWriter {
 		defer close(w.done)
 		defer f.Close()
 		buf := alignedBlock(fenceRecSize)
+		last := time.Now()
 		for seq := 0; ; seq++ {
 			select {
 			case <-w.stop:
@@ -555,12 +591,16 @@ func startFenceWriter(t *testing.T, dev, id string) *fenceWriter {
 			default:
 			}
 			copy(buf, fmt.Sprintf("FENCE-REC %s seq=%d\n", id, seq))
-			if _, err := f.WriteAt(buf, int64(seq%fenceRegion)*fenceRecSize); err != nil {
+			if _, err := f.WriteAt(buf, base+int64(seq%fenceRegion)*fenceRecSize); err != nil {
 				w.failed.Add(1)
 				w.lastErr.Store(err.Error())
 				time.Sleep(50 * time.Millisecond)
 				continue
 			}
+			if gap := time.Since(last); int64(gap) > w.maxGap.Load() {
+				w.maxGap.Store(int64(gap))
+			}
+			last = time.Now()
 			w.ok.Add(1)
 		}
 	}()
@@ -623,7 +663,7 @@ func TestFenceGuestNodeA(t *testing.T) {
 			d := n.mustStage(blk)
 			t.Logf("node-a: staged vol-blk in %v", d.Round(time.Millisecond))
 			n.publish(blk)
-			w = startFenceWriter(t, blk.target, "node-a")
+			w = startFenceWriter(t, blk.target, "node-a", 0)
 			for w.ok.Load() < 20 && w.failed.Load() == 0 {
 				time.Sleep(20 * time.Millisecond)
 			}
