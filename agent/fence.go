@@ -212,7 +212,7 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 		if err := n.recordFence(s, mode, key); err != nil {
 			return err
 		}
-		if err := n.registerPaths(s, key, ours); err != nil {
+		if _, err := n.registerPaths(s, key, ours); err != nil {
 			return err
 		}
 		s.took.mark("fence")
@@ -221,7 +221,8 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 	switch {
 	case res.Holder == key:
 		// Ours already (a repeated stage, a restart): paths that came
-		// since get registered.
+		// since get registered; when all of them are new, the
+		// reservation is moved onto them (reclaimHolder).
 	case res.Holder == 0 && len(others) == 0:
 		// Free.
 	default:
@@ -243,10 +244,12 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 	if err := n.recordFence(s, mode, key); err != nil {
 		return err
 	}
-	if err := n.registerPaths(s, key, ours); err != nil {
+	allNew, err := n.registerPaths(s, key, ours)
+	if err != nil {
 		return err
 	}
-	if res.Holder != key {
+	switch {
+	case res.Holder != key:
 		if err := f.Reserve(key, fenceType); err != nil {
 			if errors.Is(err, devices.ErrReservationConflict) {
 				// Another node registered and reserved between the
@@ -254,6 +257,10 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 				return n.lostRace(ctx, s, f, key)
 			}
 			return n.fenceError(s, err)
+		}
+	case allNew && s.dev.ID.Kind != devices.KindNVMe:
+		if err := n.reclaimHolder(ctx, s, f, key); err != nil {
+			return err
 		}
 	}
 	s.took.mark("fence")
@@ -271,50 +278,83 @@ func (n *nodeServer) recordFence(s *stageRun, mode string, key uint64) error {
 }
 
 // registerPaths registers key on every path of the stage's device that
-// does not have it. A path registered with another key is refused and
-// left as it is: berth replaces no key it did not make. ours: the
-// device's keys include key, read before any registration of this call.
-func (n *nodeServer) registerPaths(s *stageRun, key uint64, ours bool) error {
+// does not have it, and says whether every path needed it (allNew). A
+// path registered with another key is refused and left as it is: berth
+// replaces no key it did not make. ours: the device's keys include key,
+// read before any registration of this call.
+func (n *nodeServer) registerPaths(s *stageRun, key uint64, ours bool) (allNew bool, err error) {
 	paths, err := n.a.pr.paths(s.dev)
 	if err != nil {
-		return fmt.Errorf("volume %q: fence: %w", s.id, err)
+		return false, fmt.Errorf("volume %q: fence: %w", s.id, err)
 	}
+	allNew = len(paths) > 0
 	for _, p := range paths {
-		if err := registerPath(n.a.pr, p, key, ours); err != nil {
-			return n.fenceError(s, err)
+		made, err := registerPath(n.a.pr, p, key, ours)
+		if err != nil {
+			return false, n.fenceError(s, err)
 		}
+		allNew = allNew && made
 		s.registered = true
 	}
+	return allNew, nil
+}
+
+// reclaimHolder moves the node's reservation onto the device's own I_T
+// nexuses when every one of them had to be registered by this stage
+// while the node's key holds it: the key holds it through nexuses the
+// node no longer has. A SCSI registration belongs to an I_T nexus, and
+// an iSCSI session logged out and in again is another one (a new ISID),
+// as every session after a reboot may be. Left there, the reservation
+// outlives the unstage: its RELEASE goes through a nexus that does not
+// hold it, which releases nothing (GOOD status, as SPC says), and the
+// next node is refused until an operator moves the volume. A PREEMPT of
+// the node's own key through the device makes the nexus it goes through
+// the holder and removes the key's other registrations, the stale ones
+// with them; the device's other paths are registered again. (NVMe
+// registers hosts, not nexuses: a controller that connects again is the
+// same registrant.)
+func (n *nodeServer) reclaimHolder(ctx context.Context, s *stageRun, f prDevice, key uint64) error {
+	if err := f.Preempt(key, key, fenceType, false); err != nil {
+		return n.fenceError(s, err)
+	}
+	if _, err := n.registerPaths(s, key, true); err != nil {
+		return err
+	}
+	s.log.InfoContext(ctx, "fenced: the node's key held the reservation through I_T nexuses it no longer has (sessions logged in again); moved it to the device's",
+		slog.String("key", fmt.Sprintf("%#016x", key)))
 	return nil
 }
 
-// registerPath registers key through p. REGISTER with the old key 0 is
-// refused (a conflict, which changes nothing) when the nexus is
-// registered already. Its key is then this node's if the device's keys
-// include it (ours; fenceStage refused keys berth did not make, and no
-// other node has this node's nexus), and nothing is changed: a repeated
-// stage leaves the target's generation as it was. Otherwise REGISTER from
-// key to key tells, succeeding only if the registration is this node's.
-func registerPath(h prHost, p *devices.Device, key uint64, ours bool) error {
+// registerPath registers key through p, and says whether the path had
+// no registration before (made). REGISTER with the old key 0 is refused
+// (a conflict, which changes nothing) when the nexus is registered
+// already. Its key is then this node's if the device's keys include it
+// (ours; fenceStage refused keys berth did not make, and no other node
+// has this node's nexus), and nothing is changed: a repeated stage leaves
+// the target's generation as it was. Otherwise REGISTER from key to key
+// tells, succeeding only if the registration is this node's.
+func registerPath(h prHost, p *devices.Device, key uint64, ours bool) (made bool, err error) {
 	f, err := h.open(p)
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer f.Close()
 	err = f.Register(0, key, false)
 	switch {
+	case err == nil:
+		return true, nil
 	case !errors.Is(err, devices.ErrReservationConflict):
-		return err
+		return false, err
 	case ours:
-		return nil
+		return false, nil
 	}
 	if err := f.Register(key, key, false); err != nil {
 		if errors.Is(err, devices.ErrReservationConflict) {
-			return errdefs.FailedPrecondition("path %s is registered with a key that is not this node's; berth leaves it alone", p.Path)
+			return false, errdefs.FailedPrecondition("path %s is registered with a key that is not this node's; berth leaves it alone", p.Path)
 		}
-		return err
+		return false, err
 	}
-	return nil
+	return false, nil
 }
 
 // unregisterPaths removes key from every path of d where it is
@@ -417,7 +457,7 @@ func (n *nodeServer) takeOver(ctx context.Context, s *stageRun, f prDevice, key,
 	if err := n.recordFence(s, fenceReserve, key); err != nil {
 		return err
 	}
-	if err := n.registerPaths(s, key, ours); err != nil {
+	if _, err := n.registerPaths(s, key, ours); err != nil {
 		return err
 	}
 	victims := []uint64{victim}

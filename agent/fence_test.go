@@ -131,14 +131,18 @@ func (t *fakePRTarget) preempt(nx string, key, victim uint64, typ devices.PRType
 	holderKey := t.regs[t.holder]
 	found := false
 	for n, k := range t.regs {
+		if k != victim {
+			continue
+		}
+		found = true
 		// The issuing nexus keeps its registration (SPC-4 5.14.11.5.4):
 		// a node preempting its own key removes its other nexuses'.
-		if k == victim && n != nx {
-			found = true
-			delete(t.regs, n)
-			if abort {
-				t.aborted = append(t.aborted, n)
-			}
+		if n == nx {
+			continue
+		}
+		delete(t.regs, n)
+		if abort {
+			t.aborted = append(t.aborted, n)
 		}
 	}
 	if !found {
@@ -206,12 +210,15 @@ func (t *fakePRTarget) keysOf(node string) []uint64 {
 // fakePRHost is one node's view of a fakePRTarget: the device's paths
 // are nexuses "<node>/<device>-p<i>"; commands through the whole device
 // go through its first path, as dm-multipath sends them through one.
+// Once the sessions logged in again (session > 0) the nexuses are others:
+// "<node>/<device>-p<i>#<session>".
 type fakePRHost struct {
-	t      *fakePRTarget
-	node   string
-	npaths int
-	opens  int
-	nvme   bool // the reports name this host's registration
+	t       *fakePRTarget
+	node    string
+	npaths  int
+	opens   int
+	nvme    bool // the reports name this host's registration
+	session int
 }
 
 func (h *fakePRHost) paths(d *devices.Device) ([]*devices.Device, error) {
@@ -229,6 +236,9 @@ func (h *fakePRHost) open(d *devices.Device) (prDevice, error) {
 	nx := h.node + "/" + d.Name
 	if !strings.Contains(d.Name, "-p") {
 		nx += "-p0"
+	}
+	if h.session > 0 {
+		nx += fmt.Sprintf("#%d", h.session)
 	}
 	return &fakePRDev{t: h.t, nx: nx, nvme: h.nvme}, nil
 }
@@ -874,6 +884,35 @@ func (f *fenceNode) rewriteAsV010(t *testing.T) {
 	must(t, "reopen state", err)
 	f.a.state = st
 	f.a.locks = newInflight()
+}
+
+// A node whose sessions all logged out and in again (new ISIDs, so new
+// I_T nexuses, as after a reboot) stages its raw block volume again: its
+// key holds the reservation through a nexus it no longer has, which the
+// unstage's RELEASE (through another nexus) would not release. The stage
+// registers the new nexuses and moves the reservation onto them with a
+// PREEMPT of its own key, leaving no stale registration; a stage repeated
+// then changes nothing, and the unstage frees the device.
+func TestFenceRestageAfterRelogin(t *testing.T) {
+	tgt := newFakePRTarget()
+	a := newFenceNode(t, "node-a", tgt)
+	c := blockCap(snw)
+	must(t, "stage", a.stageCap(c, nil))
+	stale := tgt.holder
+	a.pr.session = 1
+	must(t, "stage after the relogin", a.stageCap(c, nil))
+	if tgt.holder != stale+"#1" || tgt.holderKey() != NodeKey("node-a") || !a.registered(tgt) {
+		t.Fatalf("after the repeated stage: holder %q (before the relogin %q), registrations %v; ops %q", tgt.holder, stale, tgt.regs, tgt.ops)
+	}
+	gen := tgt.gen
+	must(t, "stage repeated", a.stageCap(c, nil))
+	if tgt.gen != gen || tgt.holder != stale+"#1" {
+		t.Fatalf("a stage repeated on the new nexuses changed the target: generation %d -> %d, holder %q", gen, tgt.gen, tgt.holder)
+	}
+	must(t, "unstage", a.unstage())
+	if len(tgt.regs) != 0 || tgt.holder != "" {
+		t.Fatalf("after the unstage: registrations %v, holder %q", tgt.regs, tgt.holder)
+	}
 }
 
 // The operator's authorisation: it names the holder, is consumed by the

@@ -98,6 +98,13 @@ func (p *PR) Close() error { return p.f.Close() }
 // On NVMe, newKey 0 unregisters through the Reservation Register
 // passthrough (Unregister action): the block layer would replace the key
 // with 0 and leave the host a registrant that writes.
+//
+// Every REGISTER the kernel sends asks the target to keep the
+// registrations and the reservation through a power loss (sd sets SCSI's
+// APTPL bit, nvme sets PTPL); linux/pr.h has no flag to ask otherwise,
+// and fencing wants it: a target that keeps that state (LIO in its
+// dbroot's pr directory; nvmet keeps none) still fences the old holder's
+// node after it restarts.
 func (p *PR) Register(oldKey, newKey uint64, ignoreExisting bool) error {
 	if p.dev.ID.Kind == KindNVMe && newKey == 0 {
 		if ignoreExisting {

@@ -5,9 +5,11 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -32,121 +34,191 @@ import (
 
 // The fencing guests: one LIO target, two nodes running berth, each node
 // on a private link of its own to the target (a link joins two guests).
-// LUN 0 holds an ext4 volume, LUN 1 a raw block one.
+// LUN 0 holds an ext4 volume, LUN 1 a raw block one, LUN 2 a raw block
+// one reached through two portals (a TPG each) as a dm-multipath map.
 const (
 	fenceIQN     = "iqn.2003-01.io.berth:fence"
-	fenceListen  = "0.0.0.0:3260" // one TPG, reached on each node's link
+	fenceListen  = "0.0.0.0:3260" // TPG 1, reached on each node's link
+	fenceListen2 = "0.0.0.0:3261" // TPG 2: the second path of LUN 2
 	fenceIQNA    = "iqn.2003-01.io.berth:node-a"
 	fenceIQNB    = "iqn.2003-01.io.berth:node-b"
 	fenceRegion  = 1024 // 4 KiB records the writer cycles through
 	fenceRecSize = 4096
 )
 
+// fenceGroups are TestVMFencing's groups of cases, in the order they run.
+var fenceGroups = []string{"ext4", "block", "fs", "relogin", "restart", "multipath", "timings"}
+
+// fenceMultipathConf makes multipathd build maps only over WWIDs with two
+// paths: the single-path volumes stay sd disks.
+const fenceMultipathConf = "defaults {\n\tuser_friendly_names no\n\tfind_multipaths yes\n}\n"
+
 // TestVMFencing boots the target and the two nodes once and runs the
 // fencing cases of issue 30 in order, each checked on the target too
 // (LIO's pr/ attributes, and an oracle over the LUN's backing store).
 // BERTH_FENCE_REPRO=1 runs the ext4 cases only (the reproduction).
+// BERTH_FENCE_CASES narrows a run to some groups of fenceGroups
+// (comma-separated; they still run in fenceGroups' order), to iterate on
+// one:
+//
+//	BERTH_FENCE_CASES=relogin,restart go test -count=1 -timeout 40m -run '^TestVMFencing$' -v ./iscsi/
 func TestVMFencing(t *testing.T) {
 	t.Parallel()
-	repro := os.Getenv("BERTH_FENCE_REPRO")
-	env := map[string]string{"BERTH_FENCE_REPRO": repro}
+	cases := fenceCases(t, os.Getenv("BERTH_FENCE_CASES"), os.Getenv("BERTH_FENCE_REPRO") == "1")
 	linkA, linkB := vm.NewLink(t), vm.NewLink(t)
-	tgt := vm.Boot(t, vm.WithName("fence-target"), vm.WithTestRun("^TestFenceGuestTarget$"), vm.WithEnv(env),
-		vm.WithNIC(linkA, "192.168.79.1/24"), vm.WithNIC(linkB, "192.168.80.1/24"), vm.WithTimeout(15*time.Minute))
-	nodeOpts := func(name, iqn string, link *vm.Link, addr string) []vm.Option {
-		f := filepath.Join(t.TempDir(), "initiatorname.iscsi")
+	tgt := vm.Boot(t, vm.WithName("fence-target"), vm.WithTestRun("^TestFenceGuestTarget$"),
+		vm.WithNIC(linkA, "192.168.79.1/24"), vm.WithNIC(linkB, "192.168.80.1/24"), vm.WithTimeout(30*time.Minute))
+	dir := t.TempDir()
+	mpConf := filepath.Join(dir, "multipath.conf")
+	if err := os.WriteFile(mpConf, []byte(fenceMultipathConf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	nodeOpts := func(name, iqn string, link *vm.Link, addr, portal string) []vm.Option {
+		f := filepath.Join(dir, name+"-initiatorname.iscsi")
 		if err := os.WriteFile(f, []byte("InitiatorName="+iqn+"\n"), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		return []vm.Option{vm.WithName(name), vm.WithIscsid(), vm.WithEnv(env), vm.WithTimeout(15 * time.Minute),
-			vm.WithExtraFiles(map[string]string{f: "/etc/iscsi/initiatorname.iscsi"}), vm.WithNIC(link, addr)}
+		return []vm.Option{vm.WithName(name), vm.WithIscsid(), vm.WithMultipathd(), vm.WithTimeout(30 * time.Minute),
+			vm.WithExtraFiles(map[string]string{f: "/etc/iscsi/initiatorname.iscsi", mpConf: "/etc/multipath.conf"}),
+			vm.WithNIC(link, addr), vm.WithEnv(map[string]string{"BERTH_FENCE_PORTAL": portal})}
 	}
-	a := vm.Boot(t, append(nodeOpts("node-a", fenceIQNA, linkA, "192.168.79.2/24"), vm.WithTestRun("^TestFenceGuestNodeA$"), vm.WithEnv(map[string]string{"BERTH_FENCE_PORTAL": "192.168.79.1:3260"}))...)
-	b := vm.Boot(t, append(nodeOpts("node-b", fenceIQNB, linkB, "192.168.80.2/24"), vm.WithTestRun("^TestFenceGuestNodeB$"), vm.WithEnv(map[string]string{"BERTH_FENCE_PORTAL": "192.168.80.1:3260"}))...)
-	const step = 4 * time.Minute
+	a := vm.Boot(t, append(nodeOpts("node-a", fenceIQNA, linkA, "192.168.79.2/24", "192.168.79.1:3260"), vm.WithTestRun("^TestFenceGuestNodeA$"))...)
+	b := vm.Boot(t, append(nodeOpts("node-b", fenceIQNB, linkB, "192.168.80.2/24", "192.168.80.1:3260"), vm.WithTestRun("^TestFenceGuestNodeB$"))...)
+	const step = 5 * time.Minute
 	tgt.WaitSignal("target-ready", step)
 	a.WaitSignal("ready", step)
 	b.WaitSignal("ready", step)
-	// step sends name to m and waits for its answer, then lets the
-	// target check what the case expects there.
+	// do sends a step's name to m and waits for its answer. A guest's
+	// signals are a set: a repeated step waits for the done signal of
+	// its own round (fenceSteps).
+	rounds := map[*vm.Machine]map[string]int{}
 	do := func(m *vm.Machine, name string) {
 		t.Helper()
-		m.Send(name)
-		m.WaitSignal(name+"-done", step)
-	}
-	// A guest's signals are a set: a check repeated waits for the done
-	// signal of its own round.
-	rounds := map[string]int{}
-	check := func(name string) {
-		t.Helper()
-		rounds[name]++
-		tgt.Send("check-" + name)
-		tgt.WaitSignal(fmt.Sprintf("check-%s-done-%d", name, rounds[name]), step)
-	}
-
-	// Cases 1 and 2 on an ext4 volume.
-	do(a, "stage-fs")
-	check("fs-a-holds")
-	do(b, "stage-fs")
-	check("fs-a-holds")
-	do(b, "unstage-fs") // after today's code let it in
-	do(a, "unstage-fs")
-	check("free")
-	if repro == "1" {
-		for _, m := range []*vm.Machine{tgt, a, b} {
-			m.Send("stop")
+		if rounds[m] == nil {
+			rounds[m] = map[string]int{}
 		}
-		tgt.ReportTests(t)
-		a.ReportTests(t)
-		b.ReportTests(t)
-		return
+		rounds[m][name]++
+		m.Send(name)
+		m.WaitSignal(fmt.Sprintf("%s-done-%d", name, rounds[m][name]), step)
+	}
+	// check lets the target check what the case expects there.
+	check := func(name string) { t.Helper(); do(tgt, "check-"+name) }
+	group := func(name, what string, fn func()) {
+		t.Helper()
+		if !cases[name] {
+			return
+		}
+		start := time.Now()
+		t.Logf("fence group %s: %s", name, what)
+		fn()
+		t.Logf("fence group %s: done in %v", name, time.Since(start).Round(time.Second))
 	}
 
-	// 1: A stages the raw block volume and writes records.
-	do(a, "stage-blk")
-	check("blk-a-holds")
-	// 2: B without authorisation is refused; A unchanged.
-	do(b, "stage-blk-refused")
-	check("blk-a-holds")
-	// 3: A hangs; B, authorised by berth takeover, preempts it and
-	// writes its fence marker over the region.
-	a.Pause()
-	do(b, "takeover-blk")
-	check("blk-b-holds")
-	// 4: A goes on: its writes fail and none reaches the medium.
-	a.Resume()
-	do(a, "resumed")
-	check("oracle")
-	// 5: A (refused again, reported preempted) unstages; B untouched.
-	do(a, "unstage-fenced")
-	check("blk-b-holds")
-	// 6: the graceful move back.
-	do(b, "unstage-blk")
-	check("free-blk")
-	do(a, "stage-back")
-	check("blk-a-holds")
-	check("generation")
-	// 7: berth restarts on the holder, the stage is repeated.
-	do(a, "restart-stage")
-	check("same-generation")
-	do(a, "unstage-blk")
-	check("free-blk")
-	// 3 to 5 with a filesystem: A writes files and hangs, B takes the
-	// filesystem over (replaying A's journal), A's fsyncs fail once it
-	// goes on, and the target's copy is a clean filesystem without any
-	// of A's records after the fence.
-	do(a, "fs-writer")
-	check("fs-a-holds")
-	a.Pause()
-	do(b, "takeover-fs")
-	check("fs-b-holds")
-	a.Resume()
-	do(a, "fs-resumed")
-	check("fs-b-holds")
-	do(b, "release-fs")
-	check("fs-oracle")
-	// The cost: stage times with and without fencing.
-	do(a, "timings")
+	group("ext4", "cases 1 and 2 on an ext4 volume, the reproduction", func() {
+		do(a, "stage-fs")
+		check("fs-a-holds")
+		do(b, "stage-fs")
+		check("fs-a-holds")
+		do(b, "unstage-fs") // after a berth without fencing let it in
+		do(a, "unstage-fs")
+		check("free")
+	})
+	group("block", "cases 1 to 7 on a raw block volume", func() {
+		// 1: A stages the raw block volume and writes records.
+		do(a, "stage-blk")
+		check("blk-a-holds")
+		// 2: B without authorisation is refused; A unchanged.
+		do(b, "stage-blk-refused")
+		check("blk-a-holds")
+		// 3: A hangs; B, authorised by berth takeover, preempts it and
+		// writes its fence marker over the region.
+		a.Pause()
+		do(b, "takeover-blk")
+		check("blk-b-holds")
+		// 4: A goes on: its writes fail and none reaches the medium.
+		a.Resume()
+		do(a, "resumed")
+		check("oracle")
+		// 5: A (refused again, reported preempted) unstages; B untouched.
+		do(a, "unstage-fenced")
+		check("blk-b-holds")
+		// 6: the graceful move back.
+		do(b, "unstage-blk")
+		check("free-blk")
+		do(a, "stage-back")
+		check("blk-a-holds")
+		check("generation")
+		// 7: berth restarts on the holder, the stage is repeated.
+		do(a, "restart-stage")
+		check("same-generation")
+		do(a, "unstage-blk")
+		check("free-blk")
+	})
+	group("fs", "cases 3 to 5 with a filesystem", func() {
+		// A writes files and hangs, B takes the filesystem over
+		// (replaying A's journal), A's fsyncs fail once it goes on,
+		// and the target's copy is a clean filesystem without any of
+		// A's records after the fence.
+		do(a, "fs-writer")
+		check("fs-a-holds")
+		a.Pause()
+		do(b, "takeover-fs")
+		check("fs-b-holds")
+		a.Resume()
+		do(a, "fs-resumed")
+		check("fs-b-holds")
+		do(b, "release-fs")
+		check("fs-oracle")
+	})
+	group("relogin", "case 9: A's session logged out and in again (a new ISID, a new I_T nexus)", func() {
+		do(a, "relogin-stage")
+		check("relogin-before")
+		// By hand, under the staged volume: the new nexus is not
+		// registered, and its writes fail at the target.
+		do(a, "relogin")
+		check("relogin-new-nexus")
+		// The next stage registers the new nexus, and it writes.
+		do(a, "relogin-restage")
+		check("relogin-registered")
+		do(a, "unstage-blk")
+		check("free-blk")
+	})
+	group("restart", "case 10: the target restarted from its saved configuration", func() {
+		do(a, "restart-target-stage")
+		check("aptpl")
+		check("restart-target")
+		do(a, "restart-target-write")
+		do(b, "stage-blk-refused")
+		check("blk-a-holds")
+		do(a, "unstage-blk")
+		check("free-blk")
+	})
+	group("multipath", "case 8: two portals, a dm-multipath map on each node", func() {
+		// Both of A's paths are registered, and B's preempt removes
+		// both; A's writes then fail on both paths.
+		do(a, "mp-stage")
+		check("mp-a-holds")
+		a.Pause()
+		do(b, "mp-takeover")
+		check("mp-b-holds")
+		a.Resume()
+		do(a, "mp-resumed")
+		check("mp-oracle")
+		do(a, "mp-unstage-fenced")
+		check("mp-b-holds")
+		// The path of B's that holds the reservation fails: B's writes
+		// go on through its other registered path.
+		do(b, "mp-writer")
+		check("mp-fail-holder-path")
+		do(b, "mp-one-path")
+		check("mp-b-holds")
+		check("mp-restore-path")
+		do(b, "mp-unstage")
+		check("free-mp")
+	})
+	group("timings", "the cost: stage times with and without fencing", func() {
+		do(a, "timings")
+	})
 	for _, m := range []*vm.Machine{tgt, a, b} {
 		m.Send("stop")
 	}
@@ -155,72 +227,90 @@ func TestVMFencing(t *testing.T) {
 	b.ReportTests(t)
 }
 
-// TestFenceGuestTarget serves the two LUNs and answers the host's checks.
+// fenceCases is the set of fenceGroups a run goes through: those
+// BERTH_FENCE_CASES names, the reproduction alone with BERTH_FENCE_REPRO,
+// every group otherwise.
+func fenceCases(t *testing.T, names string, repro bool) map[string]bool {
+	if repro {
+		names = "ext4"
+	}
+	m := map[string]bool{}
+	if names == "" {
+		for _, g := range fenceGroups {
+			m[g] = true
+		}
+		return m
+	}
+	for _, g := range strings.Split(names, ",") {
+		if !slices.Contains(fenceGroups, g) {
+			t.Fatalf("BERTH_FENCE_CASES: no group %q; the groups are %s", g, strings.Join(fenceGroups, ","))
+		}
+		m[g] = true
+	}
+	return m
+}
+
+// TestFenceGuestTarget serves the LUNs and answers the host's checks.
 func TestFenceGuestTarget(t *testing.T) {
 	vm.RequireGuest(t)
 	x := target.NewISCSITarget(t, target.ISCSIConfig{
-		IQN: fenceIQN, Portals: []string{fenceListen},
-		LUNs:       []target.ISCSILUN{{Size: 64 << 20}, {Size: 32 << 20}},
+		IQN: fenceIQN, Portals: []string{fenceListen, fenceListen2},
+		LUNs:       []target.ISCSILUN{{Size: 64 << 20}, {Size: 32 << 20}, {Size: 32 << 20}},
 		Initiators: []target.ISCSIInitiator{{IQN: fenceIQNA}, {IQN: fenceIQNB}},
 	})
 	vm.SignalHost("target-ready")
-	pr := func(lun int) string {
-		return fmt.Sprintf("holder %q type %q registered %q generation %q", x.PR(lun, "res_holder"), x.PR(lun, "res_pr_type"),
-			x.PR(lun, "res_pr_registered_i_pts"), x.PR(lun, "res_pr_generation"))
-	}
-	holds := func(lun int, iqn, other string) {
-		t.Helper()
-		h, reg := x.PR(lun, "res_holder"), x.PR(lun, "res_pr_registered_i_pts")
-		if !strings.Contains(h, iqn) || !strings.Contains(x.PR(lun, "res_pr_type"), "Write Exclusive Access, Registrants Only") ||
-			!strings.Contains(reg, iqn) || strings.Contains(reg, other) {
-			t.Errorf("LUN %d: want %s holding Write Exclusive – Registrants Only, %s not registered: %s", lun, iqn, other, pr(lun))
-		}
-	}
-	free := func(lun int) {
-		t.Helper()
-		if h := x.PR(lun, "res_holder"); !strings.Contains(h, "No SPC-3 Reservation holder") || strings.Contains(x.PR(lun, "res_pr_registered_i_pts"), "iqn.") {
-			t.Errorf("LUN %d: want no holder and no registration: %s", lun, pr(lun))
-		}
-	}
 	var gen string
-	steps := []struct {
-		name string
-		fn   func()
-	}{
-		{"fs-a-holds", func() { holds(0, fenceIQNA, fenceIQNB) }},
-		{"fs-a-holds", func() { holds(0, fenceIQNA, fenceIQNB) }},
-		{"free", func() { free(0) }},
-		{"blk-a-holds", func() { holds(1, fenceIQNA, fenceIQNB) }},
-		{"blk-a-holds", func() { holds(1, fenceIQNA, fenceIQNB) }},
-		{"blk-b-holds", func() { holds(1, fenceIQNB, fenceIQNA) }},
-		{"oracle", func() { fenceOracle(t, x.BackingDevice(1)) }},
-		{"blk-b-holds", func() { holds(1, fenceIQNB, fenceIQNA) }},
-		{"free-blk", func() { free(1) }},
-		{"blk-a-holds", func() { holds(1, fenceIQNA, fenceIQNB) }},
-		{"generation", func() { gen = x.PR(1, "res_pr_generation") }},
-		{"same-generation", func() {
+	checks := map[string]func(){
+		"fs-a-holds":  func() { fenceHolds(t, x, 0, fenceIQNA, fenceIQNB, 1) },
+		"fs-b-holds":  func() { fenceHolds(t, x, 0, fenceIQNB, fenceIQNA, 1) },
+		"free":        func() { fenceFree(t, x, 0) },
+		"blk-a-holds": func() { fenceHolds(t, x, 1, fenceIQNA, fenceIQNB, 1) },
+		"blk-b-holds": func() { fenceHolds(t, x, 1, fenceIQNB, fenceIQNA, 1) },
+		"oracle":      func() { fenceOracle(t, x.BackingDevice(1)) },
+		"free-blk":    func() { fenceFree(t, x, 1) },
+		"generation":  func() { gen = x.PR(1, "res_pr_generation") },
+		"same-generation": func() {
 			if g := x.PR(1, "res_pr_generation"); g != gen {
-				t.Errorf("the stage after the restart changed the PR generation from %s to %s: %s", gen, g, pr(1))
+				t.Errorf("the stage after the restart changed the PR generation from %s to %s: %s", gen, g, fencePR(x, 1))
 			}
-		}},
-		{"free-blk", func() { free(1) }},
-		{"fs-a-holds", func() { holds(0, fenceIQNA, fenceIQNB) }},
-		{"fs-b-holds", func() { holds(0, fenceIQNB, fenceIQNA) }},
-		{"fs-b-holds", func() { holds(0, fenceIQNB, fenceIQNA) }},
-		{"fs-oracle", func() { fenceFSOracle(t, x.BackingDevice(0)) }},
+		},
+		"fs-oracle": func() { fenceFSOracle(t, x.BackingDevice(0)) },
 	}
-	if os.Getenv("BERTH_FENCE_REPRO") == "1" {
-		steps = steps[:3]
+	maps.Copy(checks, fencePathChecks(t, x))
+	steps := map[string]func(){}
+	for name, fn := range checks {
+		steps["check-"+name] = func() {
+			fn()
+			t.Logf("check %s: LUN 0 %s; LUN 1 %s; LUN 2 %s", name, fencePR(x, 0), fencePR(x, 1), fencePR(x, 2))
+		}
 	}
-	rounds := map[string]int{}
-	for _, s := range steps {
-		vm.WaitHost(t, "check-"+s.name)
-		s.fn()
-		rounds[s.name]++
-		t.Logf("check %s (round %d): LUN 0 %s; LUN 1 %s", s.name, rounds[s.name], pr(0), pr(1))
-		vm.SignalHost(fmt.Sprintf("check-%s-done-%d", s.name, rounds[s.name]))
+	fenceSteps(t, steps)
+}
+
+// fencePR is LUN lun's reservation state in LIO's words.
+func fencePR(x *target.ISCSITarget, lun int) string {
+	return fmt.Sprintf("holder %q type %q registered %q generation %q", x.PR(lun, "res_holder"), x.PR(lun, "res_pr_type"),
+		x.PR(lun, "res_pr_registered_i_pts"), x.PR(lun, "res_pr_generation"))
+}
+
+// fenceHolds checks that iqn holds LUN lun's Write Exclusive – Registrants
+// Only reservation, registered through paths I_T nexuses, and that other
+// is not registered.
+func fenceHolds(t *testing.T, x *target.ISCSITarget, lun int, iqn, other string, paths int) {
+	t.Helper()
+	h, reg := x.PR(lun, "res_holder"), x.PR(lun, "res_pr_registered_i_pts")
+	if !strings.Contains(h, iqn) || !strings.Contains(x.PR(lun, "res_pr_type"), "Write Exclusive Access, Registrants Only") ||
+		strings.Count(reg, iqn+",") != paths || strings.Contains(reg, other) {
+		t.Errorf("LUN %d: want %s holding Write Exclusive – Registrants Only, registered through %d paths, %s not registered: %s", lun, iqn, paths, other, fencePR(x, lun))
 	}
-	vm.WaitHost(t, "stop")
+}
+
+// fenceFree checks that LUN lun has neither a holder nor a registration.
+func fenceFree(t *testing.T, x *target.ISCSITarget, lun int) {
+	t.Helper()
+	if h := x.PR(lun, "res_holder"); !strings.Contains(h, "No SPC-3 Reservation holder") || strings.Contains(x.PR(lun, "res_pr_registered_i_pts"), "iqn.") {
+		t.Errorf("LUN %d: want no holder and no registration: %s", lun, fencePR(x, lun))
+	}
 }
 
 // fenceOracle reads the record region of the raw block LUN's backing
@@ -472,16 +562,18 @@ func mountedRW(staging string) bool {
 }
 
 // fenceWriter writes records of node id through dev, one 4 KiB block at
-// a time with O_DIRECT and O_DSYNC, cycling through the region, until
-// stopped. It counts the writes that succeeded and failed.
+// a time with O_DIRECT and O_DSYNC, cycling through the region that
+// starts at byte base, until stopped. It counts the writes that succeeded
+// and failed, and keeps the longest time between two that succeeded.
 type fenceWriter struct {
 	ok, failed atomic.Int64
+	maxGap     atomic.Int64 // nanoseconds
 	lastErr    atomic.Value
 	stop       chan struct{}
 	done       chan struct{}
 }
 
-func startFenceWriter(t *testing.T, dev, id string) *fenceWriter {
+func startFenceWriter(t *testing.T, dev, id string, base int64) *fenceWriter {
 	f, err := os.OpenFile(dev, os.O_WRONLY|unix.O_DIRECT|unix.O_DSYNC, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -491,6 +583,7 @@ func startFenceWriter(t *testing.T, dev, id string) *fenceWriter {
 		defer close(w.done)
 		defer f.Close()
 		buf := alignedBlock(fenceRecSize)
+		last := time.Now()
 		for seq := 0; ; seq++ {
 			select {
 			case <-w.stop:
@@ -498,12 +591,16 @@ func startFenceWriter(t *testing.T, dev, id string) *fenceWriter {
 			default:
 			}
 			copy(buf, fmt.Sprintf("FENCE-REC %s seq=%d\n", id, seq))
-			if _, err := f.WriteAt(buf, int64(seq%fenceRegion)*fenceRecSize); err != nil {
+			if _, err := f.WriteAt(buf, base+int64(seq%fenceRegion)*fenceRecSize); err != nil {
 				w.failed.Add(1)
 				w.lastErr.Store(err.Error())
 				time.Sleep(50 * time.Millisecond)
 				continue
 			}
+			if gap := time.Since(last); int64(gap) > w.maxGap.Load() {
+				w.maxGap.Store(int64(gap))
+			}
+			last = time.Now()
 			w.ok.Add(1)
 		}
 	}()
@@ -528,18 +625,24 @@ func writeMarkers(t *testing.T, dev, id string) {
 	}
 }
 
-func fenceSteps(t *testing.T, steps []fenceStep) {
-	for _, s := range steps {
-		vm.WaitHost(t, s.name)
-		s.fn()
-		vm.SignalHost(s.name + "-done")
+// fenceSteps runs the steps the host names, in the host's order, until
+// it sends stop. Each answers "<name>-done-<round>", round counting that
+// step's runs, which the host's do waits for.
+func fenceSteps(t *testing.T, steps map[string]func()) {
+	rounds := map[string]int{}
+	for {
+		name := vm.NextHost(t)
+		if name == "stop" {
+			return
+		}
+		fn, ok := steps[name]
+		if !ok {
+			t.Fatalf("the host asked for step %q, which this guest does not have", name)
+		}
+		fn()
+		rounds[name]++
+		vm.SignalHost(fmt.Sprintf("%s-done-%d", name, rounds[name]))
 	}
-	vm.WaitHost(t, "stop")
-}
-
-type fenceStep struct {
-	name string
-	fn   func()
 }
 
 func TestFenceGuestNodeA(t *testing.T) {
@@ -550,25 +653,25 @@ func TestFenceGuestNodeA(t *testing.T) {
 	var w, fw *fenceWriter
 	var before int64
 	vm.SignalHost("ready")
-	steps := []fenceStep{
-		{"stage-fs", func() {
+	steps := map[string]func(){
+		"stage-fs": func() {
 			d := n.mustStage(fsVol)
 			t.Logf("node-a: staged vol-fs in %v; read-write mount: %t", d.Round(time.Millisecond), mountedRW(fsVol.staging))
-		}},
-		{"unstage-fs", func() { n.mustUnstage(fsVol) }},
-		{"stage-blk", func() {
+		},
+		"unstage-fs": func() { n.mustUnstage(fsVol) },
+		"stage-blk": func() {
 			d := n.mustStage(blk)
 			t.Logf("node-a: staged vol-blk in %v", d.Round(time.Millisecond))
 			n.publish(blk)
-			w = startFenceWriter(t, blk.target, "node-a")
+			w = startFenceWriter(t, blk.target, "node-a", 0)
 			for w.ok.Load() < 20 && w.failed.Load() == 0 {
 				time.Sleep(20 * time.Millisecond)
 			}
 			if w.failed.Load() != 0 {
 				t.Errorf("node-a: the holder's writes fail: %v", w.lastErr.Load())
 			}
-		}},
-		{"resumed", func() {
+		},
+		"resumed": func() {
 			// The guest was frozen and goes on here: its writer has run
 			// again since, against a target that fenced it. A write the
 			// target completed before the preempt may be seen complete
@@ -582,8 +685,8 @@ func TestFenceGuestNodeA(t *testing.T) {
 			if after != 0 || w.failed.Load() == 0 {
 				t.Errorf("node-a: %d writes succeeded after it was fenced, %d failed; want none and some", after, w.failed.Load())
 			}
-		}},
-		{"unstage-fenced", func() {
+		},
+		"unstage-fenced": func() {
 			c := n.condition(blk)
 			t.Logf("node-a's condition: %+v", c)
 			if c == nil || !c.Abnormal || !strings.Contains(c.Message, "preempted") {
@@ -595,24 +698,24 @@ func TestFenceGuestNodeA(t *testing.T) {
 				t.Logf("node-a: repeated stage refused: %v", err)
 			}
 			n.mustUnstage(blk)
-		}},
-		{"stage-back", func() {
+		},
+		"stage-back": func() {
 			d := n.mustStage(blk)
 			t.Logf("node-a: staged vol-blk back in %v (no takeover)", d.Round(time.Millisecond))
-		}},
-		{"restart-stage", func() {
+		},
+		"restart-stage": func() {
 			n.restart()
 			n.mustStage(blk)
-		}},
-		{"unstage-blk", func() { n.mustUnstage(blk) }},
-		{"fs-writer", func() {
+		},
+		"unstage-blk": func() { n.mustUnstage(blk) },
+		"fs-writer": func() {
 			n.mustStage(fsVol)
 			fw = startFileWriter(t, fsVol.staging)
 			for fw.ok.Load() < 10 && fw.failed.Load() == 0 {
 				time.Sleep(20 * time.Millisecond)
 			}
-		}},
-		{"fs-resumed", func() {
+		},
+		"fs-resumed": func() {
 			time.Sleep(2 * time.Second)
 			before := fw.ok.Load()
 			time.Sleep(5 * time.Second)
@@ -625,8 +728,8 @@ func TestFenceGuestNodeA(t *testing.T) {
 				t.Errorf("node-a: condition %+v, want abnormal", c)
 			}
 			n.mustUnstage(fsVol)
-		}},
-		{"timings", func() {
+		},
+		"timings": func() {
 			for _, fencing := range []string{"reservation", "none"} {
 				var ds []string
 				for range 3 {
@@ -642,11 +745,9 @@ func TestFenceGuestNodeA(t *testing.T) {
 				}
 				t.Logf("stage times, fencing %s: %s", fencing, strings.Join(ds, " "))
 			}
-		}},
+		},
 	}
-	if os.Getenv("BERTH_FENCE_REPRO") == "1" {
-		steps = steps[:2]
-	}
+	maps.Copy(steps, fencePathSteps(t, n))
 	fenceSteps(t, steps)
 }
 
@@ -657,8 +758,8 @@ func TestFenceGuestNodeB(t *testing.T) {
 	blk := n.vol("vol-blk", "1", csitest.BlockCap())
 	staged := false
 	vm.SignalHost("ready")
-	steps := []fenceStep{
-		{"stage-fs", func() {
+	steps := map[string]func(){
+		"stage-fs": func() {
 			_, err := n.stage(fsVol, nil)
 			switch {
 			case err == nil:
@@ -669,19 +770,19 @@ func TestFenceGuestNodeB(t *testing.T) {
 			default:
 				t.Logf("node-b refused: %v", err)
 			}
-		}},
-		{"unstage-fs", func() {
+		},
+		"unstage-fs": func() {
 			if staged {
 				n.mustUnstage(fsVol)
 			}
-		}},
-		{"stage-blk-refused", func() {
+		},
+		"stage-blk-refused": func() {
 			_, err := n.stage(blk, nil)
 			if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), fmt.Sprintf("%#016x", agent.NodeKey("node-a"))) {
 				t.Errorf("node-b: unauthorised stage of vol-blk: %v, want FailedPrecondition naming node-a's key", err)
 			}
-		}},
-		{"takeover-blk", func() {
+		},
+		"takeover-blk": func() {
 			out, err := exec.Command("berth", "takeover", "--state-dir", n.stateDir, "--volume-id", blk.id, "--from-node", "node-a").CombinedOutput()
 			if err != nil {
 				t.Fatalf("berth takeover: %v: %s", err, out)
@@ -691,9 +792,9 @@ func TestFenceGuestNodeB(t *testing.T) {
 			t.Logf("node-b: takeover stage of vol-blk in %v", d.Round(time.Millisecond))
 			n.publish(blk)
 			writeMarkers(t, blk.target, "node-b")
-		}},
-		{"unstage-blk", func() { n.mustUnstage(blk) }},
-		{"takeover-fs", func() {
+		},
+		"unstage-blk": func() { n.mustUnstage(blk) },
+		"takeover-fs": func() {
 			out, err := exec.Command("berth", "takeover", "--state-dir", n.stateDir, "--volume-id", fsVol.id, "--from-node", "node-a").CombinedOutput()
 			if err != nil {
 				t.Fatalf("berth takeover: %v: %s", err, out)
@@ -713,12 +814,10 @@ func TestFenceGuestNodeB(t *testing.T) {
 				t.Errorf("write b-fence: %v", err)
 			}
 			t.Logf("node-b: node-a's records up to %d at the takeover", seen)
-		}},
-		{"release-fs", func() { n.mustUnstage(fsVol) }},
+		},
+		"release-fs": func() { n.mustUnstage(fsVol) },
 	}
-	if os.Getenv("BERTH_FENCE_REPRO") == "1" {
-		steps = steps[:2]
-	}
+	maps.Copy(steps, fencePathSteps(t, n))
 	fenceSteps(t, steps)
 }
 

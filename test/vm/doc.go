@@ -45,7 +45,7 @@
 // Several guests on one host test: Boot starts a guest and returns at once;
 // NewLink gives two guests a private Ethernet link (QEMU socket netdev over
 // host loopback), WithNIC gives a guest an address on it; SignalHost and
-// WaitHost (guest side) with Machine.WaitSignal and Machine.Send (host side)
+// WaitHost or NextHost (guest side) with Machine.WaitSignal and Machine.Send (host side)
 // let the host sequence the guests, for example to kill a target guest while
 // an initiator guest watches its path go down.
 //

@@ -32,10 +32,35 @@ var (
 	hostLines     chan string
 )
 
-// WaitHost blocks until the host harness sent name with Machine.Send. Guest side.
+// WaitHost blocks until the host harness sent name with Machine.Send,
+// skipping the lines sent before it. Guest side.
 func WaitHost(t testing.TB, name string) {
 	t.Helper()
 	RequireGuest(t)
+	for {
+		l, ok := hostLine()
+		if !ok {
+			t.Fatalf("host never sent %q", name)
+		}
+		if l == name {
+			return
+		}
+	}
+}
+
+// NextHost returns the next line the host harness sent with Machine.Send,
+// for a guest that runs whichever step the host names. Guest side.
+func NextHost(t testing.TB) string {
+	t.Helper()
+	RequireGuest(t)
+	l, ok := hostLine()
+	if !ok {
+		t.Fatal("the host stopped sending before it sent stop")
+	}
+	return l
+}
+
+func hostLine() (string, bool) {
 	hostLinesOnce.Do(func() {
 		hostLines = make(chan string, 16)
 		go func() {
@@ -46,10 +71,6 @@ func WaitHost(t testing.TB, name string) {
 			close(hostLines)
 		}()
 	})
-	for l := range hostLines {
-		if l == name {
-			return
-		}
-	}
-	t.Fatalf("host never sent %q", name)
+	l, ok := <-hostLines
+	return l, ok
 }

@@ -2,7 +2,9 @@ package target
 
 import (
 	"encoding/hex"
+	"errors"
 	"fmt"
+	"io/fs"
 	"maps"
 	"net"
 	"os"
@@ -123,27 +125,39 @@ func (x *ISCSITarget) addLUN(i int, l ISCSILUN) {
 	}
 	b := newBacking(t, l.Size)
 	hba := filepath.Join(lioRoot, "core", fmt.Sprintf("iblock_%d", next("iblock")+100))
-	mustMkdir(t, hba)
 	lun := &iscsiLUN{ISCSILUN: l, b: b, hbaDir: hba, devDir: filepath.Join(hba, fmt.Sprintf("lun%d", i)),
 		lunName: fmt.Sprintf("lun_%d", i)}
 	x.mu.Lock()
 	x.luns = append(x.luns, lun)
 	x.mu.Unlock()
+	x.makeDevice(lun)
+}
+
+// makeDevice creates the LUN's iblock device in configfs over its
+// backing store.
+func (x *ISCSITarget) makeDevice(lun *iscsiLUN) {
+	t := x.t
+	t.Helper()
+	mustMkdir(t, lun.hbaDir)
 	mustMkdir(t, lun.devDir)
-	mustWrite(t, filepath.Join(lun.devDir, "control"), "udev_path="+b.dev)
+	mustWrite(t, filepath.Join(lun.devDir, "control"), "udev_path="+lun.b.dev)
 	mustWrite(t, filepath.Join(lun.devDir, "enable"), "1")
 	// The unit serial must be set before the LUN is exported, or the
 	// device has no stable WWID.
-	mustWrite(t, filepath.Join(lun.devDir, "wwn", "vpd_unit_serial"), l.Serial)
+	mustWrite(t, filepath.Join(lun.devDir, "wwn", "vpd_unit_serial"), lun.Serial)
 }
 
-// addTPG creates and enables a TPG exporting every LUN on portal addr.
-func (x *ISCSITarget) addTPG(addr string) {
+// addTPG creates and enables a TPG exporting every LUN on portal addr,
+// with the next tag, or with tag when it is not 0.
+func (x *ISCSITarget) addTPG(addr string, tag int) {
 	t := x.t
 	t.Helper()
 	x.mu.Lock()
-	x.tag++
-	tpg := filepath.Join(x.dir, fmt.Sprintf("tpgt_%d", x.tag))
+	if tag == 0 {
+		x.tag++
+		tag = x.tag
+	}
+	tpg := filepath.Join(x.dir, fmt.Sprintf("tpgt_%d", tag))
 	x.tpgs[addr] = tpg
 	luns := x.luns
 	x.mu.Unlock()
@@ -226,6 +240,119 @@ func (x *ISCSITarget) BackingDevice(i int) string {
 	return x.luns[i].b.dev
 }
 
+// APTPLFile is where LIO keeps LUN i's persistent reservations across a
+// restart: dbroot/pr/aptpl_<unit serial>, written at every reservation
+// change once a REGISTER asked for APTPL (Linux's sd always does).
+func (x *ISCSITarget) APTPLFile(i int) string {
+	b, err := os.ReadFile(filepath.Join(lioRoot, "dbroot"))
+	if err != nil {
+		x.t.Fatalf("LIO dbroot: %v", err)
+	}
+	return filepath.Join(strings.TrimSpace(string(b)), "pr", "aptpl_"+x.LUN(i).Serial)
+}
+
+// SessionInfo is LIO's view of initiator's session through portal (the
+// ACL's info attribute: its ISID, TSIH and state), or the line saying it
+// has none.
+func (x *ISCSITarget) SessionInfo(portal, initiator string) string {
+	x.t.Helper()
+	b, err := os.ReadFile(filepath.Join(x.tpgOf(portal), "acls", initiator, "info"))
+	if err != nil {
+		x.t.Errorf("read the session info of %s on %s: %v", initiator, portal, err)
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// TPGT is the tag of portal's target portal group.
+func (x *ISCSITarget) TPGT(portal string) int {
+	x.t.Helper()
+	tag, err := strconv.Atoi(strings.TrimPrefix(filepath.Base(x.tpgOf(portal)), "tpgt_"))
+	if err != nil {
+		x.t.Fatalf("TPG of %s: %v", portal, err)
+	}
+	return tag
+}
+
+// Restart restarts the target as a reboot of its host with a saved
+// configuration does (targetcli's restoreconfig): every TPG and LUN
+// leaves configfs, which ends the initiators' sessions (their commands
+// wait in session recovery) and drops LIO's reservation state in
+// memory; then each LUN comes back over the same backing store and
+// serial, the reservations LIO saved for APTPL registrations
+// (APTPLFile) are fed back through pr/res_aptpl_metadata before the LUN
+// is exported, as targetcli does, and the TPGs come back with their tags,
+// ACLs and portals. The initiators log in again by themselves, with the
+// ISIDs the restored registrations name.
+func (x *ISCSITarget) Restart() {
+	t := x.t
+	t.Helper()
+	x.mu.Lock()
+	tpgs := maps.Clone(x.tpgs)
+	luns := x.luns
+	x.mu.Unlock()
+	for _, tpg := range tpgs {
+		x.removeTPG(tpg)
+	}
+	for _, l := range luns {
+		rmdir(t, l.devDir)
+		rmdir(t, l.hbaDir)
+	}
+	for i, l := range luns {
+		x.makeDevice(l)
+		x.restoreAPTPL(i, l)
+	}
+	portals := slices.SortedFunc(maps.Keys(tpgs), func(a, b string) int { return strings.Compare(tpgs[a], tpgs[b]) })
+	for _, p := range portals {
+		tag, err := strconv.Atoi(strings.TrimPrefix(filepath.Base(tpgs[p]), "tpgt_"))
+		if err != nil {
+			t.Fatalf("TPG of %s: %v", p, err)
+		}
+		x.addTPG(p, tag)
+	}
+}
+
+// restoreAPTPL writes the registrations of LUN i's APTPL file into its
+// pr/res_aptpl_metadata, one registration per write; LIO keeps them aside
+// and makes them registrations again (the holder's with its reservation)
+// when an ACL maps the LUN. A LUN without the file has nothing to restore.
+func (x *ISCSITarget) restoreAPTPL(i int, l *iscsiLUN) {
+	t := x.t
+	t.Helper()
+	b, err := os.ReadFile(x.APTPLFile(i))
+	if errors.Is(err, fs.ErrNotExist) {
+		return
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, reg := range aptplRegistrations(string(b)) {
+		mustWrite(t, filepath.Join(l.devDir, "pr", "res_aptpl_metadata"), reg)
+	}
+}
+
+// aptplRegistrations splits an APTPL file (PR_REG_START: n, key=value
+// lines, PR_REG_END: n per registration) into the comma-separated
+// key=value lists res_aptpl_metadata takes.
+func aptplRegistrations(file string) []string {
+	var regs, cur []string
+	in := false
+	for _, line := range strings.Split(file, "\n") {
+		line = strings.TrimSpace(strings.TrimRight(line, "\x00"))
+		switch {
+		case strings.HasPrefix(line, "PR_REG_START:"):
+			in, cur = true, nil
+		case strings.HasPrefix(line, "PR_REG_END:"):
+			if in && len(cur) > 0 {
+				regs = append(regs, strings.Join(cur, ","))
+			}
+			in = false
+		case in && strings.Contains(line, "="):
+			cur = append(cur, line)
+		}
+	}
+	return regs
+}
+
 // Portals lists the portals ("ip:port") of the target, sorted.
 func (x *ISCSITarget) Portals() []string {
 	x.mu.Lock()
@@ -259,7 +386,7 @@ func (x *ISCSITarget) AddPortal(addr string) {
 		t.Fatalf("iscsi target %s: portal %s exists", x.cfg.IQN, addr)
 	}
 	ensureLoopbackAlias(t, host)
-	x.addTPG(addr)
+	x.addTPG(addr, 0)
 }
 
 // RemovePortal removes the portal addr and its TPG: the sessions through it
