@@ -92,16 +92,30 @@ func (t *Transport) tlsSupported() error {
 	return t.tlsErr
 }
 
+// nvmeKeyring returns the serial of the kernel's .nvme keyring.
+func (t *Transport) nvmeKeyring() (int, error) {
+	list := t.opts.listKeys
+	if list == nil {
+		list = keyring.List
+	}
+	keys, err := list()
+	if err != nil {
+		return 0, err
+	}
+	id, err := keyring.Find(keys, nvmeKeyring)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return 0, fmt.Errorf("the volume asks for TLS, but the kernel has no %s keyring (the nvme_keyring module, CONFIG_NVME_KEYRING, is not loaded: modprobe nvme-tcp): %w", nvmeKeyring, errdefs.ErrUnsupported)
+	}
+	return id, err
+}
+
 // prepareTLS finds or inserts the volume's PSK before any connect; see
 // tlsConn. ctrls are the subsystem's controllers.
 func (tg *Target) prepareTLS(ctx context.Context, host HostIdentity, ctrls []Controller) (*tlsConn, error) {
 	if err := tg.t.tlsSupported(); err != nil {
 		return nil, err
 	}
-	nvme, err := keyring.FindKeyring(nvmeKeyring)
-	if errors.Is(err, errdefs.ErrNotFound) {
-		return nil, fmt.Errorf("the volume asks for TLS, but the kernel has no %s keyring (the nvme_keyring module, CONFIG_NVME_KEYRING, is not loaded: modprobe nvme-tcp): %w", nvmeKeyring, errdefs.ErrUnsupported)
-	}
+	nvme, err := tg.t.nvmeKeyring()
 	if err != nil {
 		return nil, err
 	}
@@ -232,7 +246,7 @@ func (tg *Target) dropKeys(ctx context.Context, host string) {
 			return
 		}
 	}
-	nvme, err := keyring.FindKeyring(nvmeKeyring)
+	nvme, err := tg.t.nvmeKeyring()
 	if err != nil {
 		return
 	}

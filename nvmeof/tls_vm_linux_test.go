@@ -277,7 +277,7 @@ func TestTLSGuest(t *testing.T) {
 	// nvme-cli inserts the keys berth derives, and a volume without a
 	// PSK of its own uses the operator's key.
 	t.Run("OperatorKey", func(t *testing.T) {
-		nvme, err := keyring.FindKeyring(".nvme")
+		nvme, err := findKeyring(".nvme")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -471,11 +471,20 @@ func (w lockedWriter) Write(b []byte) (int, error) {
 	return len(b), nil
 }
 
+// findKeyring finds a keyring of the guest by name.
+func findKeyring(name string) (int, error) {
+	keys, err := keyring.List()
+	if err != nil {
+		return 0, err
+	}
+	return keyring.Find(keys, name)
+}
+
 // berthKey returns the serial of berth's key with this description, 0
 // for none.
 func berthKey(t *testing.T, desc string) int {
 	t.Helper()
-	nvme, err := keyring.FindKeyring(".nvme")
+	nvme, err := findKeyring(".nvme")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/keyring"
 	"github.com/berth-csi/berth/internal/kmutex"
 )
 
@@ -40,6 +41,8 @@ type Options struct {
 	DevRoot string
 	// readFile reads sysfs attributes; nil is sysfs.ReadFile (tests).
 	readFile func(name string) ([]byte, error)
+	// listKeys lists the kernel's keys; nil is keyring.List (tests).
+	listKeys func() ([]keyring.Key, error)
 	// FabricsDevice is the connect interface; default DefaultFabricsDevice.
 	FabricsDevice string
 	// Resolver resolves target host names; default net.DefaultResolver.
