@@ -329,7 +329,9 @@ func (tg *Target) tlsConnectError(ctx context.Context, p Path, err error) error 
 	case errors.Is(err, errSilent) && tg.portAccepts(ctx, p):
 		// Not silent after all: the handshake failed, and the path
 		// is not left out of the next stages (noteSilent).
-		return fmt.Errorf("connect with TLS: the target's port accepts TCP connections, but the TLS handshake failed: the port does not offer TLS (nvmet: addr_tsas tls1.3), or the target has no PSK for identity %q, or another one; check the target's TLS setting and its PSK for this host: %w",
+		// A wrong PSK and a port without TLS look the same from here
+		// (measured on 6.12: ETIMEDOUT within a second, both).
+		return fmt.Errorf("connect with TLS: the target's port accepts TCP connections, but the TLS handshake failed: the target has no PSK for identity %q, or another one than the volume gives, or the port does not offer TLS (nvmet: addr_tsas tls1.3); check the target's PSK for this host and subsystem against the volume's, and the port's TLS setting: %w",
 			tg.identityHint(), errdefs.ErrFailedPrecondition)
 	}
 	return err

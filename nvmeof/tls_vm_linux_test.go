@@ -77,13 +77,14 @@ var (
 // TestVMNVMeoFTLS boots a target guest and a node guest with Debian 13's
 // 6.12 kernel (NVMe/TCP TLS on both sides, CONFIG_NVME_TCP_TLS and
 // CONFIG_NVME_TARGET_TCP_TLS) and tlshd 1.0.0, and runs TestTLSGuest on
-// the node against nvmet ports that require TLS.
+// the node against nvmet ports that require TLS. BERTH_NVMEOF_RUN
+// narrows the node's cases (e.g. '^TestTLSGuest$/^WrongKey$').
 func TestVMNVMeoFTLS(t *testing.T) {
 	link := vm.NewLink(t)
 	tgt := vm.Boot(t, vm.WithName("tls-target"), vm.WithKernel("trixie"), vm.WithTestRun("^TestTLSTargetGuest$"),
 		vm.WithNIC(link, tlsTargetIP+"/24"), vm.WithTimeout(10*time.Minute))
 	tgt.WaitSignal("target-ready", 4*time.Minute)
-	node := vm.Boot(t, vm.WithName("tls-node"), vm.WithKernel("trixie"), vm.WithTestRun("^TestTLSGuest$"),
+	node := vm.Boot(t, vm.WithName("tls-node"), vm.WithKernel("trixie"), vm.WithTestRun(guestRun("^TestTLSGuest$")),
 		vm.WithNIC(link, tlsNodeIP+"/24"), vm.WithTimeout(10*time.Minute))
 	node.ReportTests(t)
 	tgt.Kill()
@@ -393,7 +394,11 @@ func TestTLSGuest(t *testing.T) {
 		}
 	})
 
-	refused := func(t *testing.T, tg *Target, nqn string, want error, text string) {
+	// refused stages tg, which must fail with want (the agent's code:
+	// ErrFailedPrecondition is FAILED_PRECONDITION, ErrUnavailable
+	// UNAVAILABLE) and a message holding every text, and leave nothing
+	// connected and no key of berth's.
+	refused := func(t *testing.T, tg *Target, nqn string, want error, texts ...string) {
 		t.Helper()
 		t0 := time.Now()
 		_, err := tg.Attach(ctx)
@@ -401,8 +406,13 @@ func TestTLSGuest(t *testing.T) {
 		if err == nil {
 			t.Fatal("Attach succeeded")
 		}
-		if want != nil && !errors.Is(err, want) || !strings.Contains(err.Error(), text) {
-			t.Errorf("Attach: %v, want %v with %q", err, want, text)
+		if !errors.Is(err, want) {
+			t.Errorf("Attach: %v, want %v", err, want)
+		}
+		for _, text := range texts {
+			if !strings.Contains(err.Error(), text) {
+				t.Errorf("Attach: %v, want it to say %q", err, text)
+			}
 		}
 		wantControllers(t, nqn, 0)
 		for _, id := range []string{"NVMe0R01 " + tlsHostNQN + " " + nqn, "NVMe0R02 " + tlsHostNQN + " " + nqn} {
@@ -412,7 +422,11 @@ func TestTLSGuest(t *testing.T) {
 		}
 	}
 	t.Run("WrongKey", func(t *testing.T) {
-		refused(t, parse(vc("required"), map[string]string{SecretTLSKey: tlsKey2}), tlsNQN, nil, "")
+		// A wrong PSK is the operator's to fix: FAILED_PRECONDITION,
+		// naming the identity whose PSK to compare on the target.
+		refused(t, parse(vc("required"), map[string]string{SecretTLSKey: tlsKey2}), tlsNQN, errdefs.ErrFailedPrecondition,
+			fmt.Sprintf("no PSK for identity %q, or another one than the volume gives", "NVMe0R01 "+tlsHostNQN+" "+tlsNQN),
+			"check the target's PSK for this host and subsystem")
 	})
 	t.Run("NoKey", func(t *testing.T) {
 		refused(t, parse(vc("required"), nil), tlsNQN, errdefs.ErrFailedPrecondition, SecretTLSKey)
