@@ -59,16 +59,20 @@ func testSecret(prefix, seed string, n int) string {
 }
 
 var (
-	tlsKey1  = testSecret("NVMeTLSkey-1:01:", "tls-key-1", 32) // the target's key of tlsNQN
-	tlsKey2  = testSecret("NVMeTLSkey-1:01:", "tls-key-2", 32) // a key the target does not know
-	tlsKey3  = testSecret("NVMeTLSkey-1:02:", "tls-key-3", 48) // a SHA-384 key, for the derivation
-	tlsKey4  = testSecret("NVMeTLSkey-1:01:", "tls-key-4", 32) // the target's key of tlsAuthNQN
-	tlsCHAP  = testSecret("DHHC-1:00:", "tls-dhchap", 32)
-	tlsPorts = map[string]string{
+	tlsKey1 = testSecret("NVMeTLSkey-1:01:", "tls-key-1", 32) // the target's key of tlsNQN
+	tlsKey2 = testSecret("NVMeTLSkey-1:01:", "tls-key-2", 32) // a key the target does not know
+	tlsKey3 = testSecret("NVMeTLSkey-1:02:", "tls-key-3", 48) // a SHA-384 key, for the derivation
+	tlsKey4 = testSecret("NVMeTLSkey-1:01:", "tls-key-4", 32) // the target's key of tlsAuthNQN
+	tlsCHAP = testSecret("DHHC-1:00:", "tls-dhchap", 32)
+	// The controller's key of tlsAuthNQN: the host authenticates the
+	// target too.
+	tlsCHAPCtrl = testSecret("DHHC-1:00:", "tls-dhchap-ctrl", 32)
+	tlsPorts    = map[string]string{
 		"required":     tlsTargetIP + ":4420",
 		"required2":    tlsTargetIP + ":4421",
 		"plain":        tlsTargetIP + ":4422",
 		"auth":         tlsTargetIP + ":4423",
+		"auth2":        tlsTargetIP + ":4426",
 		"not required": tlsTargetIP + ":4424",
 		"plainsub":     tlsTargetIP + ":4425",
 	}
@@ -102,7 +106,7 @@ func TestTLSTargetGuest(t *testing.T) {
 	tg.AddPort(tlsPorts["plain"])
 	tg.AddPortTLS(tlsPorts["not required"], "not required")
 	target.NewNVMeTarget(t, target.NVMeConfig{NQN: tlsAuthNQN, AllowedHosts: []string{tlsAuthHostNQN}, Namespaces: ns[:1],
-		Ports: []string{tlsPorts["auth"]}, TLS: "required", DHCHAP: &target.NVMeDHCHAP{Key: tlsCHAP}})
+		Ports: []string{tlsPorts["auth"], tlsPorts["auth2"]}, TLS: "required", DHCHAP: &target.NVMeDHCHAP{Key: tlsCHAP, CtrlKey: tlsCHAPCtrl}})
 	target.NewNVMeTarget(t, target.NVMeConfig{NQN: tlsPlainNQN, Namespaces: ns[:1], Ports: []string{tlsPorts["plainsub"]}})
 	target.InsertTLSKey(t, tlsHostNQN, tlsNQN, tlsKey1)
 	target.InsertTLSKey(t, tlsAuthHostNQN, tlsAuthNQN, tlsKey4)
@@ -118,7 +122,7 @@ func TestTLSGuest(t *testing.T) {
 	var logs bytes.Buffer
 	var logMu sync.Mutex
 	tr := tlsTransport(t, &logs, &logMu, tlsHostNQN, tlsHostID)
-	keyTexts := []string{tlsKey1, tlsKey2, tlsKey3, tlsKey4, tlsCHAP}
+	keyTexts := []string{tlsKey1, tlsKey2, tlsKey3, tlsKey4, tlsCHAP, tlsCHAPCtrl}
 	leaks := func(what string, b []byte) {
 		t.Helper()
 		for _, k := range keyTexts {
@@ -255,24 +259,36 @@ func TestTLSGuest(t *testing.T) {
 		}
 	})
 
+	// TLS and bidirectional DH-HMAC-CHAP on both paths: every
+	// controller authenticated both ways, inside TLS with berth's key.
 	t.Run("WithDHCHAP", func(t *testing.T) {
+		procs := sampleKeys(keyTexts)
 		tr := tlsTransport(t, &logs, &logMu, tlsAuthHostNQN, tlsAuthHostID)
-		tg, err := tr.Parse(vc("auth", "nqn", tlsAuthNQN), map[string]string{SecretTLSKey: tlsKey4, SecretDHCHAPKey: tlsCHAP})
+		tg, err := tr.Parse(vc("auth", "nqn", tlsAuthNQN, "targets", tlsPorts["auth"]+","+tlsPorts["auth2"]),
+			map[string]string{SecretTLSKey: tlsKey4, SecretDHCHAPKey: tlsCHAP, SecretDHCHAPCtrlKey: tlsCHAPCtrl})
 		if err != nil {
 			t.Fatal(err)
 		}
-		mustAttach(t, ctx, tg)
-		cs := wantControllers(t, tlsAuthNQN, 1)
-		ca, err := (sysTree{root: "/sys"}).readCtrlAuth(cs[0].Name)
-		if err != nil || ca.host == "" {
-			t.Errorf("controller %s: no DH-HMAC-CHAP key (%v)", cs[0].Name, err)
+		dev := mustAttach(t, ctx, tg)
+		cs := wantControllers(t, tlsAuthNQN, 2)
+		key := berthKey(t, "NVMe0R01 "+tlsAuthHostNQN+" "+tlsAuthNQN)
+		for _, c := range cs {
+			ca, err := (sysTree{root: "/sys"}).readCtrlAuth(c.Name)
+			if err != nil || ca.host == "" || ca.ctrl == "" {
+				t.Errorf("controller %s (%v): not authenticated both ways: %s (%v)", c.Name, c.Address, ca.describe(), err)
+			}
+			if got, _ := (sysTree{root: "/sys"}).readTLSKey(c.Name); got == 0 || got != key {
+				t.Errorf("controller %s: tls_key %08x, want berth's key %08x", c.Name, got, key)
+			}
 		}
-		if got, _ := (sysTree{root: "/sys"}).readTLSKey(cs[0].Name); got == 0 || got != berthKey(t, "NVMe0R01 "+tlsAuthHostNQN+" "+tlsAuthNQN) {
-			t.Errorf("controller %s: tls_key %08x, want berth's key", cs[0].Name, got)
+		if captureWrite(t, dev.Path) {
+			t.Error("the marker written to a TLS volume with DH-HMAC-CHAP showed in clear on the link")
 		}
+		procs.check(t)
 		if err := tg.Detach(ctx); err != nil {
 			t.Fatal(err)
 		}
+		wantControllers(t, tlsAuthNQN, 0)
 	})
 
 	// nvme-cli inserts the keys berth derives, and a volume without a
