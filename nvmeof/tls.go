@@ -49,9 +49,10 @@ import (
 //     answers EIO. SHA-256 PSKs work.
 //
 // Secure channel concatenation (the TLS PSK derived from a DH-HMAC-CHAP
-// exchange, connect option "concat") came with Linux 6.14, host and
-// target; 6.12 has neither, so berth does not offer it: TLS and
-// DH-HMAC-CHAP together on 6.12 authenticate inside the TLS session
+// exchange, connect option "concat") came with Linux 6.15, host and
+// target: 6.12's nvme-fabrics module lists no concat option and its
+// nvmet has no concatenation, 7.3's have both. berth does not offer it:
+// TLS and DH-HMAC-CHAP together authenticate inside the TLS session
 // with independent keys.
 
 // nvmeKeyring is the kernel's keyring of NVMe PSKs.
