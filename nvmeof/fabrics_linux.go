@@ -28,6 +28,10 @@ var errDuplicate = errors.New("a controller with these options already exists")
 // EKEYREJECTED); the caller tells the two apart (see Target.authRefused).
 var errRefused = errors.New("connection refused")
 
+// errReset marks an ECONNRESET connect: the target dropped the
+// connection before answering the NVMe/TCP initialization.
+var errReset = errors.New("the target reset the connection")
+
 // errNoHandshake marks an ESRCH connect: with tls, the kernel's
 // handshake upcall found no tlshd listening.
 var errNoHandshake = errors.New("no TLS handshake daemon")
@@ -131,7 +135,7 @@ func connectError(err error) error {
 	case unix.ECONNRESET:
 		// Measured on 6.12: a connect without tls to an nvmet port
 		// that requires TLS (addr_treq "required").
-		return fmt.Errorf("connect: the target reset the connection (%v): when its port requires TLS, set volume_context %q=\"true\" and give the PSK (secret %q); else check that the subsystem exists and allows this hostnqn: %w", errno, KeyTLS, SecretTLSKey, errdefs.ErrFailedPrecondition)
+		return fmt.Errorf("connect: %w (%v): when its port requires TLS, set volume_context %q=\"true\" and give the PSK (secret %q); else check that the subsystem exists and allows this hostnqn: %w", errReset, errno, KeyTLS, SecretTLSKey, errdefs.ErrFailedPrecondition)
 	case unix.EIO, unix.EPROTO:
 		// EIO is also what 6.12 answers, after its 60 s admin timeout,
 		// when the target dropped the connection over a rejected key

@@ -69,9 +69,11 @@ type Transport struct {
 	// flight (see flush).
 	flushing kmutex.KeyedMutex
 
-	// tlsOnce reads the kernel's connect options once for tlsErr.
-	tlsOnce sync.Once
-	tlsErr  error
+	// optsOnce reads the names of the kernel's connect options once
+	// into optNames (optsErr: the read failed).
+	optsOnce sync.Once
+	optNames map[string]bool
+	optsErr  error
 	// keyMu serializes the keyring work of every subsystem: two
 	// add_key calls that each find no "berth" keyring would make two,
 	// the second displacing the first (and the keys in it) from .nvme.
