@@ -74,7 +74,7 @@ func (tg *Target) Attach(ctx context.Context) (_ *devices.Device, retErr error) 
 			return nil, fmt.Errorf("attach %s: %w", tg.Key(), err)
 		}
 		defer func() {
-			if retErr != nil && tg.tlsKey != nil {
+			if retErr != nil && (tg.tlsKey != nil || tg.vol.TLSConcat) {
 				// Runs after the undo of the connects below (defers
 				// run last in, first out): berth's key goes with the
 				// last controller of the subsystem, also one an
@@ -278,7 +278,10 @@ func (tg *Target) attachPath(ctx context.Context, host HostIdentity, ctrls []Con
 	if tg.auth != nil {
 		o.DHCHAPSecret, o.DHCHAPCtrlSecret = tg.auth.Host, tg.auth.Ctrl
 	}
-	if tc != nil {
+	switch {
+	case tc != nil && tc.concat:
+		o.Concat = true
+	case tc != nil:
 		o.TLS, o.TLSKey, o.Keyring = true, tc.key, tc.keyring
 	}
 	s, err := o.Encode()

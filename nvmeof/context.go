@@ -61,9 +61,11 @@ type Volume struct {
 	// TLS connects every path with TLS (KeyTLS); TLSKeyName names the
 	// PSK in the .nvme keyring to use (KeyTLSKeyName), "" for the PSK
 	// of the stage secrets or, without one, the keyring's key for the
-	// host and subsystem.
+	// host and subsystem. TLSConcat takes the PSK from the
+	// DH-HMAC-CHAP exchange instead (KeyTLSConcat).
 	TLS        bool
 	TLSKeyName string
+	TLSConcat  bool
 }
 
 // Key is the volume's canonical identity: the subsystem NQN and the

@@ -60,7 +60,10 @@
 // names an operator's key in .nvme (tlsKeyName), or takes the one the
 // kernel would pick there. A controller is reused only when its sysfs
 // tls_key is the volume's key. berth's keys go when the subsystem's last
-// controller on the node does.
+// controller on the node does. With tlsConcat "true" the volume gives no
+// PSK: the kernel derives one from each controller's DH-HMAC-CHAP
+// exchange (secure channel concatenation, Linux 6.15 and later), and a
+// controller is reused only when its tls_key is such a derived key.
 //
 // # Paths and multipath
 //

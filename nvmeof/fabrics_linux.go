@@ -25,6 +25,11 @@ var errDuplicate = errors.New("a controller with these options already exists")
 // authentication; the caller tells the two apart (see Target.authRefused).
 var errRefused = errors.New("connection refused")
 
+// errReset marks a connect the target reset (nvmefabrics.Reset): the
+// target dropped the connection before answering the NVMe/TCP
+// initialization.
+var errReset = errors.New("the target reset the connection")
+
 // errNoHandshake marks a connect with tls whose handshake upcall found no
 // tlshd listening (nvmefabrics.NoHandshake).
 var errNoHandshake = errors.New("no TLS handshake daemon")
@@ -75,8 +80,14 @@ func connectError(ce *nvmefabrics.ConnectError) error {
 	case nvmefabrics.OptionsRejected:
 		return fmt.Errorf("connect: the kernel rejected the connect options (%v); check dmesg: a hostnqn paired with another hostid, a transport module missing, or a target refusing this host: %w", errno, errdefs.ErrFailedPrecondition)
 	case nvmefabrics.Reset:
-		return fmt.Errorf("connect: the target reset the connection (%v): when its port requires TLS, set volume_context %q=\"true\" and give the PSK (secret %q); else check that the subsystem exists and allows this hostnqn: %w", errno, KeyTLS, SecretTLSKey, errdefs.ErrFailedPrecondition)
+		// Measured on 6.12: a connect without tls to an nvmet port
+		// that requires TLS (addr_treq "required").
+		return fmt.Errorf("connect: %w (%v): when its port requires TLS, set volume_context %q=\"true\" and give the PSK (secret %q); else check that the subsystem exists and allows this hostnqn: %w", errReset, errno, KeyTLS, SecretTLSKey, errdefs.ErrFailedPrecondition)
 	case nvmefabrics.Rejected:
+		// EIO is also what 6.12 answers, after its 60 s admin timeout,
+		// when the target dropped the connection over a rejected key
+		// while the host waited for its authentication reply (measured
+		// on 6.12.117 against nvmet, about one rejection in three).
 		return fmt.Errorf("connect: the target rejected the connect (%v); check that the subsystem exists and allows this hostnqn, and whether it requires DH-HMAC-CHAP authentication (secrets %q, %q); when the volume gives keys and the connect took about a minute, a rejected key is the likely cause: check the keys against the target's for this hostnqn: %w", errno, SecretDHCHAPKey, SecretDHCHAPCtrlKey, errdefs.ErrFailedPrecondition)
 	case nvmefabrics.Exhausted:
 		return fmt.Errorf("connect: %v: %w", errno, errdefs.ErrResourceExhausted)

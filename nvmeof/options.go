@@ -88,6 +88,12 @@ type ConnectOptions struct {
 	TLS     bool
 	TLSKey  int
 	Keyring int
+	// Concat connects with secure channel concatenation (concat): the
+	// admin queue authenticates with DH-HMAC-CHAP in clear, and the
+	// kernel then derives a PSK from the exchange and connects every
+	// queue with TLS and that PSK. It needs DHCHAPSecret and replaces
+	// TLS (the kernel refuses both).
+	Concat bool
 	Tunables
 }
 
@@ -142,6 +148,9 @@ func (o *ConnectOptions) Encode() (string, error) {
 		if p := *r.get(&o.Tunables); p != nil {
 			add(r.name, strconv.Itoa(*p))
 		}
+	}
+	if o.Concat {
+		flag("concat")
 	}
 	if o.TLS {
 		flag("tls")
@@ -215,6 +224,12 @@ func (o *ConnectOptions) Validate() error {
 		return errdefs.InvalidArgument("nvmeof options tls_key and keyring: need tls")
 	case o.TLSKey < 0 || o.Keyring < 0:
 		return errdefs.InvalidArgument("nvmeof options tls_key and keyring: key serials are positive")
+	case o.Concat && o.Transport != TransportTCP:
+		return errdefs.InvalidArgument("nvmeof option concat: only the tcp transport has TLS")
+	case o.Concat && o.TLS:
+		return errdefs.InvalidArgument("nvmeof options concat and tls: concat starts TLS itself, with the PSK of the authentication")
+	case o.Concat && o.DHCHAPSecret == nil:
+		return errdefs.InvalidArgument("nvmeof option concat: needs dhchap_secret (the PSK comes from the DH-HMAC-CHAP exchange)")
 	}
 	if o.DHCHAPCtrlSecret != nil && o.DHCHAPSecret == nil {
 		return errdefs.InvalidArgument("nvmeof option dhchap_ctrl_secret: needs dhchap_secret (the host authenticates first)")

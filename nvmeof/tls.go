@@ -49,10 +49,30 @@ import (
 //     answers EIO. SHA-256 PSKs work.
 //
 // Secure channel concatenation (the TLS PSK derived from a DH-HMAC-CHAP
-// exchange, connect option "concat") came with Linux 6.14, host and
-// target; 6.12 has neither, so berth does not offer it: TLS and
-// DH-HMAC-CHAP together on 6.12 authenticate inside the TLS session
-// with independent keys.
+// exchange, connect option "concat") came with Linux 6.15, host and
+// target: 6.12's nvme-fabrics lists no concat option and its nvmet has
+// no concatenation, 7.3's have both (tlsSupported). Measured on Debian
+// 13 backports' 7.3.4 with tlshd 1.0.0 (docs/volume-context.md has the
+// operator's side):
+//
+//   - The connect gives concat and dhchap_secret, and neither tls nor
+//     tls_key (the kernel refuses both). The admin queue connects in
+//     clear and authenticates; the kernel derives the PSK, inserts it
+//     into .nvme as "NVMe1G01 <hostnqn> <subnqn> <digest>" (perm
+//     3f0b0000), and connects the admin queue again and every I/O queue
+//     with TLS and that key: sysfs tls_key and tls_configured_key name
+//     it. A reset authenticates again and derives another key; the
+//     kernel revokes the earlier one (/proc/keys: flags R, expd).
+//   - The key of a deleted controller stays linked in .nvme, valid:
+//     dropKeys unlinks it.
+//   - nvmet refuses the null DH group for concatenation ("NULL DH
+//     group invalid for secure channel concatenation"), and a port
+//     that requires TLS resets the clear admin connect (ECONNRESET): the
+//     port must offer TLS without requiring it. To a port without TLS
+//     the authentication passes and the handshake fails (ETIMEDOUT).
+//
+// Without concatenation, TLS and DH-HMAC-CHAP together authenticate
+// inside the TLS session with independent keys.
 
 // nvmeKeyring is the kernel's keyring of NVMe PSKs.
 const nvmeKeyring = ".nvme"
@@ -68,42 +88,71 @@ type tlsConn struct {
 	key      int // the PSK's serial (tls_key)
 	keyring  int // the keyring named in the connect (0: the kernel's default)
 	inserted bool
+	// concat: no PSK of berth's; the kernel derives one from the
+	// DH-HMAC-CHAP exchange of each controller (connect option concat).
+	concat bool
 }
 
 // tlsSupported reports whether the kernel's connect interface parses
-// the tls options, reading its option list once.
-func (t *Transport) tlsSupported() error {
-	t.tlsOnce.Do(func() {
+// the tls options, and with concat the concat option, reading its
+// option list once.
+func (t *Transport) tlsSupported(concat bool) error {
+	t.optsOnce.Do(func() {
 		opts, err := nvmefabrics.Options(t.opts.FabricsDevice)
 		if err != nil {
-			t.tlsErr = err
+			t.optsErr = err
 			return
 		}
-		has := map[string]bool{}
+		t.optNames = map[string]bool{}
 		for _, o := range strings.Split(opts, ",") {
 			name, _, _ := strings.Cut(o, "=")
-			has[name] = true
-		}
-		if !has["tls"] || !has["tls_key"] {
-			t.tlsErr = fmt.Errorf("the volume asks for TLS, but this kernel's NVMe/TCP has none (the options of %s list no tls: CONFIG_NVME_TCP_TLS is not set; TLS needs Linux 6.7 or later built with it, such as Debian 13's kernels): %w",
-				t.opts.FabricsDevice, errdefs.ErrUnsupported)
+			t.optNames[name] = true
 		}
 	})
-	return t.tlsErr
+	if t.optsErr != nil {
+		return t.optsErr
+	}
+	if !t.optNames["tls"] || !t.optNames["tls_key"] {
+		return fmt.Errorf("the volume asks for TLS, but this kernel's NVMe/TCP has none (the options of %s list no tls: CONFIG_NVME_TCP_TLS is not set; TLS needs Linux 6.7 or later built with it, such as Debian 13's kernels): %w",
+			t.opts.FabricsDevice, errdefs.ErrUnsupported)
+	}
+	if concat && !t.optNames["concat"] {
+		return fmt.Errorf("the volume asks for secure channel concatenation (volume_context %q), but this kernel's NVMe/TCP has none (the options of %s list no concat: it came with Linux 6.15; Debian 13's 6.12 lacks it, its backports' 7.3 has it): use a newer kernel, or give the volume a PSK (secret %q) instead: %w",
+			KeyTLSConcat, t.opts.FabricsDevice, SecretTLSKey, errdefs.ErrUnsupported)
+	}
+	return nil
+}
+
+// nvmeKeyring returns the serial of the kernel's .nvme keyring.
+func (t *Transport) nvmeKeyring() (int, error) {
+	keys, err := t.listKeys()
+	if err != nil {
+		return 0, err
+	}
+	id, err := keyring.Find(keys, nvmeKeyring)
+	if errors.Is(err, errdefs.ErrNotFound) {
+		return 0, fmt.Errorf("the volume asks for TLS, but the kernel has no %s keyring (the nvme_keyring module, CONFIG_NVME_KEYRING, is not loaded: modprobe nvme-tcp): %w", nvmeKeyring, errdefs.ErrUnsupported)
+	}
+	return id, err
 }
 
 // prepareTLS finds or inserts the volume's PSK before any connect; see
 // tlsConn. ctrls are the subsystem's controllers.
 func (tg *Target) prepareTLS(ctx context.Context, host HostIdentity, ctrls []Controller) (*tlsConn, error) {
-	if err := tg.t.tlsSupported(); err != nil {
+	if err := tg.t.tlsSupported(tg.vol.TLSConcat); err != nil {
 		return nil, err
 	}
-	nvme, err := keyring.FindKeyring(nvmeKeyring)
-	if errors.Is(err, errdefs.ErrNotFound) {
-		return nil, fmt.Errorf("the volume asks for TLS, but the kernel has no %s keyring (the nvme_keyring module, CONFIG_NVME_KEYRING, is not loaded: modprobe nvme-tcp): %w", nvmeKeyring, errdefs.ErrUnsupported)
-	}
+	nvme, err := tg.t.nvmeKeyring()
 	if err != nil {
 		return nil, err
+	}
+	if tg.vol.TLSConcat {
+		// The kernel derives the PSK after the authentication and
+		// puts it into .nvme, where tlshd finds it.
+		if tg.auth == nil {
+			return nil, errdefs.InvalidArgument("volume_context %q: secure channel concatenation derives the TLS PSK from DH-HMAC-CHAP; give the host key in the secret %q", KeyTLSConcat, SecretDHCHAPKey)
+		}
+		return &tlsConn{concat: true}, nil
 	}
 	if tg.tlsKey == nil {
 		return tg.operatorKey(nvme, host)
@@ -220,7 +269,9 @@ func (tg *Target) operatorKey(nvme int, host HostIdentity) (*tlsConn, error) {
 
 // dropKeys removes the PSKs berth inserted for the host and the
 // volume's subsystem once no controller of the subsystem for the host is
-// left. Keys an operator loaded are not berth's and stay.
+// left, and for a volume with concatenation the PSKs the kernel
+// generated for them: 7.3 leaves a deleted controller's key in .nvme.
+// Keys an operator loaded are not berth's and stay.
 func (tg *Target) dropKeys(ctx context.Context, host string) {
 	ctrls, err := tg.t.sys.readControllers(tg.vol.NQN)
 	if err != nil {
@@ -232,13 +283,27 @@ func (tg *Target) dropKeys(ctx context.Context, host string) {
 			return
 		}
 	}
-	nvme, err := keyring.FindKeyring(nvmeKeyring)
+	nvme, err := tg.t.nvmeKeyring()
 	if err != nil {
 		return
 	}
 	tg.t.keyMu.Lock()
 	defer tg.t.keyMu.Unlock()
 	err = keyring.Possess(nvme, func(p keyring.Possessor) error {
+		if tg.vol.TLSConcat {
+			keys, err := p.Links()
+			if err != nil {
+				return err
+			}
+			for _, k := range keys {
+				if k.Type == "psk" && generatedPSKFor(k.Description, host, tg.vol.NQN) {
+					if err := p.Unlink(k.Serial); err != nil {
+						return err
+					}
+					logctx.From(ctx, tg.t.log).Info("nvmeof: removed a TLS PSK the kernel generated", "target", tg.Key(), "key", fmt.Sprintf("%08x", k.Serial))
+				}
+			}
+		}
 		ring, err := p.Search("keyring", berthKeyring)
 		if err != nil || ring == 0 {
 			return err
@@ -295,6 +360,9 @@ func (tg *Target) checkTLSReuse(name string, c *tlsConn) error {
 	if err != nil {
 		return err
 	}
+	if c.concat {
+		return tg.checkConcatReuse(name, got)
+	}
 	if got == c.key {
 		return nil
 	}
@@ -306,16 +374,69 @@ func (tg *Target) checkTLSReuse(name string, c *tlsConn) error {
 		name, tg.vol.NQN, what, errdefs.ErrFailedPrecondition)
 }
 
+// checkConcatReuse refuses to reuse controller name, whose tls_key is
+// got, for a volume with concatenation unless its PSK is one the kernel
+// generated from an authentication: a controller without TLS, or with a
+// configured PSK, is not. (Its DH-HMAC-CHAP keys are checkReuse's.)
+func (tg *Target) checkConcatReuse(name string, got int) error {
+	what := "without TLS"
+	if got != 0 {
+		keys, err := tg.t.listKeys()
+		if err != nil {
+			return fmt.Errorf("controller %s: TLS PSK %08x: %w", name, got, err)
+		}
+		for _, k := range keys {
+			if k.Serial == got && k.Type == "psk" && generatedPSK(k.Description) {
+				return nil
+			}
+		}
+		what = fmt.Sprintf("with a configured TLS PSK (key %08x), not one derived from its authentication", got)
+	}
+	return fmt.Errorf("controller %s of subsystem %s is connected %s, and this volume asks for secure channel concatenation: berth does not reuse it, nor change a connected controller; unstage every volume of the subsystem on this node so that the next stage connects with concatenation: %w",
+		name, tg.vol.NQN, what, errdefs.ErrFailedPrecondition)
+}
+
+// generatedPSK reports whether a psk key's description is the identity
+// of a PSK the kernel generated for concatenation, "NVMe1G<hh> <hostnqn>
+// <subnqn> <digest>" (measured on 7.3), rather than a retained one
+// ("NVMe0R<hh> ...", "NVMe1R<hh> ...").
+func generatedPSK(desc string) bool {
+	return len(desc) > 8 && strings.HasPrefix(desc, "NVMe") && desc[5] == 'G' && desc[8] == ' '
+}
+
+// generatedPSKFor reports whether desc is a generated PSK for host and
+// subNQN.
+func generatedPSKFor(desc, host, subNQN string) bool {
+	f := strings.Fields(desc)
+	return generatedPSK(desc) && len(f) >= 3 && f[1] == host && f[2] == subNQN
+}
+
+// listKeys lists the kernel's keys (/proc/keys).
+func (t *Transport) listKeys() ([]keyring.Key, error) {
+	if t.opts.listKeys != nil {
+		return t.opts.listKeys()
+	}
+	return keyring.List()
+}
+
 // tlsConnectError explains a failed TLS connect (see the measurements
 // above).
 func (tg *Target) tlsConnectError(ctx context.Context, p Path, err error) error {
 	switch {
+	case tg.vol.TLSConcat && errors.Is(err, errReset):
+		return fmt.Errorf("connect with secure channel concatenation: the target reset the connection, which concatenation opens in clear to authenticate before TLS starts: its port requires TLS from the first byte (nvmet: addr_treq \"required\"); for concatenation the port offers TLS but lets the connect start in clear (addr_tsas tls1.3, addr_treq \"not required\"), or give the volume a PSK (secret %q) instead: %w",
+			SecretTLSKey, errdefs.ErrFailedPrecondition)
+	case tg.vol.TLSConcat && errors.Is(err, errSilent) && tg.portAccepts(ctx, p):
+		return fmt.Errorf("connect with secure channel concatenation: the DH-HMAC-CHAP authentication passed, but the TLS handshake with the PSK derived from it failed: the target's port does not offer TLS (nvmet: addr_tsas tls1.3), or the target does not derive the PSK from the authentication (nvmet has concatenation since Linux 6.15, and needs a DH group for the host: dhchap_dhgroup); check the port's TLS setting and the target's support: %w",
+			errdefs.ErrFailedPrecondition)
 	case errors.Is(err, errNoHandshake):
 		return fmt.Errorf("connect with TLS: the kernel found no TLS handshake daemon (the handshake upcall has no listener): start tlshd (ktls-utils) on the node, with %s in its keyrings (/etc/tlshd.conf [authenticate] keyrings=%s): %w", nvmeKeyring, nvmeKeyring, errdefs.ErrUnavailable)
 	case errors.Is(err, errSilent) && tg.portAccepts(ctx, p):
 		// Not silent after all: the handshake failed, and the path
 		// is not left out of the next stages (noteSilent).
-		return fmt.Errorf("connect with TLS: the target's port accepts TCP connections, but the TLS handshake failed: the port does not offer TLS (nvmet: addr_tsas tls1.3), or the target has no PSK for identity %q, or another one; check the target's TLS setting and its PSK for this host: %w",
+		// A wrong PSK and a port without TLS look the same from here
+		// (measured on 6.12: ETIMEDOUT within a second, both).
+		return fmt.Errorf("connect with TLS: the target's port accepts TCP connections, but the TLS handshake failed: the target has no PSK for identity %q, or another one than the volume gives, or the port does not offer TLS (nvmet: addr_tsas tls1.3); check the target's PSK for this host and subsystem against the volume's, and the port's TLS setting: %w",
 			tg.identityHint(), errdefs.ErrFailedPrecondition)
 	}
 	return err

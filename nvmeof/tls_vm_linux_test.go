@@ -60,16 +60,20 @@ func testSecret(prefix, seed string, n int) string {
 }
 
 var (
-	tlsKey1  = testSecret("NVMeTLSkey-1:01:", "tls-key-1", 32) // the target's key of tlsNQN
-	tlsKey2  = testSecret("NVMeTLSkey-1:01:", "tls-key-2", 32) // a key the target does not know
-	tlsKey3  = testSecret("NVMeTLSkey-1:02:", "tls-key-3", 48) // a SHA-384 key, for the derivation
-	tlsKey4  = testSecret("NVMeTLSkey-1:01:", "tls-key-4", 32) // the target's key of tlsAuthNQN
-	tlsCHAP  = testSecret("DHHC-1:00:", "tls-dhchap", 32)
-	tlsPorts = map[string]string{
+	tlsKey1 = testSecret("NVMeTLSkey-1:01:", "tls-key-1", 32) // the target's key of tlsNQN
+	tlsKey2 = testSecret("NVMeTLSkey-1:01:", "tls-key-2", 32) // a key the target does not know
+	tlsKey3 = testSecret("NVMeTLSkey-1:02:", "tls-key-3", 48) // a SHA-384 key, for the derivation
+	tlsKey4 = testSecret("NVMeTLSkey-1:01:", "tls-key-4", 32) // the target's key of tlsAuthNQN
+	tlsCHAP = testSecret("DHHC-1:00:", "tls-dhchap", 32)
+	// The controller's key of tlsAuthNQN: the host authenticates the
+	// target too.
+	tlsCHAPCtrl = testSecret("DHHC-1:00:", "tls-dhchap-ctrl", 32)
+	tlsPorts    = map[string]string{
 		"required":     tlsTargetIP + ":4420",
 		"required2":    tlsTargetIP + ":4421",
 		"plain":        tlsTargetIP + ":4422",
 		"auth":         tlsTargetIP + ":4423",
+		"auth2":        tlsTargetIP + ":4426",
 		"not required": tlsTargetIP + ":4424",
 		"plainsub":     tlsTargetIP + ":4425",
 	}
@@ -78,13 +82,14 @@ var (
 // TestVMNVMeoFTLS boots a target guest and a node guest with Debian 13's
 // 6.12 kernel (NVMe/TCP TLS on both sides, CONFIG_NVME_TCP_TLS and
 // CONFIG_NVME_TARGET_TCP_TLS) and tlshd 1.0.0, and runs TestTLSGuest on
-// the node against nvmet ports that require TLS.
+// the node against nvmet ports that require TLS. BERTH_NVMEOF_RUN
+// narrows the node's cases (e.g. '^TestTLSGuest$/^WrongKey$').
 func TestVMNVMeoFTLS(t *testing.T) {
 	link := vm.NewLink(t)
 	tgt := vm.Boot(t, vm.WithName("tls-target"), vm.WithKernel("trixie"), vm.WithTestRun("^TestTLSTargetGuest$"),
 		vm.WithNIC(link, tlsTargetIP+"/24"), vm.WithTimeout(10*time.Minute))
 	tgt.WaitSignal("target-ready", 4*time.Minute)
-	node := vm.Boot(t, vm.WithName("tls-node"), vm.WithKernel("trixie"), vm.WithTestRun("^TestTLSGuest$"),
+	node := vm.Boot(t, vm.WithName("tls-node"), vm.WithKernel("trixie"), vm.WithTestRun(guestRun("^TestTLSGuest$")),
 		vm.WithNIC(link, tlsNodeIP+"/24"), vm.WithTimeout(10*time.Minute))
 	node.ReportTests(t)
 	tgt.Kill()
@@ -102,7 +107,7 @@ func TestTLSTargetGuest(t *testing.T) {
 	tg.AddPort(tlsPorts["plain"])
 	tg.AddPortTLS(tlsPorts["not required"], "not required")
 	target.NewNVMeTarget(t, target.NVMeConfig{NQN: tlsAuthNQN, AllowedHosts: []string{tlsAuthHostNQN}, Namespaces: ns[:1],
-		Ports: []string{tlsPorts["auth"]}, TLS: "required", DHCHAP: &target.NVMeDHCHAP{Key: tlsCHAP}})
+		Ports: []string{tlsPorts["auth"], tlsPorts["auth2"]}, TLS: "required", DHCHAP: &target.NVMeDHCHAP{Key: tlsCHAP, CtrlKey: tlsCHAPCtrl}})
 	target.NewNVMeTarget(t, target.NVMeConfig{NQN: tlsPlainNQN, Namespaces: ns[:1], Ports: []string{tlsPorts["plainsub"]}})
 	target.InsertTLSKey(t, tlsHostNQN, tlsNQN, tlsKey1)
 	target.InsertTLSKey(t, tlsAuthHostNQN, tlsAuthNQN, tlsKey4)
@@ -118,7 +123,7 @@ func TestTLSGuest(t *testing.T) {
 	var logs bytes.Buffer
 	var logMu sync.Mutex
 	tr := tlsTransport(t, &logs, &logMu, tlsHostNQN, tlsHostID)
-	keyTexts := []string{tlsKey1, tlsKey2, tlsKey3, tlsKey4, tlsCHAP}
+	keyTexts := []string{tlsKey1, tlsKey2, tlsKey3, tlsKey4, tlsCHAP, tlsCHAPCtrl}
 	leaks := func(what string, b []byte) {
 		t.Helper()
 		for _, k := range keyTexts {
@@ -255,30 +260,42 @@ func TestTLSGuest(t *testing.T) {
 		}
 	})
 
+	// TLS and bidirectional DH-HMAC-CHAP on both paths: every
+	// controller authenticated both ways, inside TLS with berth's key.
 	t.Run("WithDHCHAP", func(t *testing.T) {
+		procs := sampleKeys(keyTexts)
 		tr := tlsTransport(t, &logs, &logMu, tlsAuthHostNQN, tlsAuthHostID)
-		tg, err := tr.Parse(vc("auth", "nqn", tlsAuthNQN), map[string]string{SecretTLSKey: tlsKey4, SecretDHCHAPKey: tlsCHAP})
+		tg, err := tr.Parse(vc("auth", "nqn", tlsAuthNQN, "targets", tlsPorts["auth"]+","+tlsPorts["auth2"]),
+			map[string]string{SecretTLSKey: tlsKey4, SecretDHCHAPKey: tlsCHAP, SecretDHCHAPCtrlKey: tlsCHAPCtrl})
 		if err != nil {
 			t.Fatal(err)
 		}
-		mustAttach(t, ctx, tg)
-		cs := wantControllers(t, tlsAuthNQN, 1)
-		ca, err := (sysTree{}).readCtrlAuth(cs[0].Name)
-		if err != nil || ca.host == "" {
-			t.Errorf("controller %s: no DH-HMAC-CHAP key (%v)", cs[0].Name, err)
+		dev := mustAttach(t, ctx, tg)
+		cs := wantControllers(t, tlsAuthNQN, 2)
+		key := berthKey(t, "NVMe0R01 "+tlsAuthHostNQN+" "+tlsAuthNQN)
+		for _, c := range cs {
+			ca, err := (sysTree{}).readCtrlAuth(c.Name)
+			if err != nil || ca.host == "" || ca.ctrl == "" {
+				t.Errorf("controller %s (%v): not authenticated both ways: %s (%v)", c.Name, c.Address, ca.describe(), err)
+			}
+			if got, _ := (sysTree{}).readTLSKey(c.Name); got == 0 || got != key {
+				t.Errorf("controller %s: tls_key %08x, want berth's key %08x", c.Name, got, key)
+			}
 		}
-		if got, _ := (sysTree{}).readTLSKey(cs[0].Name); got == 0 || got != berthKey(t, "NVMe0R01 "+tlsAuthHostNQN+" "+tlsAuthNQN) {
-			t.Errorf("controller %s: tls_key %08x, want berth's key", cs[0].Name, got)
+		if captureWrite(t, dev.Path) {
+			t.Error("the marker written to a TLS volume with DH-HMAC-CHAP showed in clear on the link")
 		}
+		procs.check(t)
 		if err := tg.Detach(ctx, nil); err != nil {
 			t.Fatal(err)
 		}
+		wantControllers(t, tlsAuthNQN, 0)
 	})
 
 	// nvme-cli inserts the keys berth derives, and a volume without a
 	// PSK of its own uses the operator's key.
 	t.Run("OperatorKey", func(t *testing.T) {
-		nvme, err := keyring.FindKeyring(".nvme")
+		nvme, err := findKeyring(".nvme")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -394,7 +411,11 @@ func TestTLSGuest(t *testing.T) {
 		}
 	})
 
-	refused := func(t *testing.T, tg *Target, nqn string, want error, text string) {
+	// refused stages tg, which must fail with want (the agent's code:
+	// ErrFailedPrecondition is FAILED_PRECONDITION, ErrUnavailable
+	// UNAVAILABLE) and a message holding every text, and leave nothing
+	// connected and no key of berth's.
+	refused := func(t *testing.T, tg *Target, nqn string, want error, texts ...string) {
 		t.Helper()
 		t0 := time.Now()
 		_, err := tg.Attach(ctx)
@@ -402,8 +423,13 @@ func TestTLSGuest(t *testing.T) {
 		if err == nil {
 			t.Fatal("Attach succeeded")
 		}
-		if want != nil && !errors.Is(err, want) || !strings.Contains(err.Error(), text) {
-			t.Errorf("Attach: %v, want %v with %q", err, want, text)
+		if !errors.Is(err, want) {
+			t.Errorf("Attach: %v, want %v", err, want)
+		}
+		for _, text := range texts {
+			if !strings.Contains(err.Error(), text) {
+				t.Errorf("Attach: %v, want it to say %q", err, text)
+			}
 		}
 		wantControllers(t, nqn, 0)
 		for _, id := range []string{"NVMe0R01 " + tlsHostNQN + " " + nqn, "NVMe0R02 " + tlsHostNQN + " " + nqn} {
@@ -413,7 +439,11 @@ func TestTLSGuest(t *testing.T) {
 		}
 	}
 	t.Run("WrongKey", func(t *testing.T) {
-		refused(t, parse(vc("required"), map[string]string{SecretTLSKey: tlsKey2}), tlsNQN, nil, "")
+		// A wrong PSK is the operator's to fix: FAILED_PRECONDITION,
+		// naming the identity whose PSK to compare on the target.
+		refused(t, parse(vc("required"), map[string]string{SecretTLSKey: tlsKey2}), tlsNQN, errdefs.ErrFailedPrecondition,
+			fmt.Sprintf("no PSK for identity %q, or another one than the volume gives", "NVMe0R01 "+tlsHostNQN+" "+tlsNQN),
+			"check the target's PSK for this host and subsystem")
 	})
 	t.Run("NoKey", func(t *testing.T) {
 		refused(t, parse(vc("required"), nil), tlsNQN, errdefs.ErrFailedPrecondition, SecretTLSKey)
@@ -423,6 +453,9 @@ func TestTLSGuest(t *testing.T) {
 	})
 	t.Run("TargetRequiresTLS", func(t *testing.T) {
 		refused(t, parse(vc("required", "tls", "false"), nil), tlsNQN, errdefs.ErrFailedPrecondition, "requires TLS")
+	})
+	t.Run("ConcatUnsupported", func(t *testing.T) {
+		refused(t, parse(vc("required", "tlsConcat", "true"), map[string]string{SecretDHCHAPKey: tlsCHAP}), tlsNQN, errdefs.ErrUnsupported, "Linux 6.15")
 	})
 	t.Run("NoTLSHD", func(t *testing.T) {
 		target.StopTLSHD(t)
@@ -472,11 +505,20 @@ func (w lockedWriter) Write(b []byte) (int, error) {
 	return len(b), nil
 }
 
+// findKeyring finds a keyring of the guest by name.
+func findKeyring(name string) (int, error) {
+	keys, err := keyring.List()
+	if err != nil {
+		return 0, err
+	}
+	return keyring.Find(keys, name)
+}
+
 // berthKey returns the serial of berth's key with this description, 0
 // for none.
 func berthKey(t *testing.T, desc string) int {
 	t.Helper()
-	nvme, err := keyring.FindKeyring(".nvme")
+	nvme, err := findKeyring(".nvme")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -655,7 +697,7 @@ func TestGuestTLSNoKernel(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Logf("kernel %s: connect options %s", os.Getenv("BERTH_VM_KERNEL"), opts)
-	if tr.tlsSupported() == nil {
+	if tr.tlsSupported(false) == nil {
 		t.Fatalf("this kernel has NVMe/TCP TLS: the test is for a kernel without it; TestVMNVMeoFTLS runs the TLS cases")
 	}
 	nqn := "nqn.2026-01.io.berth:notls"
@@ -671,4 +713,265 @@ func TestGuestTLSNoKernel(t *testing.T) {
 		t.Errorf("Attach: %v, want ErrUnsupported naming CONFIG_NVME_TCP_TLS", err)
 	}
 	wantControllers(t, nqn, 0)
+}
+
+// Secure channel concatenation: the TLS PSK derived from the
+// DH-HMAC-CHAP exchange (Linux 6.15 and later, host and target).
+const (
+	tlsConcatHostID  = "7f4c9a3e-2d9f-4b2a-9c73-4e9e5d2a0a23"
+	tlsConcatHostNQN = "nqn.2014-08.org.nvmexpress:uuid:" + tlsConcatHostID
+	tlsConcatNQN     = "nqn.2026-01.io.berth:tls-concat"
+)
+
+var (
+	tlsConcatCHAP  = testSecret("DHHC-1:00:", "tls-concat-dhchap", 32)
+	tlsConcatCHAP2 = testSecret("DHHC-1:00:", "tls-concat-dhchap-2", 32) // a key the target does not know
+	// nvmet ports for concatenation offer TLS and let the connect start
+	// in clear ("not required"); "required" and "plain" are the two
+	// ways to get the port wrong.
+	tlsConcatPorts = map[string]string{
+		"concat":   tlsTargetIP + ":4430",
+		"concat2":  tlsTargetIP + ":4431",
+		"required": tlsTargetIP + ":4432",
+		"plain":    tlsTargetIP + ":4433",
+	}
+)
+
+// TestVMNVMeoFTLSConcat boots a target and a node guest with Debian 13
+// backports' 7.3 kernel, whose host and nvmet have secure channel
+// concatenation, and tlshd 1.0.0, and runs TestTLSConcatGuest on the
+// node. BERTH_NVMEOF_RUN narrows the node's cases.
+func TestVMNVMeoFTLSConcat(t *testing.T) {
+	link := vm.NewLink(t)
+	common := []vm.Option{vm.WithKernel("trixie-backports"), vm.WithTimeout(10 * time.Minute)}
+	tgt := vm.Boot(t, append(common, vm.WithName("tls-concat-target"), vm.WithTestRun("^TestTLSConcatTargetGuest$"),
+		vm.WithNIC(link, tlsTargetIP+"/24"))...)
+	tgt.WaitSignal("target-ready", 4*time.Minute)
+	node := vm.Boot(t, append(common, vm.WithName("tls-concat-node"), vm.WithTestRun(guestRun("^TestTLSConcatGuest$")),
+		vm.WithNIC(link, tlsNodeIP+"/24"))...)
+	node.ReportTests(t)
+	tgt.Kill()
+}
+
+// TestTLSConcatTargetGuest is the target: a subsystem whose host
+// authenticates with DH-HMAC-CHAP and a DH group (the PSK is derived
+// from the DH exchange), on two ports for concatenation, one that
+// requires TLS and one without. No PSK: nvmet derives it.
+func TestTLSConcatTargetGuest(t *testing.T) {
+	vm.RequireGuest(t)
+	target.StartTLSHD(t)
+	ns := []target.NVMeNamespace{{Size: 16 << 20}, {Size: 16 << 20}}
+	tg := target.NewNVMeTarget(t, target.NVMeConfig{NQN: tlsConcatNQN, AllowedHosts: []string{tlsConcatHostNQN}, Namespaces: ns,
+		Ports: []string{tlsConcatPorts["concat"], tlsConcatPorts["concat2"]}, TLS: "not required",
+		DHCHAP: &target.NVMeDHCHAP{Key: tlsConcatCHAP, DHGroup: "ffdhe2048"}})
+	tg.AddPortTLS(tlsConcatPorts["required"], "required")
+	tg.AddPort(tlsConcatPorts["plain"])
+	vm.SignalHost("target-ready")
+	vm.WaitHost(t, "stop")
+}
+
+// TestTLSConcatGuest runs the node's concatenation cases in order.
+func TestTLSConcatGuest(t *testing.T) {
+	vm.RequireGuest(t)
+	target.StartTLSHD(t)
+	ctx := guestContext(t)
+	var logs bytes.Buffer
+	var logMu sync.Mutex
+	tr := tlsTransport(t, &logs, &logMu, tlsConcatHostNQN, tlsConcatHostID)
+	keyTexts := []string{tlsConcatCHAP, tlsConcatCHAP2}
+	defer func() {
+		logMu.Lock()
+		defer logMu.Unlock()
+		for _, k := range keyTexts {
+			if bytes.Contains(logs.Bytes(), []byte(k[10:40])) {
+				t.Errorf("the log holds a DH-HMAC-CHAP key")
+			}
+		}
+	}()
+	vc := func(ports ...string) map[string]string {
+		var addrs []string
+		for _, p := range ports {
+			addrs = append(addrs, tlsConcatPorts[p])
+		}
+		host, p, _ := net.SplitHostPort(addrs[0])
+		return map[string]string{"nqn": tlsConcatNQN, "nsid": "1", "traddr": host, "trsvcid": p, "tls": "true", "tlsConcat": "true",
+			"targets": strings.Join(addrs, ",")}
+	}
+	secrets := map[string]string{SecretDHCHAPKey: tlsConcatCHAP}
+	parse := func(vc, secrets map[string]string) *Target {
+		t.Helper()
+		tg, err := tr.Parse(vc, secrets)
+		if err != nil {
+			t.Fatalf("Parse: %v", err)
+		}
+		return tg
+	}
+	// generated returns the serials of the PSKs the kernel generated
+	// for the host and subsystem that are linked in .nvme. (/proc/keys
+	// lists an unlinked key until the kernel's key collector runs.)
+	generated := func(t *testing.T) map[int]bool {
+		t.Helper()
+		nvme, err := findKeyring(".nvme")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids := map[int]bool{}
+		err = keyring.Possess(nvme, func(p keyring.Possessor) error {
+			keys, err := p.Links()
+			for _, k := range keys {
+				if k.Type == "psk" && generatedPSKFor(k.Description, tlsConcatHostNQN, tlsConcatNQN) {
+					ids[k.Serial] = true
+				}
+			}
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ids
+	}
+	// concatenated checks that every controller of the subsystem is
+	// authenticated and encrypted with a PSK the kernel generated.
+	concatenated := func(t *testing.T, n int) []Controller {
+		t.Helper()
+		cs := wantControllers(t, tlsConcatNQN, n)
+		gen := generated(t)
+		for _, c := range cs {
+			ca, err := (sysTree{}).readCtrlAuth(c.Name)
+			if err != nil || ca.host == "" {
+				t.Errorf("controller %s: not authenticated: %s (%v)", c.Name, ca.describe(), err)
+			}
+			if got, _ := (sysTree{}).readTLSKey(c.Name); got == 0 || !gen[got] {
+				t.Errorf("controller %s: tls_key %08x, want one of the generated PSKs %v", c.Name, got, gen)
+			}
+		}
+		return cs
+	}
+	// gone checks that nothing of the subsystem is left: no controller,
+	// no generated PSK.
+	gone := func(t *testing.T) {
+		t.Helper()
+		wantControllers(t, tlsConcatNQN, 0)
+		if gen := generated(t); len(gen) > 0 {
+			t.Errorf("generated PSKs left in .nvme after the last controller went: %v", gen)
+		}
+	}
+
+	t.Run("OnePath", func(t *testing.T) {
+		procs := sampleKeys(keyTexts)
+		tg := parse(vc("concat"), secrets)
+		t0 := time.Now()
+		dev := mustAttach(t, ctx, tg)
+		t.Logf("attach with concatenation: %v", time.Since(t0).Round(time.Millisecond))
+		procs.check(t)
+		cs := concatenated(t, 1)
+		before, _ := (sysTree{}).readTLSKey(cs[0].Name)
+		if captureWrite(t, dev.Path) {
+			t.Error("the marker written to a volume with concatenation showed in clear on the link")
+		}
+		// A reset authenticates again, with a new PSK; the kernel
+		// revokes the earlier one (7.3).
+		if err := os.WriteFile("/sys/class/nvme/"+cs[0].Name+"/reset_controller", []byte("1"), 0); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 30*time.Second, cs[0].Name+" live after a reset", func() bool {
+			b, _ := os.ReadFile("/sys/class/nvme/" + cs[0].Name + "/state")
+			return strings.TrimSpace(string(b)) == StateLive
+		})
+		concatenated(t, 1)
+		after, _ := (sysTree{}).readTLSKey(cs[0].Name)
+		gen := generated(t)
+		t.Logf("tls_key %08x before the reset, %08x after; generated PSKs in .nvme %v", before, after, gen)
+		if after == before || gen[before] {
+			t.Errorf("after a reset: tls_key %08x (was %08x), generated PSKs in .nvme %v: want a new key and the old one gone", after, before, gen)
+		}
+		if err := tg.Detach(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+		gone(t)
+	})
+
+	t.Run("TwoPaths", func(t *testing.T) {
+		// A second volume of the subsystem reuses both controllers;
+		// the first one's unstage keeps them for it.
+		var staged stagedList
+		tr := tlsTransport(t, &logs, &logMu, tlsConcatHostNQN, tlsConcatHostID, &staged)
+		vc1, vc2 := vc("concat", "concat2"), vc("concat", "concat2")
+		vc2["nsid"] = "2"
+		staged.set(vc1, vc2)
+		first, err := tr.Parse(vc1, secrets)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mustAttach(t, ctx, first)
+		cs := concatenated(t, 2)
+		second, err := tr.Parse(vc2, secrets)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mustAttach(t, ctx, second)
+		if again := concatenated(t, 2); again[0].Name != cs[0].Name && again[0].Name != cs[1].Name {
+			t.Errorf("the second volume did not reuse the controllers: %+v, were %+v", again, cs)
+		}
+		staged.set(vc2)
+		if err := first.Detach(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+		concatenated(t, 2)
+		staged.set()
+		if err := second.Detach(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+		gone(t)
+	})
+
+	refused := func(t *testing.T, tg *Target, want error, texts ...string) error {
+		t.Helper()
+		t0 := time.Now()
+		_, err := tg.Attach(ctx)
+		t.Logf("after %v: %v", time.Since(t0).Round(time.Millisecond), err)
+		if err == nil {
+			t.Fatal("Attach succeeded")
+		}
+		if want != nil && !errors.Is(err, want) {
+			t.Errorf("Attach: %v, want %v", err, want)
+		}
+		for _, text := range texts {
+			if !strings.Contains(err.Error(), text) {
+				t.Errorf("Attach: %v, want it to say %q", err, text)
+			}
+		}
+		return err
+	}
+	t.Run("ReuseRefused", func(t *testing.T) {
+		// The same keys without TLS: a controller the volume with
+		// concatenation must not use.
+		plain := parse(map[string]string{"nqn": tlsConcatNQN, "nsid": "2", "traddr": tlsTargetIP, "trsvcid": "4430"}, secrets)
+		mustAttach(t, ctx, plain)
+		cs := wantControllers(t, tlsConcatNQN, 1)
+		refused(t, parse(vc("concat"), secrets), errdefs.ErrFailedPrecondition, cs[0].Name, "without TLS")
+		if after := wantControllers(t, tlsConcatNQN, 1); after[0].Name != cs[0].Name {
+			t.Errorf("the other volume's controller changed: %+v", after)
+		}
+		if err := plain.Detach(ctx, nil); err != nil {
+			t.Fatal(err)
+		}
+		gone(t)
+	})
+	t.Run("WrongKey", func(t *testing.T) {
+		keyRejected(t, refused(t, parse(vc("concat"), map[string]string{SecretDHCHAPKey: tlsConcatCHAP2}), nil))
+		gone(t)
+	})
+	t.Run("NoDHCHAPKey", func(t *testing.T) {
+		refused(t, parse(vc("concat"), nil), errdefs.ErrInvalidArgument, SecretDHCHAPKey)
+		gone(t)
+	})
+	t.Run("PortRequiresTLS", func(t *testing.T) {
+		refused(t, parse(vc("required"), secrets), errdefs.ErrFailedPrecondition, `addr_treq "not required"`)
+		gone(t)
+	})
+	t.Run("TargetWithoutTLS", func(t *testing.T) {
+		refused(t, parse(vc("plain"), secrets), errdefs.ErrFailedPrecondition, "the DH-HMAC-CHAP authentication passed, but the TLS handshake")
+		gone(t)
+	})
 }

@@ -25,6 +25,11 @@ const (
 	// loaded into the kernel's .nvme keyring already: its description
 	// (such as "NVMe0R01 <hostnqn> <subnqn>") or its decimal serial.
 	KeyTLSKeyName = "tlsKeyName"
+	// KeyTLSConcat ("true") in the volume_context of a TLS volume
+	// takes the PSK from the DH-HMAC-CHAP exchange instead (secure
+	// channel concatenation, connect option concat): the volume gives
+	// DH-HMAC-CHAP keys and no PSK.
+	KeyTLSConcat = "tlsConcat"
 	// SecretTLSKey in the node stage secrets is the configured PSK in
 	// the PSK interchange format nvme gen-tls-key prints
 	// (NVMeTLSkey-1:<hh>:<base64>:).
@@ -196,8 +201,9 @@ func nvmeHKDF(h func() hash.Hash, secret []byte, n int, label, context string) (
 	return out, nil
 }
 
-// parseTLSContext reads KeyTLS and KeyTLSKeyName of a volume_context
-// into v. A key name without tls "true" is an error.
+// parseTLSContext reads KeyTLS, KeyTLSKeyName and KeyTLSConcat of a
+// volume_context into v. A key name or concatenation without tls
+// "true" is an error, and so are both together.
 func parseTLSContext(vc map[string]string, v *Volume) error {
 	switch s := vc[KeyTLS]; s {
 	case "", "false":
@@ -206,12 +212,25 @@ func parseTLSContext(vc map[string]string, v *Volume) error {
 	default:
 		return errdefs.InvalidArgument("volume_context %q=%q: want \"true\" or \"false\"", KeyTLS, s)
 	}
+	switch s := vc[KeyTLSConcat]; s {
+	case "", "false":
+	case "true":
+		if !v.TLS {
+			return errdefs.InvalidArgument("volume_context %q: the volume does not ask for TLS; set %q=\"true\" too", KeyTLSConcat, KeyTLS)
+		}
+		v.TLSConcat = true
+	default:
+		return errdefs.InvalidArgument("volume_context %q=%q: want \"true\" or \"false\"", KeyTLSConcat, s)
+	}
 	name, ok := vc[KeyTLSKeyName]
 	if !ok {
 		return nil
 	}
 	if !v.TLS {
 		return errdefs.InvalidArgument("volume_context %q: the volume does not ask for TLS; set %q=\"true\" to use the key", KeyTLSKeyName, KeyTLS)
+	}
+	if v.TLSConcat {
+		return errdefs.InvalidArgument("volume_context %q and %q: with concatenation the PSK comes from the DH-HMAC-CHAP exchange; name no key", KeyTLSKeyName, KeyTLSConcat)
 	}
 	if err := validateKeyName(name); err != nil {
 		return err
@@ -239,6 +258,8 @@ func ParseTLSSecret(v *Volume, secrets map[string]string) (*TLSKey, error) {
 		return nil, errdefs.InvalidArgument("secret %q: the volume does not ask for TLS; set volume_context %q=\"true\" to use the PSK", SecretTLSKey, KeyTLS)
 	case v.TLSKeyName != "":
 		return nil, errdefs.InvalidArgument("volume_context %q and secret %q: give the PSK or name a key of the .nvme keyring, not both", KeyTLSKeyName, SecretTLSKey)
+	case v.TLSConcat:
+		return nil, errdefs.InvalidArgument("volume_context %q and secret %q: with concatenation the PSK comes from the DH-HMAC-CHAP exchange; give no PSK", KeyTLSConcat, SecretTLSKey)
 	}
 	return ParseTLSKey(SecretTLSKey, s)
 }

@@ -207,6 +207,15 @@ func TestParseTLS(t *testing.T) {
 			t.Errorf("case %d: TLS %v name %q key %v, %v", i, v.TLS, v.TLSKeyName, k, err)
 		}
 	}
+	for _, c := range []struct {
+		vc     map[string]string
+		concat bool
+	}{{with("tls", "true", "tlsConcat", "true"), true}, {with("tls", "true", "tlsConcat", "false"), false}} {
+		v, err := ParseVolumeContext(c.vc)
+		if err != nil || !v.TLS || v.TLSConcat != c.concat {
+			t.Errorf("%v: TLS %v concat %v, %v", c.vc, v != nil && v.TLS, v != nil && v.TLSConcat, err)
+		}
+	}
 	bad := []struct {
 		vc      map[string]string
 		secrets map[string]string
@@ -223,6 +232,10 @@ func TestParseTLS(t *testing.T) {
 		{with("tls", "true"), map[string]string{"TLSKey": key}, "unknown TLS secret"},
 		{with("tls", "true"), map[string]string{SecretTLSKey: "NVMeTLSkey-1:01:x:"}, "interchange format"},
 		{with("tls", "true", "trtype", "rdma"), nil, "tcp transport"},
+		{with("tlsConcat", "true"), nil, "does not ask for TLS"},
+		{with("tls", "true", "tlsConcat", "yes"), nil, "want"},
+		{with("tls", "true", "tlsConcat", "true", "tlsKeyName", "x"), nil, "name no key"},
+		{with("tls", "true", "tlsConcat", "true"), map[string]string{SecretTLSKey: key}, "give no PSK"},
 	}
 	for i, c := range bad {
 		v, err := ParseVolumeContext(c.vc)
@@ -251,7 +264,18 @@ func TestEncodeTLS(t *testing.T) {
 	if s, _ := o.Encode(); !strings.HasSuffix(s, ",tls") {
 		t.Errorf("Encode = %q, want a final tls flag", s)
 	}
+	chap, err := ParseDHCHAPKey(SecretDHCHAPKey, testSecret("DHHC-1:00:", "concat", 32))
+	if err != nil {
+		t.Fatal(err)
+	}
+	o = ConnectOptions{Transport: "tcp", TrAddr: "10.0.0.5", NQN: "nqn.2026-01.io.berth:s", Concat: true, DHCHAPSecret: chap}
+	if s, err := o.Encode(); err != nil || !strings.HasPrefix(s, "transport=tcp,traddr=10.0.0.5,trsvcid=4420,nqn=nqn.2026-01.io.berth:s,concat,dhchap_secret=DHHC-1:00:") {
+		t.Errorf("Encode = %q, %v, want concat and the DH-HMAC-CHAP key", s, err)
+	}
 	for _, o := range []ConnectOptions{
+		{Transport: "tcp", TrAddr: "10.0.0.5", NQN: "nqn.2026-01.io.berth:s", Concat: true},
+		{Transport: "tcp", TrAddr: "10.0.0.5", NQN: "nqn.2026-01.io.berth:s", Concat: true, TLS: true, DHCHAPSecret: chap},
+		{Transport: "rdma", TrAddr: "10.0.0.5", NQN: "nqn.2026-01.io.berth:s", Concat: true, DHCHAPSecret: chap},
 		{Transport: "rdma", TrAddr: "10.0.0.5", NQN: "nqn.2026-01.io.berth:s", TLS: true},
 		{Transport: "tcp", TrAddr: "10.0.0.5", NQN: "nqn.2026-01.io.berth:s", TLSKey: 5},
 		{Transport: "tcp", TrAddr: "10.0.0.5", NQN: "nqn.2026-01.io.berth:s", TLS: true, Keyring: -1},
@@ -285,18 +309,29 @@ func TestReadTLSKey(t *testing.T) {
 }
 
 // The option lists of /dev/nvme-fabrics measured on Debian 13's 6.12
-// (with TLS) and Debian 12's 6.1.0-57 (without; it lists dhchap_secret
-// all the same, though built without in-band authentication).
+// (with TLS), Debian 13 backports' 7.3.4 (with concat too) and Debian
+// 12's 6.1.0-57 (without; it lists dhchap_secret all the same, though
+// built without in-band authentication).
 const (
 	fabricsOpts612   = "instance=-1,cntlid=-1,transport=%s,traddr=%s,trsvcid=%s,nqn=%s,queue_size=%d,nr_io_queues=%d,reconnect_delay=%d,ctrl_loss_tmo=%d,keep_alive_tmo=%d,hostnqn=%s,host_traddr=%s,host_iface=%s,hostid=%s,duplicate_connect,disable_sqflow,hdr_digest,data_digest,nr_write_queues=%d,nr_poll_queues=%d,tos=%d,keyring=%d,tls_key=%d,fast_io_fail_tmo=%d,discovery,dhchap_secret=%s,dhchap_ctrl_secret=%s,tls\n"
+	fabricsOpts73    = "instance=-1,cntlid=-1,transport=%s,traddr=%s,trsvcid=%s,nqn=%s,queue_size=%d,nr_io_queues=%d,reconnect_delay=%d,ctrl_loss_tmo=%d,keep_alive_tmo=%d,hostnqn=%s,host_traddr=%s,host_iface=%s,hostid=%s,duplicate_connect,disable_sqflow,hdr_digest,data_digest,nr_write_queues=%d,nr_poll_queues=%d,tos=%d,keyring=%d,tls_key=%d,fast_io_fail_tmo=%d,discovery,dhchap_secret=%s,dhchap_ctrl_secret=%s,tls,concat\n"
 	fabricsOptsNoTLS = "instance=-1,cntlid=-1,transport=%s,traddr=%s,trsvcid=%s,nqn=%s,queue_size=%d,nr_io_queues=%d,reconnect_delay=%d,ctrl_loss_tmo=%d,keep_alive_tmo=%d,hostnqn=%s,host_traddr=%s,host_iface=%s,hostid=%s,duplicate_connect,disable_sqflow,hdr_digest,data_digest,nr_write_queues=%d,nr_poll_queues=%d,tos=%d,fast_io_fail_tmo=%d,discovery,dhchap_secret=%s,dhchap_ctrl_secret=%s\n"
 )
 
 func TestTLSSupported(t *testing.T) {
 	for _, c := range []struct {
-		opts string
-		want error
-	}{{fabricsOpts612, nil}, {fabricsOptsNoTLS, errdefs.ErrUnsupported}} {
+		opts   string
+		concat bool
+		want   error
+		says   string
+	}{
+		{fabricsOpts612, false, nil, ""},
+		{fabricsOpts73, false, nil, ""},
+		{fabricsOpts73, true, nil, ""},
+		{fabricsOpts612, true, errdefs.ErrUnsupported, "Linux 6.15"},
+		{fabricsOptsNoTLS, false, errdefs.ErrUnsupported, "CONFIG_NVME_TCP_TLS"},
+		{fabricsOptsNoTLS, true, errdefs.ErrUnsupported, "CONFIG_NVME_TCP_TLS"},
+	} {
 		dev := filepath.Join(t.TempDir(), "nvme-fabrics")
 		if err := os.WriteFile(dev, []byte(c.opts), 0o600); err != nil {
 			t.Fatal(err)
@@ -305,9 +340,9 @@ func TestTLSSupported(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		err = tr.tlsSupported()
-		if c.want == nil && err != nil || c.want != nil && (!errors.Is(err, c.want) || !strings.Contains(err.Error(), "CONFIG_NVME_TCP_TLS")) {
-			t.Errorf("tlsSupported: %v, want %v", err, c.want)
+		err = tr.tlsSupported(c.concat)
+		if c.want == nil && err != nil || c.want != nil && (!errors.Is(err, c.want) || !strings.Contains(err.Error(), c.says)) {
+			t.Errorf("tlsSupported(concat %v) with %.40q...: %v, want %v saying %q", c.concat, c.opts[len(c.opts)-20:], err, c.want, c.says)
 		}
 	}
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/keyring"
 	"github.com/berth-csi/berth/internal/kmutex"
 	"github.com/berth-csi/berth/internal/sysfs"
 )
@@ -41,6 +42,8 @@ type Options struct {
 	DevRoot string
 	// readFile reads sysfs attributes; nil is sysfs.ReadFile (tests).
 	readFile func(name string) ([]byte, error)
+	// listKeys lists the kernel's keys; nil is keyring.List (tests).
+	listKeys func() ([]keyring.Key, error)
 	// FabricsDevice is the connect interface; default DefaultFabricsDevice.
 	FabricsDevice string
 	// Resolver resolves target host names; default net.DefaultResolver.
@@ -67,9 +70,11 @@ type Transport struct {
 	// flight (see flush).
 	flushing kmutex.KeyedMutex
 
-	// tlsOnce reads the kernel's connect options once for tlsErr.
-	tlsOnce sync.Once
-	tlsErr  error
+	// optsOnce reads the names of the kernel's connect options once
+	// into optNames (optsErr: the read failed).
+	optsOnce sync.Once
+	optNames map[string]bool
+	optsErr  error
 	// keyMu serializes the keyring work of every subsystem: two
 	// add_key calls that each find no "berth" keyring would make two,
 	// the second displacing the first (and the keys in it) from .nvme.

@@ -10,6 +10,8 @@ import (
 	"io"
 	"strconv"
 	"strings"
+
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // Key is one line of /proc/keys.
@@ -19,6 +21,17 @@ type Key struct {
 	Description string // without the summary the key type appends
 	Perm        uint32
 	UID, GID    int
+}
+
+// Find returns the serial of the keyring called name among keys (as
+// List returns them), or errdefs.ErrNotFound.
+func Find(keys []Key, name string) (int, error) {
+	for _, k := range keys {
+		if k.Type == "keyring" && k.Description == name {
+			return k.Serial, nil
+		}
+	}
+	return 0, fmt.Errorf("keyring %s: not in %s: %w", name, ProcKeys, errdefs.ErrNotFound)
 }
 
 // ParseProcKeys parses /proc/keys:

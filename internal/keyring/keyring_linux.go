@@ -29,21 +29,6 @@ func List() ([]Key, error) {
 	return ParseProcKeys(f)
 }
 
-// FindKeyring returns the serial of the keyring called name, such as
-// ".nvme", or errdefs.ErrNotFound.
-func FindKeyring(name string) (int, error) {
-	keys, err := List()
-	if err != nil {
-		return 0, err
-	}
-	for _, k := range keys {
-		if k.Type == "keyring" && k.Description == name {
-			return k.Serial, nil
-		}
-	}
-	return 0, fmt.Errorf("keyring %s: not in %s: %w", name, ProcKeys, errdefs.ErrNotFound)
-}
-
 // Possessor acts on one keyring as its possessor: from a thread whose
 // thread keyring links it. Keys added without further permissions give
 // their owner only the right to view them; possession gives search,

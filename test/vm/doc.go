@@ -60,7 +60,9 @@
 // the same Debian 12 root and tools; test/vm/image/build.sh trixie builds
 // that image (current-trixie in the cache). WithKernel("trixie-backports")
 // boots the newest cloud kernel of Debian 13's backports (7.3.4: nvmet with
-// NVMe reservations; build.sh trixie-backports, current-trixie-backports;
+// NVMe reservations, secure channel concatenation; build.sh
+// trixie-backports after build.sh trixie, whose tlshd and nvme-cli it
+// carries too; current-trixie-backports;
 // a 37 MB download, split into linux-binary, linux-modules and linux-base
 // packages; the initramfs guest starts its tests 5-6 s after QEMU starts
 // on an idle host, like 6.12's). BERTH_VM_KERNEL_SUITE=trixie

@@ -268,11 +268,17 @@ build_userland() { # $1: output dir
 	mv "$tmp/tree" "$out"
 	rm -rf "$tmp" # apt's lock files beside the status file
 }
-# Only for a suite's own kernel image (trixie): a backports suite's lists hold
-# the backported packages alone, and its image (the newer kernel's nvmet) needs
-# no tlshd.
+# A backports suite's lists hold the backported packages alone: its image
+# (the newer kernel's secure channel concatenation needs tlshd too) takes the
+# userland of its base suite's image, which build.sh <base suite> made first,
+# as make vm-image does.
 userland_dir=
-if [ "$ksuite" != "$suite" ] && [ "$ksuite" = "${ksuite%-backports}" ]; then
+if [ "$ksuite" != "$suite" ] && [ "$ksuite" != "${ksuite%-backports}" ]; then
+	userland_dir=$(sed -n 's/^USERLAND_DIR=//p' "$cache/current-${ksuite%-backports}/image.env" 2>/dev/null || true)
+	[ -n "$userland_dir" ] && [ -d "$userland_dir" ] ||
+		die "the $ksuite image takes tlshd and nvme-cli from the ${ksuite%-backports} image: run build.sh ${ksuite%-backports} first"
+	log "$ksuite userland: the ${ksuite%-backports} image's, $userland_dir"
+elif [ "$ksuite" != "$suite" ]; then
 	userland_key=$( { declare -f build_userland; echo "$ksuite ${userland_packages[*]} $lists_stamp"; } | sha)
 	userland_dir=$stages/userland-$userland_key
 	if [ -d "$userland_dir" ]; then
@@ -282,9 +288,9 @@ if [ "$ksuite" != "$suite" ] && [ "$ksuite" = "${ksuite%-backports}" ]; then
 		build_userland "$userland_dir"
 		log "$ksuite userland ready in $((SECONDS - t0)) s ($(du -sh "$userland_dir" | cut -f1))"
 	fi
-	# The handshake upcall's TLS record layer.
-	modules+=(tls)
 fi
+# The handshake upcall's TLS record layer.
+[ -z "$userland_dir" ] || modules+=(tls)
 
 # ---- Debian root -------------------------------------------------------------
 build_root() { # $1: output dir
@@ -393,7 +399,10 @@ build_image() { # $1: output dir
 	if [ -n "$userland_dir" ]; then
 		# The two programs and the libraries the suite's loader resolves
 		# for them (its --list loads, never runs, them).
-		local opt=$ir/opt/$ksuite lib=usr/lib/x86_64-linux-gnu w
+		# Named after the suite the userland is of (trixie for
+		# trixie-backports too).
+		local usuite=${ksuite%-backports}
+		local opt=$ir/opt/$usuite lib=usr/lib/x86_64-linux-gnu w
 		mkdir -p "$opt/usr/sbin" "$opt/usr/lib64" "$opt/$lib"
 		cp -L "$userland_dir/usr/lib64/ld-linux-x86-64.so.2" "$opt/usr/lib64/"
 		for w in tlshd nvme; do
@@ -405,9 +414,9 @@ build_image() { # $1: output dir
 		# tlshd reads its keyrings from /etc/tlshd.conf: the PSKs of
 		# NVMe/TCP are in the kernel's .nvme keyring.
 		printf '[debug]\nloglevel=0\ntls=0\nnl=0\n\n[authenticate]\nkeyrings=.nvme\n' >"$ir/etc/tlshd.conf"
-		for w in tlshd:tlshd nvme:nvme-$ksuite; do
+		for w in tlshd:tlshd nvme:nvme-$usuite; do
 			printf '#!/bin/sh\n# %s of Debian %s, run with that suite'"'"'s loader and libraries.\nexec /opt/%s/usr/lib64/ld-linux-x86-64.so.2 --library-path /opt/%s/usr/lib/x86_64-linux-gnu /opt/%s/usr/sbin/%s "$@"\n' \
-				"${w%%:*}" "$ksuite" "$ksuite" "$ksuite" "$ksuite" "${w%%:*}" >"$ir/usr/sbin/${w#*:}"
+				"${w%%:*}" "$usuite" "$usuite" "$usuite" "$usuite" "${w%%:*}" >"$ir/usr/sbin/${w#*:}"
 			chmod 755 "$ir/usr/sbin/${w#*:}"
 		done
 	fi
