@@ -23,6 +23,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/berth-csi/berth/agent"
+	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/iscsi"
 	"github.com/berth-csi/berth/test/csitest"
 	"github.com/berth-csi/berth/test/vm"
@@ -32,13 +33,19 @@ import (
 // unix socket, as `berth serve` wires it, and returns a client of it.
 func startAgent(t testing.TB, logger *slog.Logger) csi.NodeClient {
 	l := csitest.Listener(t)
+	return csitest.StartAgent(t, logger, l, iscsiTransport(t, l, logger))
+}
+
+// iscsiTransport is the iscsi transport on l as `berth serve` builds it.
+func iscsiTransport(t testing.TB, l *devices.Listener, logger *slog.Logger) agent.Transport {
+	t.Helper()
 	// The login settings berth serve gives every session by default.
 	tr, err := iscsi.New(iscsi.Options{Listener: l, Logger: logger, Params: map[string]int{
 		iscsi.ParamLoginTimeout: iscsi.DefaultLoginTimeout, iscsi.ParamLoginRetryMax: iscsi.DefaultLoginRetryMax}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	return csitest.StartAgent(t, logger, l, agent.TransportFunc(agent.TransportKind{Name: iscsi.Name, Keys: iscsi.TransportKeys()}, tr.Parse))
+	return agent.TransportFunc(agent.TransportKind{Name: iscsi.Name, Keys: iscsi.TransportKeys()}, tr.Parse)
 }
 
 // lockedBuffer is a bytes.Buffer for concurrent writers.

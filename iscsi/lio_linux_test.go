@@ -134,6 +134,22 @@ func (tg *lioTarget) addLUN(lun int, size int64, cached bool) string {
 		l.loop = strings.TrimSpace(string(out))
 		kind, control = "iblock", "udev_path="+l.loop
 	}
+	return tg.export(lun, n, l, kind, control)
+}
+
+// AddLUNOn exports the block device dev as LUN lun on every TPG (an
+// iblock backstore) and returns the WWID the initiator will see. The
+// device is the test's: made before the target, so that it goes after
+// it (a dm-delay or dm-error map whose I/O the test holds back or fails).
+func (tg *lioTarget) AddLUNOn(lun int, dev string) string {
+	return tg.export(lun, lioSeq.Add(1), &lioLUN{}, "iblock", "udev_path="+dev)
+}
+
+// export makes backstore number n of kind with control, for l, and links
+// it as LUN lun on every TPG.
+func (tg *lioTarget) export(lun int, n int64, l *lioLUN, kind, control string) string {
+	t := tg.t
+	t.Helper()
 	hba := filepath.Join(lioRoot, "core", fmt.Sprintf("%s_%d", kind, n))
 	lioMkdir(t, hba)
 	l.core = filepath.Join(hba, "disk")
@@ -310,6 +326,8 @@ func (tg *lioTarget) destroy() {
 		if l.loop != "" {
 			exec.Command("losetup", "-d", l.loop).Run()
 		}
-		os.Remove(l.file)
+		if l.file != "" {
+			os.Remove(l.file)
+		}
 	}
 }

@@ -40,7 +40,9 @@ func TestHeld(t *testing.T) {
 
 // A device whose open waits (a SCSI disk in error recovery waits for the
 // recovery before any open) stalls only the check: programs berth starts
-// for other volumes still start, and other checks still answer.
+// for other volumes still start, and other checks still answer. The
+// open here is a stand-in that waits; iscsi's TestMultipathISCSIStuckDisk
+// has a disk in error recovery make it wait in a guest.
 func TestHeldWaitingOpenStallsNothingElse(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root (loop devices)")

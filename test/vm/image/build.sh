@@ -98,7 +98,7 @@ tools=(
 # Kernel modules available in every guest (loaded on demand with modprobe).
 modules=(
 	loop brd null_blk configfs dm_mod dm_multipath dm_round_robin dm_service_time
-	dm_queue_length sd_mod sg
+	dm_queue_length dm_delay sd_mod sg
 	nvme_tcp nvme_fabrics nvmet nvmet_tcp
 	iscsi_tcp libiscsi libiscsi_tcp scsi_transport_iscsi
 	target_core_mod target_core_iblock target_core_file target_core_pscsi iscsi_target_mod
