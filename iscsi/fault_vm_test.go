@@ -268,10 +268,10 @@ func TestFaultISCSILUNReplaced(t *testing.T) {
 func TestVMISCSIFaultsMultipath(t *testing.T) {
 	m := vm.RunGuestTests(t,
 		vm.WithTestRun(iscsi.GuestRun("^TestFaultMultipathISCSI")),
-		vm.WithModules("iscsi_tcp", "target_core_mod", "target_core_iblock", "iscsi_target_mod", "loop"),
+		vm.WithModules("iscsi_tcp", "target_core_mod", "target_core_iblock", "iscsi_target_mod", "loop", "dm_delay"),
 		vm.WithIscsid(),
 		vm.WithMultipathd(),
-		vm.WithTimeout(9*time.Minute))
+		vm.WithTimeout(12*time.Minute))
 	reliability.ReportFaults(t, m.Output())
 }
 

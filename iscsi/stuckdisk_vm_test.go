@@ -25,10 +25,11 @@ import (
 	"github.com/berth-csi/berth/file"
 	"github.com/berth-csi/berth/iscsi"
 	"github.com/berth-csi/berth/test/csitest"
+	"github.com/berth-csi/berth/test/reliability"
 	"github.com/berth-csi/berth/test/vm"
 )
 
-// TestMultipathISCSIStuckDisk: one iSCSI disk in SCSI error recovery does
+// TestFaultMultipathISCSIStuckDisk: one iSCSI disk in SCSI error recovery does
 // not stall the node. The disk's LUN is a dm-delay map on the target
 // side. With the disk's command timeout lowered to 2 s, a delay of
 // minutes makes a read time out and its abort time out; the initiator
@@ -51,9 +52,10 @@ import (
 // path the unstage's flush opens the disk first), on a session that
 // carries another volume's LUN too (else the unstage logs the failed
 // session out, and the disk goes with it).
-func TestMultipathISCSIStuckDisk(t *testing.T) {
+func TestFaultMultipathISCSIStuckDisk(t *testing.T) {
 	vm.RequireGuest(t)
 	iscsi.StartMultipathd(t)
+	fault := reliability.StartFault(t, "iSCSI disk in SCSI error recovery: a file volume's whole life beside it")
 	logger := slog.New(slog.NewTextHandler(csitest.LogWriter(t), &slog.HandlerOptions{Level: slog.LevelDebug}))
 	// Made before the target, so that it goes after it.
 	delay := newDelayMap(t, 64<<20)
@@ -68,7 +70,7 @@ func TestMultipathISCSIStuckDisk(t *testing.T) {
 	}
 	node := csitest.StartAgent(t, logger, l, iscsiTransport(t, l, logger),
 		agent.TransportFunc(agent.TransportKind{Name: file.Name, Keys: file.TransportKeys()}, ft.Parse))
-	files.node = node
+	files.node = fault.Node(node)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 
@@ -76,7 +78,7 @@ func TestMultipathISCSIStuckDisk(t *testing.T) {
 	other := stageBlock(t, ctx, node, "vol-other", lt.IQN, lt.Portal(1), 1, otherWWID)
 	settle(t)
 	dm := multipathMap(t, wwid)
-	disk := lunDisk(t, lt.IQN, 0)
+	disk := targetLUNDisk(t, lt.IQN, 0)
 	host, session := "/sys/class/scsi_host/host"+strings.Split(disk.ID.HCTL, ":")[0], sessionOf(t, disk)
 	t.Logf("iSCSI volume: map %s over %s (%s, %s), write cache %s / %s", dm.Name, disk.Path, disk.ID.HCTL, filepath.Base(session),
 		sysAttr("/sys/block/"+dm.Name+"/queue/write_cache"), sysAttr("/sys/block/"+disk.Name+"/queue/write_cache"))
@@ -222,8 +224,8 @@ func stageBlock(t *testing.T, ctx context.Context, node csi.NodeClient, id, iqn,
 	return unstage
 }
 
-// lunDisk returns the disk of LUN lun on the session to iqn.
-func lunDisk(t *testing.T, iqn string, lun int) *devices.Device {
+// targetLUNDisk returns the disk of LUN lun on the session to iqn.
+func targetLUNDisk(t *testing.T, iqn string, lun int) *devices.Device {
 	t.Helper()
 	lctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

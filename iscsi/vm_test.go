@@ -40,7 +40,6 @@ func TestVMISCSIMultipath(t *testing.T) {
 	vm.RunGuestTests(t,
 		vm.WithTestRun(guestRun("^TestMultipathISCSI")),
 		vm.WithModules(lioModules...),
-		vm.WithModules("dm_delay"), // TestMultipathISCSIStuckDisk
 		vm.WithIscsid(),
 		vm.WithMultipathd(),
 		vm.WithTimeout(6*time.Minute))

@@ -41,7 +41,7 @@ func TestHeld(t *testing.T) {
 // A device whose open waits (a SCSI disk in error recovery waits for the
 // recovery before any open) stalls only the check: programs berth starts
 // for other volumes still start, and other checks still answer. The
-// open here is a stand-in that waits; iscsi's TestMultipathISCSIStuckDisk
+// open here is a stand-in that waits; iscsi's TestFaultMultipathISCSIStuckDisk
 // has a disk in error recovery make it wait in a guest.
 func TestHeldWaitingOpenStallsNothingElse(t *testing.T) {
 	if os.Geteuid() != 0 {
