@@ -61,7 +61,10 @@ spec:
 EOF
 }
 
-pod() { # NAME CLAIM
+pod() { # NAME CLAIM [SCRIPT]: SCRIPT runs in the pod, by default one
+	# that leaves the pod's name in /data/token once and sleeps.
+	local script=${3:-}
+	[ -n "$script" ] || script="test -f /data/token || { echo $1 > /data/token; sync; }; exec sleep 100000"
 	kc apply -f - >/dev/null <<EOF
 apiVersion: v1
 kind: Pod
@@ -72,7 +75,7 @@ spec:
   containers:
   - name: c
     image: registry.k8s.io/e2e-test-images/busybox:1.37.0-1
-    command: [sh, -c, 'test -f /data/token || { echo $1 > /data/token; sync; }; exec sleep 100000']
+    command: [sh, -c, '$script']
     volumeMounts: [{name: v, mountPath: /data}]
   volumes: [{name: v, persistentVolumeClaim: {claimName: $2}}]
 EOF
@@ -240,22 +243,6 @@ fi
 # image (berth's image under a second tag: the rollout replaces the pod as
 # for a new release) and a rollback, under a pod that appends a counter to
 # its volume and syncs after each line.
-counter_pod() { # NAME CLAIM
-	kc apply -f - >/dev/null <<EOF
-apiVersion: v1
-kind: Pod
-metadata: {name: $1, namespace: $NS}
-spec:
-  nodeName: berth-e2e-node
-  terminationGracePeriodSeconds: 1
-  containers:
-  - name: c
-    image: registry.k8s.io/e2e-test-images/busybox:1.37.0-1
-    command: [sh, -c, 'i=0; while :; do i=\$((i+1)); echo \$i >> /data/count; sync; sleep 0.2; done']
-    volumeMounts: [{name: v, mountPath: /data}]
-  volumes: [{name: v, persistentVolumeClaim: {claimName: $2}}]
-EOF
-}
 count() { kc -n $NS exec "$1" -- tail -n 1 /data/count; }
 # in_order POD: the counter's lines are 1, 2, ... N, none lost or repeated.
 in_order() { kc -n $NS exec "$1" -- awk 'NR != $1 { bad = 1 } END { exit bad }' /data/count; }
@@ -275,17 +262,17 @@ roll() {
 		fail "$what to $img: node image [$(node_image)], $p $(kc -n $NS get pod "$p" -o jsonpath='{.status.phase}'), count before $before, now [$(count "$p" 2>&1)]"
 	fi
 }
-claim c4
-counter_pod p4 c4
+claim c5
+pod p5 c5 'i=0; while :; do i=$((i+1)); echo $i >> /data/count; sync; sleep 0.2; done'
 ds=$(kc -n kube-system get ds -l $node_pods -o jsonpath='{.items[0].metadata.name}')
 img=$(kc -n kube-system get ds "$ds" -o jsonpath='{.spec.template.spec.containers[?(@.name=="berth")].image}')
 next=$img-next
-if until_ok 180 running p4 && until_ok 30 counting_past p4 5 &&
+if until_ok 180 running p5 && until_ok 30 counting_past p5 5 &&
 	ctr --address "$R/containerd.sock" -n k8s.io images tag "$img" "$next" >/dev/null; then
-	roll p4 "$next" "rolling update of the DaemonSet" set image "ds/$ds" "berth=$next"
-	roll p4 "$img" "rollback of the DaemonSet" rollout undo "ds/$ds"
+	roll p5 "$next" "rolling update of the DaemonSet" set image "ds/$ds" "berth=$next"
+	roll p5 "$img" "rollback of the DaemonSet" rollout undo "ds/$ds"
 else
-	fail "pod p4 did not start writing, or the image $img could not be tagged $next"
+	fail "pod p5 did not start writing, or the image $img could not be tagged $next"
 fi
 
 # Everything deleted: nothing staged, published, attached or recorded.
