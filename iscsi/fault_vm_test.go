@@ -331,7 +331,7 @@ func TestFaultMultipathISCSISilentPortal(t *testing.T) {
 // target behind two portals of which the first is silent, are staged at
 // once. Each login through a portal holds that portal's lock, so without
 // more each stage would wait for the silent portal in turn; each succeeds
-// within 25 s instead.
+// within 30 s instead, the bound one volume has.
 func TestFaultMultipathISCSISilentPortalManyLUNs(t *testing.T) {
 	vm.RequireGuest(t)
 	fault := reliability.StartFault(t, "iSCSI silent first portal (no answer), 3 multipath LUNs staged at once")
@@ -342,7 +342,7 @@ func TestFaultMultipathISCSISilentPortalManyLUNs(t *testing.T) {
 	lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	const bound = 25 * time.Second
+	const bound = 30 * time.Second
 	var vols []*faultVolume
 	for lun := range 3 {
 		wwid := lt.AddLUN(lun, 64<<20)
