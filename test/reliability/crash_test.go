@@ -781,7 +781,7 @@ func TestCrashAtEveryStep(t *testing.T) {
 		// The steps of encrypted volumes need dm-crypt, which this host
 		// lacks: the encrypted suite in a guest requires them.
 		requireReached(t, slices.DeleteFunc(sourceBoundaries(t, hostPackages...), func(b string) bool {
-			return slices.Contains(encryptedBoundaries, b)
+			return slices.Contains(encryptedBoundaries, b) || slices.Contains(fenceBoundaries, b) || slices.Contains(takeoverBoundaries, b)
 		}), reached)
 	})
 }
@@ -790,3 +790,14 @@ func TestCrashAtEveryStep(t *testing.T) {
 // pass: TestGuestCrashEncrypted requires them, TestCrashAtEveryStep (on
 // a host without device-mapper) the others.
 var encryptedBoundaries = []string{"step.open", "step.close", "step.resize_mapping", "exec.cryptsetup"}
+
+// fenceBoundaries are the step boundaries only fenced volumes pass (a
+// network transport's single-node writer): the iSCSI guest suite, whose
+// LIO target has reservations, requires them.
+var fenceBoundaries = []string{"step.fence", "step.unfence"}
+
+// takeoverBoundaries are passed only when a stage takes another node's
+// reservation over, which no crash suite does (each runs one node):
+// TestVMFencing and TestVMNVMeFencing take volumes over between nodes,
+// but crash nothing there.
+var takeoverBoundaries = []string{"step.takeover"}

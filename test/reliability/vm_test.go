@@ -38,21 +38,22 @@ const boundariesEnv = "BERTH_CRASH_BOUNDARIES"
 // TestVMCrashNVMeoF crashes berth at every step of NVMe/TCP volumes in a
 // guest (see TestGuestCrashNVMeoF).
 func TestVMCrashNVMeoF(t *testing.T) {
-	runCrashGuest(t, "nvmeof", "^TestGuestCrashNVMeoF$")
+	runCrashGuest(t, "nvmeof", "^TestGuestCrashNVMeoF$", nil)
 }
 
 // TestVMCrashISCSI crashes berth at every step of iSCSI volumes in a
 // guest (see TestGuestCrashISCSI).
 func TestVMCrashISCSI(t *testing.T) {
-	runCrashGuest(t, "iscsi", "^TestGuestCrashISCSI$",
+	runCrashGuest(t, "iscsi", "^TestGuestCrashISCSI$", fenceBoundaries,
 		vm.WithIscsid(),
 		vm.WithModules("iscsi_tcp", "target_core_mod", "target_core_iblock", "iscsi_target_mod", "loop"))
 }
 
 // runCrashGuest boots one guest whose berth is built with failpoints,
 // runs the transport's crash suite there and adds its rows to the
-// reliability table.
-func runCrashGuest(t *testing.T, transport, run string, opts ...vm.Option) {
+// reliability table. The suite must reach every boundary of the
+// transport's package and those of also.
+func runCrashGuest(t *testing.T, transport, run string, also []string, opts ...vm.Option) {
 	if vm.InGuest() {
 		t.Skip("host entry point")
 	}
@@ -62,7 +63,7 @@ func runCrashGuest(t *testing.T, transport, run string, opts ...vm.Option) {
 		vm.WithBerthTags("failpoints"),
 		vm.WithEnv(map[string]string{
 			"BERTH_FAILPOINT_BIN": "/usr/bin/berth",
-			boundariesEnv:         strings.Join(sourceBoundaries(t, transport), ","),
+			boundariesEnv:         strings.Join(append(sourceBoundaries(t, transport), also...), ","),
 		}),
 		vm.WithTimeout(30*time.Minute))
 	m := vm.Boot(t, opts...)
