@@ -319,7 +319,7 @@ func (f *fileVolumes) round(t *testing.T, name string) (map[string]time.Duration
 				TargetPath: target, VolumeCapability: capability, VolumeContext: vctx})
 			return err
 		},
-		"write": func(context.Context) error { return writeSyncedFile(filepath.Join(target, "data"), payload) },
+		"write": func(context.Context) error { return writeSynced(filepath.Join(target, "data"), string(payload)) },
 		"NodeUnpublishVolume": func(ctx context.Context) error {
 			_, err := f.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
 			return err
@@ -356,22 +356,6 @@ func (f *fileVolumes) assertDetached(t *testing.T) {
 			}
 		}
 	}
-}
-
-func writeSyncedFile(p string, b []byte) error {
-	f, err := os.Create(p)
-	if err != nil {
-		return err
-	}
-	if _, err := f.Write(b); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	return f.Close()
 }
 
 // retryRPC calls call until it succeeds or d has passed, each call with
