@@ -236,22 +236,28 @@ func TestBenchGuestISCSI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var berth, raw, attach, login, berthXFS, rawXFS []time.Duration
+	var berth, unfenced, raw, attach, login, berthXFS, rawXFS []time.Duration
 	// stage stages a fresh LUN through the agent (login, targeted scan,
 	// WWID check, probe, mkfs, mount) and unstages it outside the
 	// measurement; rawStage does the same by hand on an identical LUN of
 	// another target, with berth's own mkfs options. mkfs.xfs makes
 	// nothing under 300 MB: xfs LUNs are 320 MiB, ext4 ones 64 MiB.
 	lunSize := map[string]int64{"ext4": 64 << 20, "xfs": 320 << 20}
-	stage := func(i int, fsType string) time.Duration {
+	// stage fences the volume (the default for a single writer: register
+	// the node's key, reserve) unless fencing is "none".
+	stage := func(i int, fsType, fencing string) time.Duration {
 		lt := iscsi.NewLIOTarget(t, "127.0.0.1:3260")
 		wwid := lt.AddLUN(0, lunSize[fsType])
 		staging := filepath.Join(t.TempDir(), "staging")
 		os.MkdirAll(staging, 0o750)
-		id := fmt.Sprintf("bench-%s-%d", fsType, i)
+		id := fmt.Sprintf("bench-%s-%s-%d", fsType, fencing, i)
+		vctx := map[string]string{"targetPortal": lt.Portal(1), "iqn": lt.IQN, "lun": "0", "wwid": wwid}
+		if fencing != "" {
+			vctx["fencing"] = fencing
+		}
 		start := time.Now()
 		if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging,
-			VolumeCapability: csitest.MountCap(fsType), VolumeContext: map[string]string{"targetPortal": lt.Portal(1), "iqn": lt.IQN, "lun": "0", "wwid": wwid}}); err != nil {
+			VolumeCapability: csitest.MountCap(fsType), VolumeContext: vctx}); err != nil {
 			t.Fatal(err)
 		}
 		d := time.Since(start)
@@ -290,11 +296,24 @@ func TestBenchGuestISCSI(t *testing.T) {
 	// both alike.
 	pair := func(i int, fsType string) (b, r time.Duration) {
 		if i%2 == 0 {
-			b = stage(i, fsType)
+			b = stage(i, fsType, "")
 			return b, rawStage(fsType)
 		}
 		r = rawStage(fsType)
-		return stage(i, fsType), r
+		return stage(i, fsType, ""), r
+	}
+	// trio adds an unfenced stage to the ext4 pair, in an order that
+	// turns with the round, to measure what fencing costs a stage.
+	trio := func(i int) (b, n, r time.Duration) {
+		legs := []func(){
+			func() { b = stage(i, "ext4", "") },
+			func() { n = stage(i, "ext4", "none") },
+			func() { r = rawStage("ext4") },
+		}
+		for k := range legs {
+			legs[(i+k)%len(legs)]()
+		}
+		return b, n, r
 	}
 	// Round 0 is not counted: a guest's first stage pays for cold
 	// caches (the programs, the agent's first RPC).
@@ -328,13 +347,14 @@ func TestBenchGuestISCSI(t *testing.T) {
 		run(t, "iscsiadm", "-m", "node", "-o", "delete", "-T", ll.IQN, "-p", ll.Portal(1))
 		ll.Destroy()
 
-		b4, r4 := pair(i, "ext4")
+		b4, n4, r4 := trio(i)
 		bx, rx := pair(i, "xfs")
 		if i == 0 {
 			continue
 		}
 		attach, login = append(attach, da), append(login, dl)
 		berth, raw = append(berth, b4), append(raw, r4)
+		unfenced = append(unfenced, n4)
 		berthXFS, rawXFS = append(berthXFS, bx), append(rawXFS, rx)
 	}
 	report := func(name string, d []time.Duration) {
@@ -347,6 +367,7 @@ func TestBenchGuestISCSI(t *testing.T) {
 		t.Logf("BENCH iscsi-stage %s median_ms=%.0f samples_ms=%s", name, float64(s[len(s)/2].Microseconds())/1000, strings.Join(ms, ","))
 	}
 	report("berth-NodeStageVolume", berth)
+	report("berth-NodeStageVolume-fencing-none", unfenced)
 	report("raw-iscsiadm-mkfs-mount", raw)
 	report("berth-transport-Attach", attach)
 	report("raw-iscsiadm-login-disk", login)
@@ -365,6 +386,8 @@ func TestBenchGuestISCSI(t *testing.T) {
 		float64(median(berth))/float64(median(raw)), rounds, perRound(berth, raw))
 	t.Logf("BENCH iscsi-stage berth/raw, xfs 320 MiB: ratio of the medians %.2f, median of the %d per-round ratios %.2f (goal <= 1.05)",
 		float64(median(berthXFS))/float64(median(rawXFS)), rounds, perRound(berthXFS, rawXFS))
+	t.Logf("BENCH iscsi-stage fencing, ext4 64 MiB: fenced/unfenced stage, ratio of the medians %.2f, median of the %d per-round ratios %.2f (goal <= 1.05); unfenced berth/raw, ratio of the medians %.2f",
+		float64(median(berth))/float64(median(unfenced)), rounds, perRound(berth, unfenced), float64(median(unfenced))/float64(median(raw)))
 	t.Logf("BENCH iscsi-stage berth steps, %s", steps.Summary())
 }
 
