@@ -94,23 +94,22 @@ type tlsConn struct {
 }
 
 // tlsSupported reports whether the kernel's connect interface parses
-// the tls options, and with concat the concat option, reading its
-// option list once.
+// the tls options, and with concat the concat option. The option list
+// is kept once read; a failed read (the module not loaded yet) is tried
+// again at the next call.
 func (t *Transport) tlsSupported(concat bool) error {
-	t.optsOnce.Do(func() {
+	t.optsMu.Lock()
+	defer t.optsMu.Unlock()
+	if t.optNames == nil {
 		opts, err := nvmefabrics.Options(t.opts.FabricsDevice)
 		if err != nil {
-			t.optsErr = err
-			return
+			return err
 		}
 		t.optNames = map[string]bool{}
 		for _, o := range strings.Split(opts, ",") {
 			name, _, _ := strings.Cut(o, "=")
 			t.optNames[name] = true
 		}
-	})
-	if t.optsErr != nil {
-		return t.optsErr
 	}
 	if !t.optNames["tls"] || !t.optNames["tls_key"] {
 		return fmt.Errorf("the volume asks for TLS, but this kernel's NVMe/TCP has none (the options of %s list no tls: CONFIG_NVME_TCP_TLS is not set; TLS needs Linux 6.7 or later built with it, such as Debian 13's kernels): %w",

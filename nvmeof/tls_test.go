@@ -123,3 +123,29 @@ func TestPrepareTLSConcat(t *testing.T) {
 		}
 	}
 }
+
+// A connect interface that could not be read (the module not loaded
+// yet) is read again at the next TLS stage: the failure is not kept
+// until berth restarts.
+func TestTLSSupportedReadsAgainAfterFailure(t *testing.T) {
+	dev := filepath.Join(t.TempDir(), "nvme-fabrics")
+	tr, err := NewTransport(Options{FabricsDevice: dev})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tr.tlsSupported(false); err == nil {
+		t.Fatal("tlsSupported without the fabrics device: no error")
+	}
+	if err := os.WriteFile(dev, []byte(fabricsOpts73), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := tr.tlsSupported(true); err != nil {
+		t.Errorf("tlsSupported once the fabrics device is there: %v", err)
+	}
+	if err := os.Remove(dev); err != nil {
+		t.Fatal(err)
+	}
+	if err := tr.tlsSupported(true); err != nil {
+		t.Errorf("tlsSupported after a successful read: %v, want the options read before", err)
+	}
+}

@@ -70,11 +70,10 @@ type Transport struct {
 	// flight (see flush).
 	flushing kmutex.KeyedMutex
 
-	// optsOnce reads the names of the kernel's connect options once
-	// into optNames (optsErr: the read failed).
-	optsOnce sync.Once
+	// optNames holds the names of the kernel's connect options, read
+	// under optsMu at the first TLS stage that could read them.
+	optsMu   sync.Mutex
 	optNames map[string]bool
-	optsErr  error
 	// keyMu serializes the keyring work of every subsystem: two
 	// add_key calls that each find no "berth" keyring would make two,
 	// the second displacing the first (and the keys in it) from .nvme.
