@@ -99,10 +99,13 @@ func BenchmarkFirstStage(b *testing.B) {
 			h := newHarness(b)
 			v := h.newVol("first", size, mountCap("ext4", snw))
 			ctx := context.Background()
-			stage := &csi.NodeStageVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging, VolumeCapability: v.cap, VolumeContext: v.vctx}
-			unstage := &csi.NodeUnstageVolumeRequest{VolumeId: v.id, StagingTargetPath: v.staging}
 			img := filepath.Join(h.root, "first.img")
-			for range b.N {
+			for i := range b.N {
+				// Each round's image is a new volume, with an ID of its
+				// own: berth never formats again a volume ID it formatted.
+				id := fmt.Sprintf("%s-%d", v.id, i)
+				stage := &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: v.staging, VolumeCapability: v.cap, VolumeContext: v.vctx}
+				unstage := &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: v.staging}
 				if _, err := h.node.NodeStageVolume(ctx, stage); err != nil {
 					b.Fatal(err)
 				}
