@@ -63,6 +63,54 @@ type fakeFS struct {
 // fakePartial is what an interrupted mkfs leaves.
 const fakePartial = "partial-mkfs"
 
+// fakeDevSize is the size of every fake device, and fakeFSSize and
+// fakeFSUsed are what a fake filesystem holds and uses of it.
+const (
+	fakeDevSize = 1 << 20
+	fakeFSSize  = 960 << 10
+	fakeFSUsed  = 64 << 10
+)
+
+// fakeDevice is the device at path. The fake's devices are named
+// fake<major>-<minor>, as the fake transport's are; anything else at
+// path is no block device (errdefs.ErrInvalidArgument), and nothing there
+// is errdefs.ErrNotFound, as package fs answers.
+func fakeDevice(path string) (major, minor int, err error) {
+	name := filepath.Base(path)
+	if _, err := fmt.Sscanf(name, "fake%d-%d", &major, &minor); err == nil && name == fmt.Sprintf("fake%d-%d", major, minor) {
+		return major, minor, nil
+	}
+	if _, err := os.Lstat(path); err == nil {
+		return 0, 0, fmt.Errorf("device %s: not a block device: %w", path, errdefs.ErrInvalidArgument)
+	}
+	return 0, 0, fmt.Errorf("device %s: no such device: %w", path, errdefs.ErrNotFound)
+}
+
+// checkFsType refuses a type package fs does not handle.
+func (f *fakeFS) checkFsType(fsType string) error {
+	if !slices.Contains(f.SupportedFsTypes(), fsType) {
+		return fmt.Errorf("filesystem type %q: not supported: %w", fsType, errdefs.ErrInvalidArgument)
+	}
+	return nil
+}
+
+// checkDevice is fakeDevice's answer for a device that must be there.
+func checkDevice(path string) error {
+	_, _, err := fakeDevice(path)
+	return err
+}
+
+// mountedDevice reports whether a filesystem of major:minor is mounted
+// anywhere; the caller holds f.mu.
+func (f *fakeFS) mountedDevice(major, minor int) bool {
+	for _, m := range f.mounts {
+		if m.Major == major && m.Minor == minor {
+			return true
+		}
+	}
+	return false
+}
+
 var _ hostFS = (*fakeFS)(nil)
 
 // fakeRootIno is the inode of every fake filesystem's root.
@@ -85,6 +133,12 @@ func (f *fakeFS) ParseMountOptions(opts []string) (uintptr, string, error) {
 }
 
 func (f *fakeFS) EnsureFilesystem(_ context.Context, devPath, fsType string, _ fs.MkfsParams, _ func() (*os.File, int64, error), beforeMkfs func() error) (bool, error) {
+	if err := f.checkFsType(fsType); err != nil {
+		return false, err
+	}
+	if err := checkDevice(devPath); err != nil {
+		return false, err
+	}
 	f.mu.Lock()
 	switch c := f.content[devPath]; c {
 	case fsType:
@@ -106,6 +160,20 @@ func (f *fakeFS) EnsureFilesystem(_ context.Context, devPath, fsType string, _ f
 }
 
 func (f *fakeFS) Format(_ context.Context, devPath, fsType string, _ fs.MkfsParams) error {
+	if err := f.checkFsType(fsType); err != nil {
+		return err
+	}
+	maj, min, err := fakeDevice(devPath)
+	if err != nil {
+		return err
+	}
+	f.mu.Lock()
+	mounted := f.mountedDevice(maj, min)
+	f.mu.Unlock()
+	if mounted {
+		// mkfs refuses it: no sentinel, an Internal error.
+		return fmt.Errorf("format %s as %s: mkfs.%s: %s is mounted; will not make a filesystem here", devPath, fsType, fsType, devPath)
+	}
 	return f.mkfs(devPath, fsType)
 }
 
@@ -131,6 +199,12 @@ func (f *fakeFS) mkfs(devPath, fsType string) error {
 }
 
 func (f *fakeFS) FilesystemUUID(devPath, fsType string) (string, error) {
+	if err := f.checkFsType(fsType); err != nil {
+		return "", err
+	}
+	if err := checkDevice(devPath); err != nil {
+		return "", err
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.content[devPath] != fsType {
@@ -142,11 +216,16 @@ func (f *fakeFS) FilesystemUUID(devPath, fsType string) (string, error) {
 	return "uuid-of-" + devPath, nil
 }
 
-func (f *fakeFS) Fsck(context.Context, string, string) error {
+// Fsck checks nothing: an xfs, a device in use and a clean ext4 pass,
+// as in package fs.
+func (f *fakeFS) Fsck(_ context.Context, devPath, fsType string) error {
 	f.mu.Lock()
-	defer f.mu.Unlock()
 	f.fscks++
-	return nil
+	f.mu.Unlock()
+	if err := f.checkFsType(fsType); err != nil || fsType == "xfs" {
+		return err
+	}
+	return checkDevice(devPath)
 }
 
 func (f *fakeFS) contentOf(devPath string) string {
@@ -165,25 +244,42 @@ func (f *fakeFS) Mount(source string, target *fs.Handle, fsType string, _ uintpt
 	if f.dirtyJournal && !slices.ContainsFunc(strings.Split(data, ","), func(o string) bool { return o == "noload" || o == "norecovery" }) {
 		return fmt.Errorf("mount %s: read-only file system: %w", source, fs.ErrRecoveryNeedsWrite)
 	}
+	maj, min, err := fakeDevice(source)
+	if err != nil {
+		return fmt.Errorf("mount %s: %w", source, err)
+	}
+	if c := f.content[source]; c != fsType {
+		// The kernel's EINVAL: no sentinel, an Internal error.
+		return fmt.Errorf("mount %s on %s (type %s): invalid argument (the device holds %q)", source, target.Path(), fsType, c)
+	}
 	p := target.Path()
-	if _, ok := f.mounts[p]; ok {
+	if m, ok := f.mounts[p]; ok {
+		if m.Major == maj && m.Minor == min && m.Ino == fakeRootIno {
+			// The kernel refuses the same filesystem on top of itself.
+			return fmt.Errorf("mount %s on %s: already mounted there: %w", source, p, errdefs.ErrBusy)
+		}
 		f.nMount[p]++ // stacked: the bug the locks prevent
 	}
-	var maj, min int
-	fmt.Sscanf(filepath.Base(source), "fake%d-%d", &maj, &min)
 	f.mounts[p] = mountEntry{Major: maj, Minor: min, FSType: fsType, Ino: fakeRootIno}
 	f.nMount[p]++
 	return nil
 }
 
 func (f *fakeFS) BindMount(source, target *fs.Handle, _ bool, _ uintptr) error {
+	// package fs sets the bind's flags through the new mount, opened
+	// again at target's name: a target from OpenPath has none.
+	again, err := target.Reopen()
+	if err != nil {
+		return fmt.Errorf("bind mount %s on %s: %w", source.Path(), target.Path(), err)
+	}
+	again.Close()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	// A bind shows what is at source: a mounted filesystem's root, or
-	// a device node.
+	// a device node (OpenDeviceNode's stand-in).
 	m, ok := f.mounts[source.Path()]
 	if !ok {
-		fmt.Sscanf(filepath.Base(source.Path()), "fake%d-%d", &m.RdevMajor, &m.RdevMinor)
+		m.RdevMajor, m.RdevMinor, _ = fakeDevice(source.Path())
 	}
 	f.mounts[target.Path()] = m
 	f.nMount[target.Path()]++
@@ -204,9 +300,19 @@ func (f *fakeFS) Unmount(dir *fs.Handle, name string, check func(mountEntry) err
 	if f.unmountErr != nil {
 		return f.unmountErr
 	}
-	if m, ok := f.mounts[p]; ok && check != nil {
+	m, ok := f.mounts[p]
+	if !ok {
+		return nil
+	}
+	if check != nil {
 		if err := check(m); err != nil {
 			return err
+		}
+	}
+	for q := range f.mounts {
+		if strings.HasPrefix(q, p+"/") {
+			// A mount inside keeps it busy (EBUSY).
+			return fmt.Errorf("unmount %s: %s is mounted inside: %w", p, q, errdefs.ErrBusy)
 		}
 	}
 	delete(f.mounts, p)
@@ -215,7 +321,14 @@ func (f *fakeFS) Unmount(dir *fs.Handle, name string, check func(mountEntry) err
 
 // OpenDeviceNode opens a stand-in file for the device node, made on
 // first use in a directory of the test.
-func (f *fakeFS) OpenDeviceNode(path string, _, _ uint32) (*fs.Handle, error) {
+func (f *fakeFS) OpenDeviceNode(path string, major, minor uint32) (*fs.Handle, error) {
+	maj, min, err := fakeDevice(path)
+	if err != nil {
+		return nil, fmt.Errorf("open device node: %w", err)
+	}
+	if uint32(maj) != major || uint32(min) != minor {
+		return nil, fmt.Errorf("device node %s stands for device %d:%d, not %d:%d: %w", path, maj, min, major, minor, errdefs.ErrFailedPrecondition)
+	}
 	p := filepath.Join(f.devDir, filepath.Base(path))
 	if err := os.WriteFile(p, nil, 0o600); err != nil {
 		return nil, err
@@ -245,7 +358,15 @@ func (f *fakeFS) MountInfo(h *fs.Handle) (mountEntry, error) {
 	return m, nil
 }
 
-func (f *fakeFS) Trim(context.Context, *fs.Handle) (uint64, error) { return 0, nil }
+// Trim trims the free space of a fake filesystem.
+func (f *fakeFS) Trim(_ context.Context, h *fs.Handle) (uint64, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if m, ok := f.mounts[h.Path()]; !ok || m.RdevMajor != 0 || m.RdevMinor != 0 {
+		return 0, fmt.Errorf("trim %s: not the root of a mount: %w", h.Path(), errdefs.ErrInvalidArgument)
+	}
+	return fakeFSSize - fakeFSUsed, nil
+}
 
 // mounted reports whether the fake has a mount at p.
 func (f *fakeFS) mounted(p string) bool {
@@ -255,10 +376,63 @@ func (f *fakeFS) mounted(p string) bool {
 	return ok
 }
 
-func (f *fakeFS) Resize(context.Context, string, string, string) error { return nil }
-func (f *fakeFS) Stats(string) (fsStats, error)                        { return fsStats{TotalBytes: 1}, nil }
-func (f *fakeFS) BlockDeviceSize(string) (int64, error)                { return 1 << 20, nil }
+// Resize checks what package fs checks; a fake filesystem always fills
+// its device already.
+func (f *fakeFS) Resize(_ context.Context, devPath, mountPath, fsType string) error {
+	if err := f.checkFsType(fsType); err != nil {
+		return err
+	}
+	maj, min, err := fakeDevice(devPath)
+	if err != nil {
+		return err
+	}
+	if mountPath == "" {
+		if fsType == "xfs" {
+			return fmt.Errorf("resize %s: xfs grows only while mounted and no mount path was given: %w", devPath, errdefs.ErrInvalidArgument)
+		}
+		return nil
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	m, ok := f.mounts[mountPath]
+	switch {
+	case !ok:
+		return fmt.Errorf("resize %s: nothing is mounted at %s: %w", devPath, mountPath, errdefs.ErrNotFound)
+	case m.Major != maj || m.Minor != min:
+		return fmt.Errorf("resize %s: %s is a mount of device %d:%d: %w", devPath, mountPath, m.Major, m.Minor, errdefs.ErrFailedPrecondition)
+	case m.FSType != fsType:
+		return fmt.Errorf("resize %s: %s is mounted as %s, not %s: %w", devPath, mountPath, m.FSType, fsType, errdefs.ErrFailedPrecondition)
+	}
+	return nil
+}
+
+// Stats describes a fake filesystem at the root of its mount; any other
+// path is asked of the kernel, as package fs does.
+func (f *fakeFS) Stats(path string) (fsStats, error) {
+	f.mu.Lock()
+	m, ok := f.mounts[path]
+	f.mu.Unlock()
+	if ok && m.RdevMajor == 0 && m.RdevMinor == 0 {
+		return fsStats{
+			TotalBytes: fakeFSSize, UsedBytes: fakeFSUsed, AvailableBytes: fakeFSSize - fakeFSUsed - fakeFSUsed,
+			TotalInodes: 256, FreeInodes: 245, UsedInodes: 11,
+		}, nil
+	}
+	s, err := fs.FilesystemStats(path)
+	return fsStats(s), err
+}
+
+func (f *fakeFS) BlockDeviceSize(devPath string) (int64, error) {
+	if err := checkDevice(devPath); err != nil {
+		return 0, err
+	}
+	return fakeDevSize, nil
+}
+
 func (f *fakeFS) FlushBuffers(dev string) error {
+	if err := checkDevice(dev); err != nil {
+		return err
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.events = append(f.events, "flush "+dev)
@@ -272,6 +446,9 @@ func (f *fakeFS) eventLog() []string {
 }
 
 func (f *fakeFS) SetDeviceReadOnly(devPath string, ro bool) error {
+	if err := checkDevice(devPath); err != nil {
+		return err
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if ro && f.roErr != nil {
@@ -282,6 +459,9 @@ func (f *fakeFS) SetDeviceReadOnly(devPath string, ro bool) error {
 }
 
 func (f *fakeFS) DeviceReadOnly(devPath string) (bool, error) {
+	if err := checkDevice(devPath); err != nil {
+		return false, err
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.ro[devPath], nil

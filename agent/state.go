@@ -27,8 +27,8 @@ import (
 //  1. v0.1.0's records. A record or mark without a version is format 1
 //     (the marks were written so before there were formats).
 //  2. Adds the publish's targetMade, the loop device's backingDev and
-//     backingIno, crypt, and the marks' version. What v0.1.0 makes of
-//     it: the README's rollback rule.
+//     backingIno, crypt, fence, and the marks' version. What v0.1.0
+//     makes of it: the README's rollback rule.
 const stateVersion = 2
 
 // newerFormatError is a record or mark that a newer berth wrote, in a
