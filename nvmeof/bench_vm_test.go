@@ -38,6 +38,18 @@ func TestVMBenchNVMeoF(t *testing.T) {
 		vm.WithTimeout(15*time.Minute), vm.WithEnv(map[string]string{"BERTH_BENCH": "1"}))
 }
 
+// TestVMBenchNVMeoFFencing measures what fencing costs an NVMe/TCP stage:
+// on a kernel whose nvmet has reservations, one ext4 volume staged with
+// fencing (register, acquire), without it (fencing "none") and by hand,
+// in an order that turns with the round.
+func TestVMBenchNVMeoFFencing(t *testing.T) {
+	if os.Getenv("BERTH_BENCH") != "1" {
+		t.Skip("benchmark: set BERTH_BENCH=1 (make bench)")
+	}
+	vm.RunGuestTests(t, vm.WithKernel("trixie-backports"), vm.WithTestRun("^TestBenchNVMeoFStage$"), vm.WithMemory(2048),
+		vm.WithTimeout(15*time.Minute), vm.WithEnv(map[string]string{"BERTH_BENCH": "1", "BERTH_BENCH_FENCING": "1"}))
+}
+
 const benchVolumes = 16
 
 func TestBenchNVMeoFStage(t *testing.T) {
@@ -54,8 +66,9 @@ func TestBenchNVMeoFStage(t *testing.T) {
 	node := startAgent(t, logger)
 	nqn := "nqn.2026-01.io.berth:bench"
 	var nss []target.NVMeNamespace
+	fencing := os.Getenv("BERTH_BENCH_FENCING") == "1"
 	for i := 0; i <= benchVolumes; i++ {
-		nss = append(nss, target.NVMeNamespace{Size: 64 << 20})
+		nss = append(nss, target.NVMeNamespace{Size: 64 << 20, Reservations: fencing})
 	}
 	// The xfs namespace: mkfs.xfs makes nothing under 300 MB.
 	xfsNSID := uint32(len(nss) + 1)
@@ -89,6 +102,11 @@ func TestBenchNVMeoFStage(t *testing.T) {
 			t.Fatalf("discard %s: %v", tgt.BackingDevice(nsid), err)
 		}
 	}
+	// unfenced makes berth's stages opt out of fencing. Each of berth's
+	// rounds stages its wiped namespaces as new volumes, with IDs of
+	// their own: berth never formats again a volume ID it formatted.
+	unfenced := false
+	round := 0
 	req := func(nsid uint32) *csi.NodeStageVolumeRequest {
 		staging := filepath.Join(dir, "staging", strconv.Itoa(int(nsid)))
 		os.MkdirAll(staging, 0o750)
@@ -96,13 +114,18 @@ func TestBenchNVMeoFStage(t *testing.T) {
 		if nsid == xfsNSID {
 			fsType = "xfs"
 		}
+		vctx := map[string]string{"nqn": nqn, "nsid": strconv.Itoa(int(nsid)), "traddr": "127.0.0.1", "trsvcid": "4450"}
+		if unfenced {
+			vctx["fencing"] = "none"
+		}
 		return &csi.NodeStageVolumeRequest{
-			VolumeId: fmt.Sprintf("bench-%d", nsid), StagingTargetPath: staging, VolumeCapability: csitest.MountCap(fsType),
-			VolumeContext: map[string]string{"nqn": nqn, "nsid": strconv.Itoa(int(nsid)), "traddr": "127.0.0.1", "trsvcid": "4450"},
+			VolumeId: fmt.Sprintf("bench-%d-%d", nsid, round), StagingTargetPath: staging, VolumeCapability: csitest.MountCap(fsType),
+			VolumeContext: vctx,
 		}
 	}
 	// berth stages nsids at once and returns the wall time.
 	berth := func(nsids []uint32) time.Duration {
+		round++
 		var wg sync.WaitGroup
 		errs := make(chan error, len(nsids))
 		start := time.Now()
@@ -194,6 +217,13 @@ func TestBenchNVMeoFStage(t *testing.T) {
 			}
 		}
 		return b, r
+	}
+	if fencing {
+		benchFencing(t, iterations, &steps, func(none bool) time.Duration {
+			unfenced = none
+			return berth([]uint32{1})
+		}, func() time.Duration { return raw([]uint32{1}, filepath.Join(dir, "raw")) })
+		return
 	}
 	b1, r1 := pairs(1)
 	singleSteps := steps.Summary()
@@ -323,4 +353,46 @@ func ioctlDiscard(f *os.File, offset, length uint64) error {
 		return errno
 	}
 	return nil
+}
+
+// benchFencing stages one volume fenced, unfenced (stage(true)) and by
+// hand (raw), iterations rounds after one that is not counted, in an
+// order that turns with the round, and reports what fencing costs.
+func benchFencing(t *testing.T, iterations int, steps *csitest.StepTimes, stage func(none bool) time.Duration, raw func() time.Duration) {
+	var fenced, unfenced, byHand []time.Duration
+	for i := range iterations + 1 {
+		var f, u, r time.Duration
+		legs := []func(){
+			func() { f = stage(false) },
+			func() { u = stage(true) },
+			func() { r = raw() },
+		}
+		for k := range legs {
+			legs[(i+k)%len(legs)]()
+		}
+		if i == 0 {
+			continue
+		}
+		fenced, unfenced, byHand = append(fenced, f), append(unfenced, u), append(byHand, r)
+	}
+	median := func(ds []time.Duration) time.Duration {
+		s := slices.Clone(ds)
+		slices.Sort(s)
+		return s[len(s)/2]
+	}
+	perRound := func(a, b []time.Duration) float64 {
+		ratios := make([]float64, len(a))
+		for i := range a {
+			ratios[i] = float64(a[i]) / float64(b[i])
+		}
+		slices.Sort(ratios)
+		return ratios[len(ratios)/2]
+	}
+	ms := func(d time.Duration) string { return fmt.Sprintf("%.0f ms", float64(d)/float64(time.Millisecond)) }
+	t.Logf("BENCH nvmeof fencing (NVMe/TCP loopback, nvmet with reservations, ext4 64 MiB, TCG guest, median of %d):", iterations)
+	t.Logf("BENCH   stage fenced %s, unfenced %s, raw kernel steps %s; fenced/unfenced: ratio of the medians %.2f, median of the per-round ratios %.2f (goal <= 1.05); fenced/raw %.2f, unfenced/raw %.2f",
+		ms(median(fenced)), ms(median(unfenced)), ms(median(byHand)), float64(median(fenced))/float64(median(unfenced)), perRound(fenced, unfenced),
+		perRound(fenced, byHand), perRound(unfenced, byHand))
+	t.Logf("BENCH   berth steps (fenced and unfenced stages), %s", steps.Summary())
+	t.Logf("BENCH   single runs: fenced %v; unfenced %v; raw %v", fenced, unfenced, byHand)
 }
