@@ -360,17 +360,19 @@ func ioctlDiscard(f *os.File, offset, length uint64) error {
 // order that turns with the round, and reports what fencing costs.
 func benchFencing(t *testing.T, iterations int, steps *csitest.StepTimes, stage func(none bool) time.Duration, raw func() time.Duration) {
 	var fenced, unfenced, byHand []time.Duration
+	var fencedSteps, unfencedSteps csitest.StepTimes
 	for i := range iterations + 1 {
 		var f, u, r time.Duration
 		legs := []func(){
-			func() { f = stage(false) },
-			func() { u = stage(true) },
+			func() { f = stage(false); steps.MoveTo(&fencedSteps) },
+			func() { u = stage(true); steps.MoveTo(&unfencedSteps) },
 			func() { r = raw() },
 		}
 		for k := range legs {
 			legs[(i+k)%len(legs)]()
 		}
 		if i == 0 {
+			fencedSteps, unfencedSteps = csitest.StepTimes{}, csitest.StepTimes{}
 			continue
 		}
 		fenced, unfenced, byHand = append(fenced, f), append(unfenced, u), append(byHand, r)
@@ -393,6 +395,7 @@ func benchFencing(t *testing.T, iterations int, steps *csitest.StepTimes, stage 
 	t.Logf("BENCH   stage fenced %s, unfenced %s, raw kernel steps %s; fenced/unfenced: ratio of the medians %.2f, median of the per-round ratios %.2f (goal <= 1.05); fenced/raw %.2f, unfenced/raw %.2f",
 		ms(median(fenced)), ms(median(unfenced)), ms(median(byHand)), float64(median(fenced))/float64(median(unfenced)), perRound(fenced, unfenced),
 		perRound(fenced, byHand), perRound(unfenced, byHand))
-	t.Logf("BENCH   berth steps (fenced and unfenced stages), %s", steps.Summary())
+	t.Logf("BENCH   berth steps, fenced stages, %s", fencedSteps.Summary())
+	t.Logf("BENCH   berth steps, unfenced stages, %s", unfencedSteps.Summary())
 	t.Logf("BENCH   single runs: fenced %v; unfenced %v; raw %v", fenced, unfenced, byHand)
 }

@@ -108,6 +108,27 @@ func orderedKeys(b []byte) []string {
 	return keys
 }
 
+// MoveTo moves the stages s collected so far to to, leaving s empty:
+// a benchmark that stages two ways with one agent sorts each stage's
+// steps by its way.
+func (s *StepTimes) MoveTo(to *StepTimes) {
+	s.mu.Lock()
+	steps, order := s.steps, s.order
+	s.steps, s.order = nil, nil
+	s.mu.Unlock()
+	to.mu.Lock()
+	defer to.mu.Unlock()
+	if to.steps == nil {
+		to.steps = make(map[string][]time.Duration)
+	}
+	for _, k := range order {
+		if _, ok := to.steps[k]; !ok {
+			to.order = append(to.order, k)
+		}
+		to.steps[k] = append(to.steps[k], steps[k]...)
+	}
+}
+
 // Summary is one line: the median of each step over the collected
 // stages, in the agent's order.
 func (s *StepTimes) Summary() string {
