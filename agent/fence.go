@@ -296,6 +296,7 @@ func (n *nodeServer) registerPaths(s *stageRun, key uint64, ours bool) (allNew b
 		allNew = allNew && made
 		s.registered = true
 	}
+	n.a.paths.set(s.id, paths)
 	return allNew, nil
 }
 

@@ -38,7 +38,10 @@ type fakePRTarget struct {
 	// beforeReserve, when set, runs before each Reserve (outside the
 	// lock): a second node's stage slipping in.
 	beforeReserve func()
-	ops           []string
+	// beforeRegister, when set, runs before the next Register (outside
+	// the lock): another node's preempt landing first.
+	beforeRegister func()
+	ops            []string
 }
 
 func newFakePRTarget() *fakePRTarget { return &fakePRTarget{regs: make(map[string]uint64)} }
@@ -53,6 +56,10 @@ func (t *fakePRTarget) check() error {
 }
 
 func (t *fakePRTarget) register(nx string, old, new uint64, ignore bool) error {
+	if f := t.beforeRegister; f != nil {
+		t.beforeRegister = nil
+		f()
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if err := t.check(); err != nil {
@@ -226,6 +233,9 @@ func (h *fakePRHost) paths(d *devices.Device) ([]*devices.Device, error) {
 	for i := range h.npaths {
 		p := *d
 		p.Name = fmt.Sprintf("%s-p%d", d.Name, i)
+		if d.ID.Kind == devices.KindDM {
+			p.ID.Kind = devices.KindSCSI // a map's paths are disks
+		}
 		ps = append(ps, &p)
 	}
 	return ps, nil
