@@ -41,7 +41,9 @@ type fakePRTarget struct {
 	// beforeRegister, when set, runs before the next Register (outside
 	// the lock): another node's preempt landing first.
 	beforeRegister func()
-	ops            []string
+	// readErrs fail the next reads as a unit attention does.
+	readErrs int
+	ops      []string
 }
 
 func newFakePRTarget() *fakePRTarget { return &fakePRTarget{regs: make(map[string]uint64)} }
@@ -167,6 +169,10 @@ func (t *fakePRTarget) read() (devices.Reservation, error) {
 	defer t.mu.Unlock()
 	if err := t.check(); err != nil {
 		return devices.Reservation{}, err
+	}
+	if t.readErrs > 0 {
+		t.readErrs--
+		return devices.Reservation{}, errdefs.Unavailable("fake: unit attention")
 	}
 	nexuses := make([]string, 0, len(t.regs))
 	for n := range t.regs {

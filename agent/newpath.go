@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/berth-csi/berth/devices"
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // Paths that join a staged volume. A stage registers the node's key on
@@ -235,7 +236,7 @@ func (a *Agent) registerNewPathsOf(ctx context.Context, id string) {
 	}
 	defer f.Close()
 	key, mode := rec.Fence.Key, rec.Fence.Mode
-	res, err := f.ReadReservation()
+	res, err := readFence(f)
 	if err != nil {
 		log.WarnContext(ctx, "a path joined the volume's multipath map; its reservation cannot be read, so the path is not registered yet (tried again later)", slog.String("error", err.Error()))
 		return
@@ -250,12 +251,37 @@ func (a *Agent) registerNewPathsOf(ctx context.Context, id string) {
 		return
 	}
 	for _, p := range cand {
-		if err := a.registerNewPath(ctx, log, id, f, p, mode, key); err != nil {
+		err := a.registerNewPath(ctx, log, id, f, p, mode, key)
+		var lost *fenceLostError
+		switch {
+		case errors.As(err, &lost):
 			log.ErrorContext(ctx, "register a path that joined the volume's multipath map", slog.String("path", p.Path), slog.String("error", err.Error()))
+			return
+		case err != nil:
+			log.WarnContext(ctx, "register a path that joined the volume's multipath map (tried again later)", slog.String("path", p.Path), slog.String("error", err.Error()))
 			return
 		}
 	}
 }
+
+// readFence reads the reservation through f, twice when the first read
+// fails as a unit attention does (errdefs.ErrUnavailable): a target
+// reports one to each nexus once after an event (a preempt, a new
+// session), and the read through a map may go down a path that has one
+// waiting.
+func readFence(f prDevice) (devices.Reservation, error) {
+	res, err := f.ReadReservation()
+	if errors.Is(err, errdefs.ErrUnavailable) {
+		res, err = f.ReadReservation()
+	}
+	return res, err
+}
+
+// fenceLostError is the loss of the volume found after a new path was
+// registered.
+type fenceLostError struct{ msg string }
+
+func (e *fenceLostError) Error() string { return e.msg }
 
 // holdsFence reports whether key still holds the volume at the target:
 // registered, and the reservation is key's (fenceReserve), or key's or
@@ -300,7 +326,7 @@ func (a *Agent) registerNewPath(ctx context.Context, log *slog.Logger, id string
 	case err != nil:
 		return err
 	}
-	after, rerr := f.ReadReservation()
+	after, rerr := readFence(f)
 	if rerr == nil && holdsFence(mode, key, after) && countKey(after.Keys, key) >= 2 {
 		a.paths.add(id, p)
 		log.InfoContext(ctx, "registered the node's reservation key on a path that joined the volume's multipath map", slog.String("path", p.Path), slog.String("key", fmt.Sprintf("%#016x", key)))
@@ -315,15 +341,15 @@ func (a *Agent) registerNewPath(ctx context.Context, log *slog.Logger, id string
 	}
 	if rerr != nil {
 		if uerr != nil {
-			return fmt.Errorf("the reservation could not be read after registering path %s (%v), nor the path unregistered again: %w; this node may write through it though another node may have preempted it", p.Path, rerr, uerr)
+			return &fenceLostError{fmt.Sprintf("the reservation could not be read after registering path %s (%v), nor the path unregistered again (%v): this node may write through it though another node may have preempted it", p.Path, rerr, uerr)}
 		}
 		return fmt.Errorf("the reservation could not be read after registering path %s, which was unregistered again: %w", p.Path, rerr)
 	}
 	a.paths.refuse(id, p)
 	if uerr != nil {
-		return fmt.Errorf("this node's key lost the volume while path %s was registered (%s), and the path could not be unregistered again: %w; this node may write through it: unstage the volume here", p.Path, a.fenceLoss(key, after), uerr)
+		return &fenceLostError{fmt.Sprintf("this node's key lost the volume while path %s was registered (%s), and the path could not be unregistered again (%v): this node may write through it; unstage the volume here", p.Path, a.fenceLoss(key, after), uerr)}
 	}
-	return fmt.Errorf("this node's key lost the volume while path %s was registered (%s); the path was unregistered again: NodeUnstageVolume the volume here", p.Path, a.fenceLoss(key, after))
+	return &fenceLostError{fmt.Sprintf("this node's key lost the volume while path %s was registered (%s); the path was unregistered again: NodeUnstageVolume the volume here", p.Path, a.fenceLoss(key, after))}
 }
 
 func countKey(keys []uint64, key uint64) int {

@@ -163,3 +163,28 @@ func TestNewPathRegistrant(t *testing.T) {
 		t.Fatalf("after a preempt without a reservation raced a new path: A's keys %x, ops %q", ks, tgt.ops)
 	}
 }
+
+// A read that fails once (a unit attention) is read again; a check
+// after the REGISTER that cannot be read removes the registration, and
+// the next look registers the path.
+func TestNewPathUnreadable(t *testing.T) {
+	tgt := newFakePRTarget()
+	a := newMapNode(t, "node-a", tgt)
+	must(t, "stage on A", a.stage(snw, nil))
+	a.pr.npaths = 2
+	tgt.readErrs = 1
+	a.a.registerNewPaths(context.Background())
+	if !a.registered(tgt) {
+		t.Fatalf("a unit attention kept the new path from its registration: A's keys %x", tgt.keysOf("node-a"))
+	}
+	a.pr.npaths = 3
+	tgt.beforeRegister = func() { tgt.readErrs = 2 }
+	a.a.registerNewPaths(context.Background())
+	if ks := tgt.keysOf("node-a"); len(ks) != 2 || tgt.mayWrite(a.nexus(t, 2)) {
+		t.Fatalf("a registration that could not be checked was kept: A's keys %x, ops %q", ks, tgt.ops)
+	}
+	a.a.registerNewPaths(context.Background())
+	if !a.registered(tgt) {
+		t.Fatalf("the next look did not register the path: A's keys %x", tgt.keysOf("node-a"))
+	}
+}
