@@ -60,9 +60,11 @@ type pathBook struct {
 }
 
 // pathKeyOf identifies a path device: a name that returns for another
-// disk has another number or disk sequence number.
+// disk has another disk sequence number, and a disk of another session
+// another SCSI host (HCTL), also on a kernel without disk sequence
+// numbers.
 func pathKeyOf(p *devices.Device) string {
-	return fmt.Sprintf("%s %d:%d %d", p.Name, p.Major, p.Minor, p.DiskSeq)
+	return fmt.Sprintf("%s %d:%d %d %s", p.Name, p.Major, p.Minor, p.DiskSeq, p.ID.HCTL)
 }
 
 // set records that paths are the volume's registered paths (a stage
