@@ -232,7 +232,47 @@ type fakePRHost struct {
 	opens   int
 	nvme    bool // the reports name this host's registration
 	session int
+	// dmRouting sends the commands through the whole device as
+	// dm-multipath does (fakeMapDev), not all through the first path.
+	dmRouting bool
+	next      int
 }
+
+// fakeMapDev is a dm-multipath map's reservation commands: a REGISTER
+// goes down every path in turn and stops at the first that fails; every
+// other command goes down one path, the next one each time (the path
+// selector's choice).
+type fakeMapDev struct {
+	h    *fakePRHost
+	name string
+}
+
+func (m *fakeMapDev) path(i int) string { return fmt.Sprintf("%s/%s-p%d", m.h.node, m.name, i) }
+
+func (m *fakeMapDev) current() string {
+	m.h.next++
+	return m.path(m.h.next % m.h.npaths)
+}
+
+func (m *fakeMapDev) Register(old, new uint64, ignore bool) error {
+	for i := range m.h.npaths {
+		if err := m.h.t.register(m.path(i), old, new, ignore); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+func (m *fakeMapDev) Reserve(k uint64, typ devices.PRType) error {
+	return m.h.t.reserve(m.current(), k, typ)
+}
+func (m *fakeMapDev) Release(k uint64, typ devices.PRType) error {
+	return m.h.t.release(m.current(), k, typ)
+}
+func (m *fakeMapDev) Preempt(k, v uint64, typ devices.PRType, abort bool) error {
+	return m.h.t.preempt(m.current(), k, v, typ, abort)
+}
+func (m *fakeMapDev) ReadReservation() (devices.Reservation, error) { return m.h.t.read() }
+func (m *fakeMapDev) Close() error                                  { return nil }
 
 func (h *fakePRHost) paths(d *devices.Device) ([]*devices.Device, error) {
 	var ps []*devices.Device
@@ -249,6 +289,9 @@ func (h *fakePRHost) paths(d *devices.Device) ([]*devices.Device, error) {
 
 func (h *fakePRHost) open(d *devices.Device) (prDevice, error) {
 	h.opens++
+	if h.dmRouting && !strings.Contains(d.Name, "-p") {
+		return &fakeMapDev{h: h, name: d.Name}, nil
+	}
 	nx := h.node + "/" + d.Name
 	if !strings.Contains(d.Name, "-p") {
 		nx += "-p0"

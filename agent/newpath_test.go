@@ -188,3 +188,39 @@ func TestNewPathUnreadable(t *testing.T) {
 		t.Fatalf("the next look did not register the path: A's keys %x", tgt.keysOf("node-a"))
 	}
 }
+
+// A map whose path logged in again holds the key on the nexus that is
+// gone as well: the unstage removes every registration of the key,
+// though the map sends each command down a path of its choice.
+func TestNewPathUnstageAfterRelogin(t *testing.T) {
+	tgt := newFakePRTarget()
+	a := newMapNode(t, "node-a", tgt)
+	a.pr.npaths, a.pr.dmRouting = 2, true
+	must(t, "stage on A", a.stage(snw, nil))
+	if !a.registered(tgt) || tgt.holderKey() != NodeKey("node-a") {
+		t.Fatalf("after the stage: A's keys %x, holder %#x", tgt.keysOf("node-a"), tgt.holderKey())
+	}
+	// Path 1's session logged out and in again: its nexus is another
+	// one, the old one keeps the key (and the reservation if it held
+	// it), and the new one is registered by the next look.
+	for _, p := range []int{0, 1} {
+		gone := a.nexus(t, 1)
+		tgt.mu.Lock()
+		tgt.regs[gone+"#gone"] = tgt.regs[gone]
+		delete(tgt.regs, gone)
+		if tgt.holder == gone {
+			tgt.holder = gone + "#gone"
+		}
+		tgt.mu.Unlock()
+		a.a.paths = pathBook{}
+		a.a.registerNewPaths(context.Background())
+		if ks := tgt.keysOf("node-a"); len(ks) != 3 {
+			t.Fatalf("round %d: after the new path's look: A's registrations %v", p, tgt.regs)
+		}
+		must(t, "unstage on A", a.unstage())
+		if len(tgt.regs) != 0 || tgt.holderKey() != 0 {
+			t.Fatalf("round %d: after the unstage: registrations %v, holder %q", p, tgt.regs, tgt.holder)
+		}
+		must(t, "stage on A again", a.stage(snw, nil))
+	}
+}
