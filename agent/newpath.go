@@ -122,17 +122,19 @@ func (b *pathBook) refuse(id string, p *devices.Device) bool {
 	return true
 }
 
-// keep forgets the volumes for which staged is false.
-func (b *pathBook) keep(staged func(id string) bool) {
+// keep forgets the volumes for which recorded is false. It is asked
+// under the book's lock, at the time of the deletion: a stage records
+// its volume before it registers and sets the book.
+func (b *pathBook) keep(recorded func(id string) bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	for id := range b.known {
-		if !staged(id) {
+		if !recorded(id) {
 			delete(b.known, id)
 		}
 	}
 	for id := range b.refused {
-		if !staged(id) {
+		if !recorded(id) {
 			delete(b.refused, id)
 		}
 	}
@@ -168,21 +170,18 @@ func (a *Agent) watchPaths(ctx context.Context, every time.Duration) {
 	}
 }
 
-// registerNewPaths registers the new paths of every fenced volume.
+// registerNewPaths registers the new paths of every fenced volume, and
+// forgets the paths of volumes that are gone.
 func (a *Agent) registerNewPaths(ctx context.Context) {
-	recs := a.state.list()
-	staged := make(map[string]bool, len(recs))
-	for _, rec := range recs {
-		if !watchesPaths(rec) {
-			continue
-		}
-		staged[rec.VolumeID] = true
+	for _, rec := range a.state.list() {
 		if ctx.Err() != nil {
 			return
 		}
-		a.registerNewPathsOf(ctx, rec.VolumeID)
+		if watchesPaths(rec) {
+			a.registerNewPathsOf(ctx, rec.VolumeID)
+		}
 	}
-	a.paths.keep(func(id string) bool { return staged[id] })
+	a.paths.keep(func(id string) bool { _, ok := a.state.get(id); return ok })
 }
 
 // watchesPaths reports whether rec is of a staged volume whose key is

@@ -42,6 +42,11 @@ func TestNewPathRegistered(t *testing.T) {
 	tgt := newFakePRTarget()
 	a := newMapNode(t, "node-a", tgt)
 	must(t, "stage on A", a.stage(snw, nil))
+	ops := len(tgt.ops)
+	a.a.registerNewPaths(context.Background())
+	if len(tgt.ops) != ops {
+		t.Errorf("a look right after the stage issued %q: the stage's paths are known", tgt.ops[ops:])
+	}
 	a.pr.npaths = 2
 	if tgt.mayWrite(a.nexus(t, 1)) {
 		t.Fatal("the fake lets an unregistered nexus write")
