@@ -36,9 +36,10 @@ import (
 // the check before and the check after. When it is missing, the new
 // registration is removed at once and the volume is reported preempted
 // (its condition reads the target). What remains is a preempt that lands
-// between the check before and the REGISTER: the new nexus then writes
-// for the time of one read and one unregistration, a few round trips to
-// the target.
+// between the check before and the REGISTER: the new nexus may then
+// write for as long as the check after and the unregistration take (a
+// few round trips to the target; a read that meets a unit attention is
+// sent twice).
 //
 // NVMe registers hosts, not connections: a controller that connects
 // later is the registrant the host already is, and has nothing to
