@@ -1069,3 +1069,33 @@ func TestFenceNVMeKeyZero(t *testing.T) {
 		t.Fatalf("after the unstage: registrations %v, holder %q", tgt.regs, tgt.holder)
 	}
 }
+
+// A takeover that lands between a repeated stage's read (the node's key
+// holds the volume) and its REGISTERs: the registrations the stage made
+// after it are removed again and the stage is refused, so that the node
+// does not write under the new holder's reservation.
+func TestFenceRepeatedStageRacesTakeover(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		cap  *csi.VolumeCapability
+	}{
+		{"single-node", blockCap(snw)},
+		{"multi-node", blockCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			tgt := newFakePRTarget()
+			a := newFenceNode(t, "node-a", tgt)
+			b := newFenceNode(t, "node-b", tgt, &allow{allowed: true})
+			must(t, "stage on A", a.stageCap(c.cap, nil))
+			tgt.beforeRegister = func() { must(t, "B's takeover", b.stageCap(blockCap(snw), nil)) }
+			err := a.stageCap(c.cap, nil)
+			if tgt.beforeRegister != nil {
+				t.Fatal("A's repeated stage registered nothing: the race was not run")
+			}
+			wantFenceCode(t, "A's repeated stage after the takeover", err, codes.FailedPrecondition, "lost the volume")
+			if ks := tgt.keysOf("node-a"); len(ks) != 0 || tgt.holderKey() != NodeKey("node-b") || tgt.mayWrite("node-a/fake250-1-p0") || tgt.mayWrite("node-a/fake250-1-p1") {
+				t.Fatalf("after the race: A's keys %x, holder %#x, ops %q", ks, tgt.holderKey(), tgt.ops)
+			}
+		})
+	}
+}
