@@ -127,6 +127,9 @@ type Agent struct {
 	lookup func(name string) (*devices.Device, error)
 	// pr issues the persistent-reservation commands of fencing.
 	pr prHost
+	// paths are the registered paths of the fenced multipath volumes
+	// (watchPaths).
+	paths pathBook
 	// undoTimeout bounds the undo of a failed call (undoContext); 0
 	// means defaultUndoTimeout. Tests shorten it.
 	undoTimeout time.Duration
@@ -302,9 +305,11 @@ func (a *Agent) Server(opts ...grpc.ServerOption) *grpc.Server {
 // Serve answers CSI calls on lis until ctx ends, then stops accepting
 // calls and waits for those in flight, for the steps calls left running
 // in the kernel (see blocking) and for a trim under way, all within one
-// Config.ShutdownTimeout. It calls OnReady once calls are accepted and
-// OnStopping when shutdown begins, and closes the agent before it
-// returns. lis may come from Listen or from socket activation.
+// Config.ShutdownTimeout. Meanwhile it registers the paths that join the
+// multipath maps of fenced volumes (watchPaths). It calls OnReady once
+// calls are accepted and OnStopping when shutdown begins, and closes the
+// agent before it returns. lis may come from Listen or from socket
+// activation.
 func (a *Agent) Serve(ctx context.Context, lis net.Listener) error {
 	defer a.Close()
 	s := a.Server()
@@ -321,6 +326,11 @@ func (a *Agent) Serve(ctx context.Context, lis net.Listener) error {
 	} else {
 		close(trimDone)
 	}
+	pathsDone := make(chan struct{})
+	go func() {
+		defer close(pathsDone)
+		a.watchPaths(tctx, newPathRecheck)
+	}()
 	a.ready.Store(true)
 	a.log.Info("serving", slog.String("endpoint", lis.Addr().String()), slog.String("driver", a.cfg.DriverName), slog.String("node_id", a.cfg.NodeID), slog.String("version", a.cfg.Version))
 	if a.cfg.OnReady != nil {
@@ -346,6 +356,10 @@ func (a *Agent) Serve(ctx context.Context, lis net.Listener) error {
 		}
 	}
 	stopTrim() // a FITRIM under way is not interrupted
+	select {
+	case <-pathsDone:
+	case <-sctx.Done():
+	}
 	a.finish(sctx, trimDone)
 	if serveErr != nil {
 		return serveErr

@@ -212,8 +212,14 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 		if err := n.recordFence(s, mode, key); err != nil {
 			return err
 		}
-		if _, err := n.registerPaths(s, key, ours); err != nil {
+		made, _, err := n.registerPaths(s, key, ours)
+		if err != nil {
 			return err
+		}
+		if ours && len(made) > 0 {
+			if err := n.stillHeld(s, f, mode, key, made); err != nil {
+				return err
+			}
 		}
 		s.took.mark("fence")
 		return nil
@@ -244,9 +250,14 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 	if err := n.recordFence(s, mode, key); err != nil {
 		return err
 	}
-	allNew, err := n.registerPaths(s, key, ours)
+	made, allNew, err := n.registerPaths(s, key, ours)
 	if err != nil {
 		return err
+	}
+	if ours && res.Holder == key && len(made) > 0 {
+		if err := n.stillHeld(s, f, mode, key, made); err != nil {
+			return err
+		}
 	}
 	switch {
 	case res.Holder != key:
@@ -278,25 +289,76 @@ func (n *nodeServer) recordFence(s *stageRun, mode string, key uint64) error {
 }
 
 // registerPaths registers key on every path of the stage's device that
-// does not have it, and says whether every path needed it (allNew). A
-// path registered with another key is refused and left as it is: berth
-// replaces no key it did not make. ours: the device's keys include key,
-// read before any registration of this call.
-func (n *nodeServer) registerPaths(s *stageRun, key uint64, ours bool) (allNew bool, err error) {
+// does not have it, and returns those paths (made) and whether every
+// path needed it (allNew). A path registered with another key is refused
+// and left as it is: berth replaces no key it did not make. ours: the
+// device's keys include key, read before any registration of this call.
+func (n *nodeServer) registerPaths(s *stageRun, key uint64, ours bool) (made []*devices.Device, allNew bool, err error) {
 	paths, err := n.a.pr.paths(s.dev)
 	if err != nil {
-		return false, fmt.Errorf("volume %q: fence: %w", s.id, err)
+		return nil, false, fmt.Errorf("volume %q: fence: %w", s.id, err)
 	}
-	allNew = len(paths) > 0
 	for _, p := range paths {
-		made, err := registerPath(n.a.pr, p, key, ours)
+		m, err := registerPath(n.a.pr, p, key, ours)
 		if err != nil {
-			return false, n.fenceError(s, err)
+			return nil, false, n.fenceError(s, err)
 		}
-		allNew = allNew && made
+		if m {
+			made = append(made, p)
+		}
 		s.registered = true
 	}
-	return allNew, nil
+	n.a.paths.set(s.id, paths)
+	return made, len(paths) > 0 && len(made) == len(paths), nil
+}
+
+// stillHeld checks, after a stage whose read found key registered made
+// new registrations of it (made), that key still holds the volume
+// through a nexus the stage did not register: a preempt that came
+// between the stage's read and its REGISTERs removed every registration
+// of key, and the ones made after it would let this node write under the
+// other node's reservation (see newpath.go, whose check this is). If
+// not, they are removed again and the stage is refused.
+func (n *nodeServer) stillHeld(s *stageRun, f prDevice, mode string, key uint64, made []*devices.Device) error {
+	after, rerr := readFence(f)
+	if rerr == nil && holdsFence(mode, key, after) && countKey(after.Keys, key) > len(made) {
+		return nil
+	}
+	var errs []error
+	for _, p := range made {
+		pf, err := n.a.pr.open(p)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if err := pf.Register(key, 0, false); err != nil && !errors.Is(err, devices.ErrReservationConflict) {
+			errs = append(errs, err)
+		}
+		pf.Close()
+	}
+	if rerr != nil {
+		return fmt.Errorf("volume %q: fence: read the reservation after registering the paths %s: %w", s.id, pathNames(made), errors.Join(append([]error{rerr}, errs...)...))
+	}
+	if len(errs) == 0 {
+		s.registered = false
+	}
+	return errdefs.FailedPrecondition("volume %q: this node's key lost the volume while the stage registered its paths (%s): this node may no longer write it; the new registrations were removed again%s",
+		s.id, n.a.fenceLoss(key, after), joinedErr(errs))
+}
+
+func pathNames(ps []*devices.Device) string {
+	names := make([]string, len(ps))
+	for i, p := range ps {
+		names[i] = p.Path
+	}
+	return strings.Join(names, ", ")
+}
+
+func joinedErr(errs []error) string {
+	if len(errs) == 0 {
+		return ""
+	}
+	return " (but not all: " + errors.Join(errs...).Error() + ")"
 }
 
 // reclaimHolder moves the node's reservation onto the device's own I_T
@@ -317,7 +379,7 @@ func (n *nodeServer) reclaimHolder(ctx context.Context, s *stageRun, f prDevice,
 	if err := f.Preempt(key, key, fenceType, false); err != nil {
 		return n.fenceError(s, err)
 	}
-	if _, err := n.registerPaths(s, key, true); err != nil {
+	if _, _, err := n.registerPaths(s, key, true); err != nil {
 		return err
 	}
 	s.log.InfoContext(ctx, "fenced: the node's key held the reservation through I_T nexuses it no longer has (sessions logged in again); moved it to the device's",
@@ -457,7 +519,7 @@ func (n *nodeServer) takeOver(ctx context.Context, s *stageRun, f prDevice, key,
 	if err := n.recordFence(s, fenceReserve, key); err != nil {
 		return err
 	}
-	if _, err := n.registerPaths(s, key, ours); err != nil {
+	if _, _, err := n.registerPaths(s, key, ours); err != nil {
 		return err
 	}
 	victims := []uint64{victim}

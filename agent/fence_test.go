@@ -38,7 +38,12 @@ type fakePRTarget struct {
 	// beforeReserve, when set, runs before each Reserve (outside the
 	// lock): a second node's stage slipping in.
 	beforeReserve func()
-	ops           []string
+	// beforeRegister, when set, runs before the next Register (outside
+	// the lock): another node's preempt landing first.
+	beforeRegister func()
+	// readErrs fail the next reads as a unit attention does.
+	readErrs int
+	ops      []string
 }
 
 func newFakePRTarget() *fakePRTarget { return &fakePRTarget{regs: make(map[string]uint64)} }
@@ -53,6 +58,10 @@ func (t *fakePRTarget) check() error {
 }
 
 func (t *fakePRTarget) register(nx string, old, new uint64, ignore bool) error {
+	if f := t.beforeRegister; f != nil {
+		t.beforeRegister = nil
+		f()
+	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if err := t.check(); err != nil {
@@ -161,6 +170,10 @@ func (t *fakePRTarget) read() (devices.Reservation, error) {
 	if err := t.check(); err != nil {
 		return devices.Reservation{}, err
 	}
+	if t.readErrs > 0 {
+		t.readErrs--
+		return devices.Reservation{}, errdefs.Unavailable("fake: unit attention")
+	}
 	nexuses := make([]string, 0, len(t.regs))
 	for n := range t.regs {
 		nexuses = append(nexuses, n)
@@ -219,13 +232,56 @@ type fakePRHost struct {
 	opens   int
 	nvme    bool // the reports name this host's registration
 	session int
+	// dmRouting sends the commands through the whole device as
+	// dm-multipath does (fakeMapDev), not all through the first path.
+	dmRouting bool
+	next      int
 }
+
+// fakeMapDev is a dm-multipath map's reservation commands: a REGISTER
+// goes down every path in turn and stops at the first that fails; every
+// other command goes down one path, the next one each time (the path
+// selector's choice).
+type fakeMapDev struct {
+	h    *fakePRHost
+	name string
+}
+
+func (m *fakeMapDev) path(i int) string { return fmt.Sprintf("%s/%s-p%d", m.h.node, m.name, i) }
+
+func (m *fakeMapDev) current() string {
+	m.h.next++
+	return m.path(m.h.next % m.h.npaths)
+}
+
+func (m *fakeMapDev) Register(old, new uint64, ignore bool) error {
+	for i := range m.h.npaths {
+		if err := m.h.t.register(m.path(i), old, new, ignore); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+func (m *fakeMapDev) Reserve(k uint64, typ devices.PRType) error {
+	return m.h.t.reserve(m.current(), k, typ)
+}
+func (m *fakeMapDev) Release(k uint64, typ devices.PRType) error {
+	return m.h.t.release(m.current(), k, typ)
+}
+func (m *fakeMapDev) Preempt(k, v uint64, typ devices.PRType, abort bool) error {
+	return m.h.t.preempt(m.current(), k, v, typ, abort)
+}
+func (m *fakeMapDev) ReadReservation() (devices.Reservation, error) { return m.h.t.read() }
+func (m *fakeMapDev) Close() error                                  { return nil }
 
 func (h *fakePRHost) paths(d *devices.Device) ([]*devices.Device, error) {
 	var ps []*devices.Device
 	for i := range h.npaths {
 		p := *d
 		p.Name = fmt.Sprintf("%s-p%d", d.Name, i)
+		if d.ID.Kind == devices.KindDM {
+			p.ID.Kind = devices.KindSCSI // a map's paths are disks
+		}
 		ps = append(ps, &p)
 	}
 	return ps, nil
@@ -233,6 +289,9 @@ func (h *fakePRHost) paths(d *devices.Device) ([]*devices.Device, error) {
 
 func (h *fakePRHost) open(d *devices.Device) (prDevice, error) {
 	h.opens++
+	if h.dmRouting && !strings.Contains(d.Name, "-p") {
+		return &fakeMapDev{h: h, name: d.Name}, nil
+	}
 	nx := h.node + "/" + d.Name
 	if !strings.Contains(d.Name, "-p") {
 		nx += "-p0"
@@ -1008,5 +1067,35 @@ func TestFenceNVMeKeyZero(t *testing.T) {
 	must(t, "unstage", a.unstage())
 	if len(tgt.regs) != 0 || tgt.holder != "" {
 		t.Fatalf("after the unstage: registrations %v, holder %q", tgt.regs, tgt.holder)
+	}
+}
+
+// A takeover that lands between a repeated stage's read (the node's key
+// holds the volume) and its REGISTERs: the registrations the stage made
+// after it are removed again and the stage is refused, so that the node
+// does not write under the new holder's reservation.
+func TestFenceRepeatedStageRacesTakeover(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		cap  *csi.VolumeCapability
+	}{
+		{"single-node", blockCap(snw)},
+		{"multi-node", blockCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			tgt := newFakePRTarget()
+			a := newFenceNode(t, "node-a", tgt)
+			b := newFenceNode(t, "node-b", tgt, &allow{allowed: true})
+			must(t, "stage on A", a.stageCap(c.cap, nil))
+			tgt.beforeRegister = func() { must(t, "B's takeover", b.stageCap(blockCap(snw), nil)) }
+			err := a.stageCap(c.cap, nil)
+			if tgt.beforeRegister != nil {
+				t.Fatal("A's repeated stage registered nothing: the race was not run")
+			}
+			wantFenceCode(t, "A's repeated stage after the takeover", err, codes.FailedPrecondition, "lost the volume")
+			if ks := tgt.keysOf("node-a"); len(ks) != 0 || tgt.holderKey() != NodeKey("node-b") || tgt.mayWrite("node-a/fake250-1-p0") || tgt.mayWrite("node-a/fake250-1-p1") {
+				t.Fatalf("after the race: A's keys %x, holder %#x, ops %q", ks, tgt.holderKey(), tgt.ops)
+			}
+		})
 	}
 }

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -90,10 +91,44 @@ func (a *Agent) giveBack(rec *volumeRecord, d *devices.Device, f prDevice, res d
 		// NVMe tells registrants apart by host, not by connection.
 		return nil
 	}
-	if err := dropGoneNexuses(f, key); err != nil {
+	if err := dropGoneNexusesOf(a.pr, d, f, key); err != nil {
 		return fmt.Errorf("volume %q: remove the node's key from its sessions that are gone: %w", rec.VolumeID, err)
 	}
 	return nil
+}
+
+// dropGoneNexusesOf runs dropGoneNexuses through one nexus of d: d
+// itself (f), or on a dm-multipath map one of its paths, tried in turn.
+// Through the map the commands do not keep to one nexus (the kernel
+// sends a REGISTER down every path, stopping at the first that fails,
+// and the others down its current path), and a RELEASE down another
+// path than the PREEMPT's releases nothing, or is refused.
+func dropGoneNexusesOf(h prHost, d *devices.Device, f prDevice, key uint64) error {
+	if d.ID.Kind != devices.KindDM {
+		return dropGoneNexuses(f, key)
+	}
+	paths, err := h.paths(d)
+	if err != nil {
+		return err
+	}
+	if len(paths) == 0 {
+		return dropGoneNexuses(f, key)
+	}
+	var errs []error
+	for _, p := range paths {
+		pf, err := h.open(p)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		err = dropGoneNexuses(pf, key)
+		pf.Close()
+		if err == nil {
+			return nil
+		}
+		errs = append(errs, fmt.Errorf("through %s: %w", p.Path, err))
+	}
+	return errors.Join(errs...)
 }
 
 // dropGoneNexuses removes key from the SCSI I_T nexuses that still have

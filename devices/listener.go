@@ -53,10 +53,11 @@ type Listener struct {
 	log             *slog.Logger
 	conn            *ueventConn // nil in tests that feed events by hand
 
-	mu    sync.Mutex
-	subs  map[*Waiter]struct{}
-	state map[string]*devState // by kernel name, block devices only
-	err   error                // why the receive loop stopped
+	mu       sync.Mutex
+	subs     map[*Waiter]struct{}
+	watchers map[*func(EventInfo)]struct{}
+	state    map[string]*devState // by kernel name, block devices only
+	err      error                // why the receive loop stopped
 
 	overflows atomic.Uint64
 
@@ -86,6 +87,7 @@ func newListener(cfg listenerConfig, udev bool) *Listener {
 		hook:            cfg.hook,
 		log:             cfg.log,
 		subs:            make(map[*Waiter]struct{}),
+		watchers:        make(map[*func(EventInfo)]struct{}),
 		state:           make(map[string]*devState),
 		done:            make(chan struct{}),
 		progress:        make(chan struct{}),
@@ -164,9 +166,34 @@ func (l *Listener) dispatch(ev *Event) {
 	for w := range l.subs {
 		subs = append(subs, w)
 	}
+	watchers := make([]func(EventInfo), 0, len(l.watchers))
+	for fn := range l.watchers {
+		watchers = append(watchers, *fn)
+	}
 	l.mu.Unlock()
 	for _, w := range subs {
 		w.push(e)
+	}
+	for _, fn := range watchers {
+		fn(ev.info())
+	}
+}
+
+// Notify calls fn with every block uevent received from now on (the
+// kernel's, and udev's when the listener waits for udev) until the
+// returned function is called. fn runs on the receive loop: it must
+// not block. After an overflow of the receive queue events were lost,
+// which fn is not told: a caller that must not miss one also looks at
+// sysfs now and then.
+func (l *Listener) Notify(fn func(EventInfo)) (stop func()) {
+	p := &fn
+	l.mu.Lock()
+	l.watchers[p] = struct{}{}
+	l.mu.Unlock()
+	return func() {
+		l.mu.Lock()
+		delete(l.watchers, p)
+		l.mu.Unlock()
 	}
 }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -328,5 +329,21 @@ func TestFanOut(t *testing.T) {
 	}
 	for i := range n {
 		expectDevice(t, results[i], fmt.Sprintf("loop%d", 100+i))
+	}
+}
+
+func TestNotify(t *testing.T) {
+	t.Parallel()
+	_, roots := fakeSys(t)
+	l := fakeListener(t, roots, false)
+	var got []string
+	stop := l.Notify(func(e EventInfo) { got = append(got, e.Action+" "+e.Name()) })
+	l.dispatch(blockEvent(SourceKernel, "change", "/devices/virtual/block/dm-3", 253, 3))
+	l.dispatch(&Event{Source: SourceKernel, Action: "add", Subsystem: "net", DevPath: "/devices/virtual/net/eth9"})
+	l.dispatch(blockEvent(SourceKernel, "add", "/devices/platform/host5/target5:0:0/5:0:0:2/block/sdk", 8, 160))
+	stop()
+	l.dispatch(blockEvent(SourceKernel, "change", "/devices/virtual/block/dm-3", 253, 3))
+	if want := []string{"change dm-3", "add sdk"}; !slices.Equal(got, want) {
+		t.Errorf("Notify saw %q, want %q (block events only, none after stop)", got, want)
 	}
 }

@@ -61,11 +61,16 @@ func (e *Event) info() EventInfo {
 }
 
 // Name returns the kernel name of the device (the last element of DevPath).
-func (e *Event) Name() string {
-	if i := strings.LastIndexByte(e.DevPath, '/'); i >= 0 {
-		return e.DevPath[i+1:]
+func (e *Event) Name() string { return devPathName(e.DevPath) }
+
+// Name returns the kernel name of the device (the last element of DevPath).
+func (e EventInfo) Name() string { return devPathName(e.DevPath) }
+
+func devPathName(p string) string {
+	if i := strings.LastIndexByte(p, '/'); i >= 0 {
+		return p[i+1:]
 	}
-	return e.DevPath
+	return p
 }
 
 // udev's netlink header ("libudev\0", magic, then offsets), see

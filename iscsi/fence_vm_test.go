@@ -47,7 +47,7 @@ const (
 )
 
 // fenceGroups are TestVMFencing's groups of cases, in the order they run.
-var fenceGroups = []string{"ext4", "block", "fs", "relogin", "restart", "multipath", "timings"}
+var fenceGroups = []string{"ext4", "block", "fs", "relogin", "restart", "multipath", "newpath", "timings"}
 
 // fenceMultipathConf makes multipathd build maps only over WWIDs with two
 // paths: the single-path volumes stay sd disks.
@@ -219,6 +219,29 @@ func TestVMFencing(t *testing.T) {
 		do(b, "mp-unstage")
 		check("free-mp")
 	})
+	group("newpath", "a path that joins A's map after the stage: registered while A holds the volume, never once B preempted it", func() {
+		// A's second path logged out and in again: a new I_T nexus
+		// (another ISID) joins the map, and berth registers it.
+		do(a, "np-stage")
+		check("mp-a-holds")
+		do(a, "np-drop-path")
+		do(a, "np-add-path")
+		check("np-registered")
+		do(a, "np-unstage")
+		check("free-mp")
+		// The same after B took the volume over: the new path stays
+		// unregistered, and A's writes fail through it too.
+		do(a, "np-stage")
+		check("mp-a-holds")
+		do(a, "np-drop-path")
+		do(b, "mp-takeover")
+		check("mp-b-holds")
+		do(a, "np-add-path-fenced")
+		check("mp-b-holds")
+		do(a, "mp-unstage-fenced")
+		do(b, "np-unstage")
+		check("free-mp")
+	})
 	group("timings", "the cost: stage times with and without fencing", func() {
 		do(a, "timings")
 	})
@@ -280,6 +303,7 @@ func TestFenceGuestTarget(t *testing.T) {
 		"fs-oracle": func() { fenceFSOracle(t, x.BackingDevice(0)) },
 	}
 	maps.Copy(checks, fencePathChecks(t, x))
+	maps.Copy(checks, fenceNewPathChecks(t, x))
 	steps := map[string]func(){}
 	for name, fn := range checks {
 		steps["check-"+name] = func() {
@@ -751,6 +775,7 @@ func TestFenceGuestNodeA(t *testing.T) {
 		},
 	}
 	maps.Copy(steps, fencePathSteps(t, n))
+	maps.Copy(steps, fenceNewPathSteps(t, n))
 	fenceSteps(t, steps)
 }
 
@@ -838,6 +863,7 @@ func TestFenceGuestNodeB(t *testing.T) {
 		"release-fs": func() { n.mustUnstage(fsVol) },
 	}
 	maps.Copy(steps, fencePathSteps(t, n))
+	maps.Copy(steps, fenceNewPathSteps(t, n))
 	fenceSteps(t, steps)
 }
 
