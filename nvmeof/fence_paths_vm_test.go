@@ -51,7 +51,7 @@ func nfPathSteps(t *testing.T, n *nfNode) map[string]func() {
 				before := nfPathWrites(t, head)
 				time.Sleep(2 * time.Second)
 				paths := nfPathWrites(t, head)
-				t.Logf("node-b: writes completed by path in 2 s: %v (%s)", nfDelta(before, paths), nfMPPaths(t, mp.target))
+				t.Logf("node-b: write requests completed by path in 2 s: %v (%s)", nfDelta(before, paths), nfMPPaths(t, mp.target))
 				for p, c := range paths {
 					if c == before[p] {
 						t.Errorf("node-b: no write went through path %s: %v", p, nfDelta(before, paths))
@@ -72,7 +72,7 @@ func nfPathSteps(t *testing.T, n *nfNode) map[string]func() {
 				downAt, ok, failed, at := time.Since(start), w.ok.Load(), w.failed.Load(), nfPathWrites(t, head)
 				time.Sleep(5 * time.Second)
 				now := nfPathWrites(t, head)
-				t.Logf("node-b: a path went down after %v (%s); in the 5 s after, %d writes (by path: %v), %d failed; in all %d failed, longest stall %v",
+				t.Logf("node-b: a path went down after %v (%s); in the 5 s after, %d writes (write requests by path: %v), %d failed; in all %d failed, longest stall %v",
 					downAt.Round(time.Millisecond), nfMPPaths(t, mp.target), w.ok.Load()-ok, nfDelta(at, now), w.failed.Load()-failed,
 					w.failed.Load(), time.Duration(w.maxGap.Load()).Round(time.Millisecond))
 				if w.ok.Load() == ok || w.failed.Load() != 0 {
@@ -183,8 +183,8 @@ func nfPaths(t *testing.T, head string) []string {
 	return out
 }
 
-// nfPathWrites counts the writes each path of head completed (the
-// path device's stat).
+// nfPathWrites counts the write requests each path of head completed
+// (the path device's stat).
 func nfPathWrites(t *testing.T, head string) map[string]int64 {
 	t.Helper()
 	out := map[string]int64{}

@@ -615,14 +615,15 @@ func (n *nfNode) condition(v *nfVol) *csi.VolumeCondition {
 	return resp.GetVolumeCondition()
 }
 
-// preempted waits up to a minute for v's condition to say abnormal
-// (the controllers may be reconnecting still, the target's keep-alive
-// timer having run out while the guest was frozen: without a live path
-// the reservation cannot be read) and checks that it says preempted.
+// preempted waits up to a minute for v's condition to say preempted
+// and checks it does: the controllers may be reconnecting still (the
+// target's keep-alive timer ran out while the guest was frozen, maybe
+// only after it went on), and without a live path the reservation
+// cannot be read (the condition then says the paths are down).
 func (n *nfNode) preempted(v *nfVol) {
 	n.t.Helper()
 	c := n.condition(v)
-	for deadline := time.Now().Add(60 * time.Second); (c == nil || !c.Abnormal) && time.Now().Before(deadline); c = n.condition(v) {
+	for deadline := time.Now().Add(60 * time.Second); (c == nil || !strings.Contains(c.Message, "preempted")) && time.Now().Before(deadline); c = n.condition(v) {
 		time.Sleep(500 * time.Millisecond)
 	}
 	n.t.Logf("%s: %s's condition: %+v", n.id, v.id, c)
