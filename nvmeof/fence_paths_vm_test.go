@@ -115,8 +115,8 @@ func nfPathSteps(t *testing.T, n *nfNode) map[string]func() {
 		},
 		"mp-resumed": func() {
 			w.fenced(t, "node-a")
-			// Both controllers live again (the target dropped them while
-			// the guest was frozen), and each refused.
+			// Both controllers live (again, if the target dropped them
+			// while the guest was frozen), and each refused.
 			nfWaitLive(t, 2)
 			ctrls := nfControllers(t, nfMPNQN)
 			if len(ctrls) != 2 {
