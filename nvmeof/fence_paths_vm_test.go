@@ -43,7 +43,7 @@ func nfPathSteps(t *testing.T, n *nfNode) map[string]func() {
 			"mp-writer": func() {
 				// Round-robin: both paths carry the writes, so that the
 				// one the target drops had some in flight.
-				nfWaitLive(t, 2)
+				nfWaitPaths(t, mp.target, 2)
 				head := nfHead(t, mp.target)
 				nfSetIOPolicy(t, head, "round-robin")
 				w = startNFWriter(t, mp.target, "node-b", nfProbeAt)
@@ -83,7 +83,7 @@ func nfPathSteps(t *testing.T, n *nfNode) map[string]func() {
 			"mp-unstage": func() {
 				// The port back, its controller reconnected, before the
 				// unstage.
-				nfWaitLive(t, 2)
+				nfWaitPaths(t, mp.target, 2)
 				w.halt()
 				t.Logf("node-b: %d writes, %d failed, longest stall %v", w.ok.Load(), w.failed.Load(), time.Duration(w.maxGap.Load()).Round(time.Millisecond))
 				if w.failed.Load() != 0 {
@@ -97,11 +97,8 @@ func nfPathSteps(t *testing.T, n *nfNode) map[string]func() {
 		"mp-stage": func() {
 			d := n.mustStage(mp)
 			n.publish(mp)
-			nfWaitLive(t, 2)
+			nfWaitPaths(t, mp.target, 2)
 			t.Logf("node-a: staged vol-mp in %v over %s", d.Round(time.Millisecond), nfMPPaths(t, mp.target))
-			if ps := nfPaths(t, nfHead(t, mp.target)); len(ps) != 2 {
-				t.Errorf("node-a: vol-mp's head has paths %v, want two", ps)
-			}
 			// Each controller writes: the node is registered for both.
 			for _, c := range nfControllers(t, nfMPNQN) {
 				st, err := nfControllerWrite(t, c, mp.target, "node-a")
@@ -117,7 +114,7 @@ func nfPathSteps(t *testing.T, n *nfNode) map[string]func() {
 			w.fenced(t, "node-a")
 			// Both controllers live (again, if the target dropped them
 			// while the guest was frozen), and each refused.
-			nfWaitLive(t, 2)
+			nfWaitPaths(t, mp.target, 2)
 			ctrls := nfControllers(t, nfMPNQN)
 			if len(ctrls) != 2 {
 				t.Errorf("node-a: controllers of %s: %v, want two", nfMPNQN, ctrls)
@@ -245,18 +242,21 @@ func nfLive(t *testing.T, nqn string) int {
 	return n
 }
 
-// nfWaitLive waits up to a minute for n live controllers of nfMPNQN.
-func nfWaitLive(t *testing.T, n int) {
+// nfWaitPaths waits up to a minute for n live controllers of nfMPNQN
+// and n paths under the head behind target: a controller's path to the
+// namespace appears once its namespace scan ran, after it went live
+// (and after a stage that needed one path).
+func nfWaitPaths(t *testing.T, target string, n int) {
 	t.Helper()
 	start := time.Now()
-	for nfLive(t, nfMPNQN) != n {
+	for nfLive(t, nfMPNQN) != n || len(nfPaths(t, nfHead(t, target))) != n {
 		if time.Since(start) > time.Minute {
-			t.Errorf("%d live controllers of %s after a minute, want %d", nfLive(t, nfMPNQN), nfMPNQN, n)
+			t.Errorf("after a minute, want %d live controllers and paths: %s", n, nfMPPaths(t, target))
 			return
 		}
-		time.Sleep(100 * time.Millisecond)
+		time.Sleep(50 * time.Millisecond)
 	}
-	t.Logf("%d controllers of %s live after %v", n, nfMPNQN, time.Since(start).Round(time.Millisecond))
+	t.Logf("%d controllers and paths of %s after %v", n, nfMPNQN, time.Since(start).Round(time.Millisecond))
 }
 
 func nfAttr(dir, name string) string {
