@@ -201,6 +201,7 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 			s.id, s.dev.Path, describeKey(foreign[0], ""), ContextFencing, fenceNone)
 	}
 	ours := slices.Contains(res.Keys, key)
+	hostHas := res.OwnKnown && res.OwnRegistered && res.OwnKey == key
 	others := slices.DeleteFunc(slices.Clone(res.Keys), func(k uint64) bool { return k == key })
 	exclusive := res.Holder != 0 && res.Holder != key
 	if mode == fenceRegister {
@@ -212,7 +213,7 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 		if err := n.recordFence(s, mode, key); err != nil {
 			return err
 		}
-		made, _, err := n.registerPaths(s, key, ours)
+		made, _, err := n.registerPaths(s, key, ours, hostHas)
 		if err != nil {
 			return err
 		}
@@ -250,7 +251,7 @@ func (n *nodeServer) fenceStage(ctx context.Context, s *stageRun) error {
 	if err := n.recordFence(s, mode, key); err != nil {
 		return err
 	}
-	made, allNew, err := n.registerPaths(s, key, ours)
+	made, allNew, err := n.registerPaths(s, key, ours, hostHas)
 	if err != nil {
 		return err
 	}
@@ -293,7 +294,16 @@ func (n *nodeServer) recordFence(s *stageRun, mode string, key uint64) error {
 // path needed it (allNew). A path registered with another key is refused
 // and left as it is: berth replaces no key it did not make. ours: the
 // device's keys include key, read before any registration of this call.
-func (n *nodeServer) registerPaths(s *stageRun, key uint64, ours bool) (made []*devices.Device, allNew bool, err error) {
+// hostHas: that read named this host registered with key (NVMe, whose
+// registration belongs to the host and covers each of its controllers):
+// nothing is sent, since an NVMe REGISTER of the key a host has succeeds
+// and counts a generation at the target, where SCSI refuses it and
+// changes nothing.
+func (n *nodeServer) registerPaths(s *stageRun, key uint64, ours, hostHas bool) (made []*devices.Device, allNew bool, err error) {
+	if hostHas {
+		s.registered = true
+		return nil, false, nil
+	}
 	paths, err := n.a.pr.paths(s.dev)
 	if err != nil {
 		return nil, false, fmt.Errorf("volume %q: fence: %w", s.id, err)
@@ -321,7 +331,10 @@ func (n *nodeServer) registerPaths(s *stageRun, key uint64, ours bool) (made []*
 // not, they are removed again and the stage is refused.
 func (n *nodeServer) stillHeld(s *stageRun, f prDevice, mode string, key uint64, made []*devices.Device) error {
 	after, rerr := readFence(f)
-	if rerr == nil && holdsFence(mode, key, after) && countKey(after.Keys, key) > len(made) {
+	// NVMe lists a key once per host, however many controllers made the
+	// host's registration: there only the holder can be checked.
+	others := s.dev.ID.Kind == devices.KindNVMe || countKey(after.Keys, key) > len(made)
+	if rerr == nil && holdsFence(mode, key, after) && others {
 		return nil
 	}
 	var errs []error
@@ -379,7 +392,7 @@ func (n *nodeServer) reclaimHolder(ctx context.Context, s *stageRun, f prDevice,
 	if err := f.Preempt(key, key, fenceType, false); err != nil {
 		return n.fenceError(s, err)
 	}
-	if _, _, err := n.registerPaths(s, key, true); err != nil {
+	if _, _, err := n.registerPaths(s, key, true, false); err != nil {
 		return err
 	}
 	s.log.InfoContext(ctx, "fenced: the node's key held the reservation through I_T nexuses it no longer has (sessions logged in again); moved it to the device's",
@@ -519,7 +532,7 @@ func (n *nodeServer) takeOver(ctx context.Context, s *stageRun, f prDevice, key,
 	if err := n.recordFence(s, fenceReserve, key); err != nil {
 		return err
 	}
-	if _, _, err := n.registerPaths(s, key, ours); err != nil {
+	if _, _, err := n.registerPaths(s, key, ours, false); err != nil {
 		return err
 	}
 	victims := []uint64{victim}

@@ -44,6 +44,11 @@ type fakePRTarget struct {
 	// readErrs fail the next reads as a unit attention does.
 	readErrs int
 	ops      []string
+	// nvme makes REGISTER behave as an NVMe target's (nvmet's): the
+	// kernel sends a REGISTER from old key 0 as the Register action,
+	// which a host registered already with that same key sees succeed,
+	// the generation counting it; SCSI refuses it and changes nothing.
+	nvme bool
 }
 
 func newFakePRTarget() *fakePRTarget { return &fakePRTarget{regs: make(map[string]uint64)} }
@@ -69,6 +74,13 @@ func (t *fakePRTarget) register(nx string, old, new uint64, ignore bool) error {
 	}
 	t.ops = append(t.ops, fmt.Sprintf("register %s %#x->%#x", nx, old, new))
 	cur, ok := t.regs[nx]
+	if t.nvme && ok && old == 0 && !ignore {
+		if cur != new {
+			return errConflict
+		}
+		t.gen++
+		return nil
+	}
 	if !ignore {
 		switch {
 		case !ok && old != 0:
@@ -1048,17 +1060,7 @@ func TestOperatorTakeover(t *testing.T) {
 func TestFenceNVMeKeyZero(t *testing.T) {
 	tgt := newFakePRTarget()
 	a := newFenceNode(t, "node-a", tgt)
-	a.pr.nvme = true
-	a.pr.npaths = 1
-	a.tr.kind = devices.KindNVMe
-	lookup := a.a.lookup
-	a.a.lookup = func(name string) (*devices.Device, error) {
-		d, err := lookup(name)
-		if err == nil {
-			d.ID.Kind = devices.KindNVMe
-		}
-		return d, err
-	}
+	a.asNVMe()
 	tgt.regs["node-a/fake250-1-p0"] = 0 // the device of stageReq's key "1"
 	must(t, "stage", a.stage(snw, nil))
 	if tgt.holderKey() != NodeKey("node-a") || !slices.Equal(tgt.keysOf("node-a"), []uint64{NodeKey("node-a")}) {
@@ -1097,5 +1099,49 @@ func TestFenceRepeatedStageRacesTakeover(t *testing.T) {
 				t.Fatalf("after the race: A's keys %x, holder %#x, ops %q", ks, tgt.holderKey(), tgt.ops)
 			}
 		})
+	}
+}
+
+// asNVMe makes f's devices NVMe namespace heads: one path (the host's
+// registration covers every controller), and reports that name this
+// host's registration.
+func (f *fenceNode) asNVMe() {
+	f.pr.nvme = true
+	f.pr.npaths = 1
+	f.tr.kind = devices.KindNVMe
+	lookup := f.a.lookup
+	f.a.lookup = func(name string) (*devices.Device, error) {
+		d, err := lookup(name)
+		if err == nil {
+			d.ID.Kind = devices.KindNVMe
+		}
+		return d, err
+	}
+}
+
+// Issue 30's case 7 on NVMe: berth restarted on the holder and the raw
+// block stage repeated (it goes through the fence again) sends nothing
+// that changes the target, the generation included: the report names
+// this host registered with the node's key, and an NVMe REGISTER of
+// that same key would succeed and count a generation.
+func TestFenceNVMeRestart(t *testing.T) {
+	tgt := newFakePRTarget()
+	tgt.nvme = true
+	a := newFenceNode(t, "node-a", tgt)
+	a.asNVMe()
+	c := blockCap(snw)
+	must(t, "stage", a.stageCap(c, nil))
+	st, err := openStore(filepath.Join(a.a.cfg.StateDir, "volumes"))
+	must(t, "reopen state", err)
+	a.a.state = st
+	a.a.locks = newInflight()
+	gen, ops := tgt.gen, len(tgt.ops)
+	must(t, "stage after the restart", a.stageCap(c, nil))
+	if tgt.gen != gen || tgt.holderKey() != NodeKey("node-a") || !a.registered(tgt) {
+		t.Fatalf("the repeated stage changed the target: generation %d -> %d, commands %q", gen, tgt.gen, tgt.ops[ops:])
+	}
+	must(t, "unstage", a.unstage())
+	if len(tgt.regs) != 0 || tgt.holder != "" {
+		t.Fatalf("after the unstage: registrations %v, holder %q", tgt.regs, tgt.holder)
 	}
 }

@@ -64,7 +64,7 @@ const fenceMultipathConf = "defaults {\n\tuser_friendly_names no\n\tfind_multipa
 //	BERTH_FENCE_CASES=relogin,restart go test -count=1 -timeout 40m -run '^TestVMFencing$' -v ./iscsi/
 func TestVMFencing(t *testing.T) {
 	t.Parallel()
-	cases := fenceCases(t, os.Getenv("BERTH_FENCE_CASES"), os.Getenv("BERTH_FENCE_REPRO") == "1")
+	cases := fenceCases(t)
 	linkA, linkB := vm.NewLink(t), vm.NewLink(t)
 	tgt := vm.Boot(t, vm.WithName("fence-target"), vm.WithTestRun("^TestFenceGuestTarget$"),
 		vm.WithNIC(linkA, "192.168.79.1/24"), vm.WithNIC(linkB, "192.168.80.1/24"), vm.WithTimeout(30*time.Minute))
@@ -88,19 +88,8 @@ func TestVMFencing(t *testing.T) {
 	tgt.WaitSignal("target-ready", step)
 	a.WaitSignal("ready", step)
 	b.WaitSignal("ready", step)
-	// do sends a step's name to m and waits for its answer. A guest's
-	// signals are a set: a repeated step waits for the done signal of
-	// its own round (fenceSteps).
-	rounds := map[*vm.Machine]map[string]int{}
-	do := func(m *vm.Machine, name string) {
-		t.Helper()
-		if rounds[m] == nil {
-			rounds[m] = map[string]int{}
-		}
-		rounds[m][name]++
-		m.Send(name)
-		m.WaitSignal(fmt.Sprintf("%s-done-%d", name, rounds[m][name]), step)
-	}
+	// do runs a step on m (vm.ServeSteps there).
+	do := func(m *vm.Machine, name string) { t.Helper(); m.Step(name, step) }
 	// check lets the target check what the case expects there.
 	check := func(name string) { t.Helper(); do(tgt, "check-"+name) }
 	group := func(name, what string, fn func()) {
@@ -253,27 +242,14 @@ func TestVMFencing(t *testing.T) {
 	b.ReportTests(t)
 }
 
-// fenceCases is the set of fenceGroups a run goes through: those
-// BERTH_FENCE_CASES names, the reproduction alone with BERTH_FENCE_REPRO,
-// every group otherwise.
-func fenceCases(t *testing.T, names string, repro bool) map[string]bool {
-	if repro {
-		names = "ext4"
+// fenceCases is the set of fenceGroups a run goes through: the
+// reproduction alone with BERTH_FENCE_REPRO, else those BERTH_FENCE_CASES
+// names (vm.Groups).
+func fenceCases(t *testing.T) map[string]bool {
+	if os.Getenv("BERTH_FENCE_REPRO") == "1" {
+		return map[string]bool{"ext4": true}
 	}
-	m := map[string]bool{}
-	if names == "" {
-		for _, g := range fenceGroups {
-			m[g] = true
-		}
-		return m
-	}
-	for _, g := range strings.Split(names, ",") {
-		if !slices.Contains(fenceGroups, g) {
-			t.Fatalf("BERTH_FENCE_CASES: no group %q; the groups are %s", g, strings.Join(fenceGroups, ","))
-		}
-		m[g] = true
-	}
-	return m
+	return vm.Groups(t, "BERTH_FENCE_CASES", fenceGroups)
 }
 
 // TestFenceGuestTarget serves the LUNs and answers the host's checks.
@@ -311,7 +287,7 @@ func TestFenceGuestTarget(t *testing.T) {
 			t.Logf("check %s: LUN 0 %s; LUN 1 %s; LUN 2 %s", name, fencePR(x, 0), fencePR(x, 1), fencePR(x, 2))
 		}
 	}
-	fenceSteps(t, steps)
+	vm.ServeSteps(t, steps)
 }
 
 // fencePR is LUN lun's reservation state in LIO's words.
@@ -652,26 +628,6 @@ func writeMarkers(t *testing.T, dev, id string) {
 	}
 }
 
-// fenceSteps runs the steps the host names, in the host's order, until
-// it sends stop. Each answers "<name>-done-<round>", round counting that
-// step's runs, which the host's do waits for.
-func fenceSteps(t *testing.T, steps map[string]func()) {
-	rounds := map[string]int{}
-	for {
-		name := vm.NextHost(t)
-		if name == "stop" {
-			return
-		}
-		fn, ok := steps[name]
-		if !ok {
-			t.Fatalf("the host asked for step %q, which this guest does not have", name)
-		}
-		fn()
-		rounds[name]++
-		vm.SignalHost(fmt.Sprintf("%s-done-%d", name, rounds[name]))
-	}
-}
-
 func TestFenceGuestNodeA(t *testing.T) {
 	vm.RequireGuest(t)
 	n := newFenceNode(t, "node-a")
@@ -776,7 +732,7 @@ func TestFenceGuestNodeA(t *testing.T) {
 	}
 	maps.Copy(steps, fencePathSteps(t, n))
 	maps.Copy(steps, fenceNewPathSteps(t, n))
-	fenceSteps(t, steps)
+	vm.ServeSteps(t, steps)
 }
 
 func TestFenceGuestNodeB(t *testing.T) {
@@ -864,7 +820,7 @@ func TestFenceGuestNodeB(t *testing.T) {
 	}
 	maps.Copy(steps, fencePathSteps(t, n))
 	maps.Copy(steps, fenceNewPathSteps(t, n))
-	fenceSteps(t, steps)
+	vm.ServeSteps(t, steps)
 }
 
 // startFileWriter writes node-a's records as files a-<seq> in dir, each

@@ -47,7 +47,10 @@
 // host loopback), WithNIC gives a guest an address on it; SignalHost and
 // WaitHost or NextHost (guest side) with Machine.WaitSignal and Machine.Send (host side)
 // let the host sequence the guests, for example to kill a target guest while
-// an initiator guest watches its path go down.
+// an initiator guest watches its path go down. Machine.Step and ServeSteps
+// do so by step name (a guest runs whichever step the host names), and
+// Groups narrows a run to the groups of steps an environment variable
+// names.
 //
 // Options: WithTestRun, WithTestArgs, WithPackage, WithModules, WithTimeout,
 // WithMemory, WithCPUs, WithUdev, WithIscsid, WithMultipathd, WithSystemd,

@@ -62,6 +62,8 @@ type Machine struct {
 	cover    coverFiles // coverage files sent by the guest (CoverDirEnv)
 	coverErr error
 	conn     net.Conn
+
+	stepRounds map[string]int // the host's Step calls, by step name
 }
 
 var machineSeq atomic.Uint32
