@@ -87,9 +87,13 @@ running() { [ "$(phase "$1")" = Running ]; }
 node_of() { kc -n $NS get pod "$1" -o jsonpath='{.spec.nodeName}' 2>/dev/null; }
 uid_of() { kc -n $NS get pod "$1" -o jsonpath='{.metadata.uid}' 2>/dev/null; }
 # running_on POD NODE [NOT-UID]: POD runs on NODE (and is not the pod of
-# that uid).
+# that uid), read in one answer: the pod of a name may be replaced between
+# two.
 running_on() {
-	running "$1" && [ "$(node_of "$1")" = "$2" ] && { [ -z "${3:-}" ] || [ "$(uid_of "$1")" != "$3" ]; }
+	local s
+	s=$(kc -n $NS get pod "$1" -o jsonpath='{.status.phase} {.spec.nodeName} {.metadata.uid}') || return 1
+	set -- "$s" "$2" "${3:-}"
+	[ "${1% *}" = "Running $2" ] && [ "${1##* }" != "$3" ]
 }
 gone() { ! kc -n $NS get pod "$1" >/dev/null 2>&1; }
 token() { kc -n $NS exec "$1" -- cat /data/token; }
