@@ -255,6 +255,7 @@ if ! "$scripts/cluster.sh" node-b up; then
 	echo "twonode: 0 passed, 1 failed"
 	exit 1
 fi
+result "node B joins" "Ready, berth in its CSINode" "$B Ready, CSINode lists berth.csi.io" $((SECONDS - t_all)) 1
 trap 'stop_sampler; exit 1' INT TERM
 kc create namespace $NS >/dev/null
 kc apply -f - >/dev/null <<EOF
