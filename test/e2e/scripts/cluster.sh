@@ -1,5 +1,6 @@
 #!/bin/bash
-# A single-node Kubernetes on this host for make e2e, and its tear-down.
+# A Kubernetes on this host for make e2e (one node, and a second one on
+# demand: node-b), and its tear-down.
 #
 #   cluster.sh up     start it and deploy berth (the DaemonSet, and the
 #                     berth-controller Deployment with the external-attacher),

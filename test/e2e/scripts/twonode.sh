@@ -210,12 +210,15 @@ csidriver() {
 	[ "$(kc get csidriver berth.csi.io -o jsonpath='{.spec.attachRequired}')" = "$1" ]
 }
 
+# note PV: PV is one of this test's volumes, which cleanup checks.
+note() { grep -qs "^$1 " "$work/volumes" || echo "$1 $(handle_of "$1" | sha256sum | cut -d' ' -f1)" >>"$work/volumes"; }
+
 crashed=0 tainted=0
 # cleanup: node A back and schedulable, every pod and claim deleted, the
 # berth-controller pod on node A, node B removed; then nothing of the
 # volumes may be left.
 cleanup() {
-	local t0=$SECONDS ok=1 why=()
+	local t0=$SECONDS ok=1 why=() vols=() v pv sha i
 	stop_sampler
 	if [ $crashed = 1 ]; then
 		"$scripts/cluster.sh" boot-node && crashed=0
@@ -224,10 +227,30 @@ cleanup() {
 	tainted=0
 	kc uncordon $A >/dev/null 2>&1
 	kc get csidriver berth.csi.io -o jsonpath='{.spec.attachRequired}' 2>/dev/null | grep -qx true || csidriver true
+	for pv in $(kc -n $NS get pvc -o jsonpath='{.items[*].spec.volumeName}' 2>/dev/null); do
+		note "$pv"
+	done
 	kc delete namespace $NS --wait=true --timeout=240s >/dev/null 2>&1 || why+=("namespace $NS not deleted")
-	until_ok 120 sh -c "[ -z \"\$(nsenter --net=$NSPATH -- $bin/kubectl --kubeconfig $S/admin.kubeconfig get pv -o name)\" ]" || why+=("PVs left: $(kc get pv -o name)")
-	until_ok 120 sh -c "[ -z \"\$(nsenter --net=$NSPATH -- $bin/kubectl --kubeconfig $S/admin.kubeconfig get volumeattachments -o name)\" ]" || why+=("VolumeAttachments left: $(kc get volumeattachments -o name)")
 	kc delete storageclass $SC --ignore-not-found >/dev/null 2>&1
+	# This test's volumes (name, SHA-256 of the handle: the name of berth's
+	# record and of the kubelet's staging directory).
+	[ -f "$work/volumes" ] && mapfile -t vols <"$work/volumes"
+	mine() { # KIND: the objects of KIND that name one of the volumes
+		local v
+		for v in "${vols[@]}"; do
+			kc get "$1" -o jsonpath='{range .items[*]}{.metadata.name}{" "}{.spec.source.persistentVolumeName}{"\n"}{end}' | awk -v pv="${v% *}" '$1 == pv || $2 == pv { print $1 }'
+		done
+	}
+	for ((i = 0; i < 120; i++)); do
+		[ -z "$(mine pv)$(mine volumeattachments)" ] && break
+		sleep 1
+	done
+	[ -z "$(mine pv)" ] || why+=("PVs left: $(mine pv)")
+	[ -z "$(mine volumeattachments)" ] || why+=("VolumeAttachments left: $(mine volumeattachments)")
+	# berth's records of them on node B, while it is there.
+	for v in "${vols[@]}"; do
+		[ ! -e "$S/node-b/berth/volumes/${v#* }.json" ] || why+=("node B's berth record of ${v% *} left")
+	done
 	# The berth-controller pod back on node A, before node B goes.
 	if ! controller_on $A; then
 		kc cordon $B >/dev/null 2>&1
@@ -235,17 +258,16 @@ cleanup() {
 		until_ok 120 controller_on $A || why+=("berth-controller not back on $A")
 	fi
 	"$scripts/cluster.sh" node-b down || why+=("node B not removed")
-	# Nothing of the volumes left: mounts below either kubelet's directory
-	# (node A's kube-system pods keep their tokens), loop devices over the
-	# image files, berth records.
-	local own left loops state
-	own=$(kc -n kube-system get pods -o jsonpath='{range .items[*]}{.metadata.uid}{"\n"}{end}' | sed "s|^|$KA/pods/|; s|$|/|")
-	left=$(awk '{print $5}' /proc/self/mountinfo | grep -E "^($KA/(plugins/kubernetes.io/csi|pods)|$S/node-b)/" | grep -v -F "${own:-/nonexistent/}")
-	loops=$(losetup -ln -O NAME,BACK-FILE | grep "$S/files")
-	state=$(find /var/lib/berth/volumes -type f -name '*.json' 2>/dev/null)
-	[ -z "$left$loops$state" ] || why+=("left: mounts [$left] loops [$loops] berth records [$state]")
+	# Nothing of them left on node A or on the host: mounts, loop devices
+	# over their image files, berth records.
+	for v in "${vols[@]}"; do
+		pv=${v% *} sha=${v#* }
+		[ -z "$(awk -v pv="$pv" -v sha="$sha" 'index($5, "/" pv "/") || index($5, "/" sha "/") { print $5 }' /proc/self/mountinfo)" ] || why+=("mounts of $pv left")
+		[ -z "$(losetup -ln -O NAME,BACK-FILE | grep -F "/$pv.img")" ] || why+=("loop device over $pv.img left")
+		[ ! -e "/var/lib/berth/volumes/$sha.json" ] || why+=("node A's berth record of $pv left")
+	done
 	[ ${#why[@]} = 0 ] || ok=0
-	result cleanup "pods, claims and node B gone, nothing left" "${why[*]:-node A schedulable, berth-controller on $A, node B removed, no mount, loop device, VolumeAttachment or berth record left}" $((SECONDS - t0)) $ok
+	result cleanup "pods, claims and node B gone, nothing of the volumes left" "${why[*]:-node A schedulable, berth-controller on $A, node B removed; of the ${#vols[@]} volumes no PV, VolumeAttachment, mount, loop device or berth record left}" $((SECONDS - t0)) $ok
 }
 
 t_all=$SECONDS
@@ -273,7 +295,7 @@ if csidriver false; then
 	claim r
 	pod r1 $A r
 	if until_ok 180 running r1; then
-		pv=$(pv_of r)
+		pv=$(pv_of r) && note "$pv"
 		start_sampler "$pv" "$work/reproduce.samples"
 		pod r2 $B r
 		until_ok 120 running r2
@@ -394,7 +416,7 @@ seen=() ok=0
 if [ $workloads = 0 ]; then
 	old=$(roll_pod)
 	tok=$(token "$old")
-	pv=$(pv_of roll)
+	pv=$(pv_of roll) && note "$pv"
 	start_sampler "$pv" "$work/rollout.samples"
 	kc -n $NS patch deployment roll --type=merge -p "{\"spec\":{\"template\":{\"spec\":{\"nodeSelector\":{\"kubernetes.io/hostname\":\"$B\"}}}}}" >/dev/null
 	kc -n $NS rollout status deployment roll --timeout=240s >/dev/null
@@ -421,7 +443,7 @@ t0=$SECONDS
 seen=() ok=0
 if [ $workloads = 0 ] && want=$(write_blob sts-0) && [ -n "$want" ]; then
 	uid=$(uid_of sts-0)
-	pv=$(pv_of data-sts-0)
+	pv=$(pv_of data-sts-0) && note "$pv"
 	start_sampler "$pv" "$work/statefulset.samples"
 	kc cordon $A >/dev/null
 	kc -n $NS delete pod sts-0 --wait=false >/dev/null
@@ -443,7 +465,7 @@ t0=$SECONDS
 seen=() ok=0
 if [ $workloads = 0 ] && want=$(write_blob oos-0) && [ -n "$want" ]; then
 	uid=$(uid_of oos-0)
-	pv=$(pv_of data-oos-0)
+	pv=$(pv_of data-oos-0) && note "$pv"
 	start_sampler "$pv" "$work/out-of-service.samples"
 	crashed=1
 	"$scripts/cluster.sh" crash-node
