@@ -369,12 +369,14 @@ node_b_up() {
 	mkdir -p "$B" "$RB" "$KDIR_B/plugins/berth.csi.io" "$B/berth" "$B/pod-logs"
 	innet ip addr add "$NODE_B_IP/24" dev e2e0
 	# The kubelet checks that its cgroup root exists in every hierarchy; a
-	# new cpuset starts with no CPU and no memory node.
+	# new cgroup v1 cpuset starts with no CPU and no memory node.
 	for c in $(awk '$3 ~ /^cgroup2?$/ { print $2 }' /proc/self/mounts); do
 		mkdir -p "$c/$CGROUP_ROOT_B"
 	done
-	cat /sys/fs/cgroup/cpuset/cpuset.cpus >"/sys/fs/cgroup/cpuset/$CGROUP_ROOT_B/cpuset.cpus"
-	cat /sys/fs/cgroup/cpuset/cpuset.mems >"/sys/fs/cgroup/cpuset/$CGROUP_ROOT_B/cpuset.mems"
+	if [ -f /sys/fs/cgroup/cpuset/cpuset.cpus ]; then
+		cat /sys/fs/cgroup/cpuset/cpuset.cpus >"/sys/fs/cgroup/cpuset/$CGROUP_ROOT_B/cpuset.cpus"
+		cat /sys/fs/cgroup/cpuset/cpuset.mems >"/sys/fs/cgroup/cpuset/$CGROUP_ROOT_B/cpuset.mems"
+	fi
 	cni_config "$B/cni" berth-e2e-b e2ebr1 "$POD_CIDR_B" "$B/cni-ipam"
 	containerd_config "$B/containerd.toml" "$B/containerd" "$RB/containerd" "$RB/containerd.sock" "$STREAM_PORT_B" "$B/cni" "$RB/runc"
 	kubelet_config "$B/kubelet.yaml" "$RB/containerd.sock" "$NODE_B_IP" "$HEALTHZ_PORT_B" "cgroupRoot: /$CGROUP_ROOT_B
