@@ -196,7 +196,7 @@ e2e-build: e2e-deps
 	GO=$(GO) ./test/e2e/scripts/build.sh
 
 e2e: e2e-build image
-	BERTH_IMAGE=$(CURDIR)/$(IMAGE) ./test/e2e/scripts/e2e.sh
+	BERTH_IMAGE=$(CURDIR)/$(IMAGE) BERTH_BIN=$(CURDIR)/$(BIN) ./test/e2e/scripts/e2e.sh
 
 # make test's part of it: the E2E_SUBSET=ci specs (test/e2e/README.md),
 # the restart tests and the checked tear-down. On a machine that has not

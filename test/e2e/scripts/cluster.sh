@@ -1,11 +1,17 @@
 #!/bin/bash
-# A single-node Kubernetes on this host for make e2e, and its tear-down.
+# A Kubernetes on this host for make e2e (one node, and a second one on
+# demand: node-b), and its tear-down.
 #
 #   cluster.sh up     start it and deploy berth (the DaemonSet, and the
 #                     berth-controller Deployment with the external-attacher),
 #                     the test CSI controller, external-provisioner and
 #                     external-resizer
 #   cluster.sh restart-kubelet   stop the kubelet and start it again
+#   cluster.sh node-b up|down     a second node on this host (twonode.sh):
+#                     its own kubelet, containerd, root directory, cgroup
+#                     root, address and ports, and its own berth
+#   cluster.sh crash-node|boot-node   the first node's machine going away
+#                     and coming back (see crash_node)
 #   cluster.sh down   stop everything and remove every trace: processes,
 #                     mounts, loop devices, cgroups, network namespaces, files
 #
@@ -45,6 +51,16 @@ POD_CIDR=10.241.0.0/24
 KDIR=/var/lib/kubelet
 STREAM_PORT=10010
 PROBE_PORT=9818
+# The second node (node-b up): state under $B, runtime under $RB.
+NODE_B=berth-e2e-node-b
+NODE_B_IP=10.240.0.3
+POD_CIDR_B=10.241.1.0/24
+B=$S/node-b
+RB=$R/node-b
+KDIR_B=$B/kubelet
+STREAM_PORT_B=10011
+HEALTHZ_PORT_B=10258
+CGROUP_ROOT_B=berth-e2e-node-b
 # hostPath directories the DaemonSet creates when missing: removed by down
 # unless they existed before up.
 HOSTPATHS=(/var/lib/berth /etc/iscsi /var/lib/iscsi /run/lock/iscsi /etc/nvme /run/udev)
@@ -120,40 +136,42 @@ current-context: e2e
 EOF
 }
 
-configs() {
-	mkdir -p "$S/cni/bin" "$S/cni/net.d" "$S/cni/ipam"
-	# The CNI plugins run in berth-e2e, not in containerd's namespace: the
-	# bridge and the host end of each pod's veth are made there.
-	for p in bridge host-local loopback portmap; do
-		printf '#!/bin/sh\nexec nsenter --net=%s -- /usr/lib/cni/%s "$@"\n' "$NSPATH" "$p" >"$S/cni/bin/$p"
-		chmod 0755 "$S/cni/bin/$p"
-	done
-	cat >"$S/cni/net.d/10-berth-e2e.conflist" <<EOF
+# cni_config DIR NAME BRIDGE SUBNET IPAM-DIR: a node's pod network, a
+# bridge inside berth-e2e.
+cni_config() {
+	mkdir -p "$1" "$5"
+	cat >"$1/10-$2.conflist" <<EOF
 {
   "cniVersion": "0.4.0",
-  "name": "berth-e2e",
+  "name": "$2",
   "plugins": [
-    {"type": "bridge", "bridge": "e2ebr0", "isGateway": true, "ipMasq": false, "hairpinMode": true,
-     "ipam": {"type": "host-local", "dataDir": "$S/cni/ipam", "ranges": [[{"subnet": "$POD_CIDR"}]], "routes": [{"dst": "0.0.0.0/0"}]}}
+    {"type": "bridge", "bridge": "$3", "isGateway": true, "ipMasq": false, "hairpinMode": true,
+     "ipam": {"type": "host-local", "dataDir": "$5", "ranges": [[{"subnet": "$4"}]], "routes": [{"dst": "0.0.0.0/0"}]}}
   ]
 }
 EOF
-	cat >"$S/containerd.toml" <<EOF
+}
+
+# containerd_config FILE ROOT STATE SOCKET STREAM-PORT CNI-CONF-DIR [RUNC-ROOT]
+containerd_config() {
+	local runc_root=
+	[ -z "${7:-}" ] || runc_root="Root = \"$7\""
+	cat >"$1" <<EOF
 version = 2
-root = "$S/containerd"
-state = "$R/containerd"
+root = "$2"
+state = "$3"
 disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs"]
 [grpc]
-  address = "$R/containerd.sock"
+  address = "$4"
 [ttrpc]
-  address = "$R/containerd.sock.ttrpc"
+  address = "$4.ttrpc"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "registry.k8s.io/pause:3.10.1"
   # root here lacks CAP_SYS_RESOURCE: runc cannot set the negative
   # oom_score_adj the kubelet asks for.
   restrict_oom_score_adj = true
   stream_server_address = "127.0.0.1"
-  stream_server_port = "$STREAM_PORT"
+  stream_server_port = "$5"
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -161,33 +179,60 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
         SystemdCgroup = false
+        $runc_root
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "$S/cni/bin"
-    conf_dir = "$S/cni/net.d"
+    conf_dir = "$6"
 EOF
-	: >"$S/resolv.conf"
-	cat >"$S/kubelet.yaml" <<EOF
+}
+
+# kubelet_config FILE CONTAINERD-SOCKET ADDRESS HEALTHZ-PORT [LINES]: LINES
+# are added as they are.
+kubelet_config() {
+	cat >"$1" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 cgroupDriver: cgroupfs
 failSwapOn: false
 failCgroupV1: false
-containerRuntimeEndpoint: unix://$R/containerd.sock
+containerRuntimeEndpoint: unix://$2
 authentication:
   anonymous: {enabled: true}
   webhook: {enabled: false}
 authorization: {mode: AlwaysAllow}
-address: $NODE_IP
+address: $3
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
-healthzPort: 10248
+healthzPort: $4
 resolvConf: $S/resolv.conf
 clusterDomain: cluster.local
 serializeImagePulls: false
 imageGCHighThresholdPercent: 100
 evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%"}
 podPidsLimit: 4096
+${5:-}
 EOF
+}
+
+configs() {
+	mkdir -p "$S/cni/bin"
+	# The CNI plugins run in berth-e2e, not in containerd's namespace: the
+	# bridge and the host end of each pod's veth are made there.
+	for p in bridge host-local loopback portmap; do
+		printf '#!/bin/sh\nexec nsenter --net=%s -- /usr/lib/cni/%s "$@"\n' "$NSPATH" "$p" >"$S/cni/bin/$p"
+		chmod 0755 "$S/cni/bin/$p"
+	done
+	cni_config "$S/cni/net.d" berth-e2e e2ebr0 "$POD_CIDR" "$S/cni/ipam"
+	containerd_config "$S/containerd.toml" "$S/containerd" "$R/containerd" "$R/containerd.sock" "$STREAM_PORT" "$S/cni/net.d"
+	: >"$S/resolv.conf"
+	kubelet_config "$S/kubelet.yaml" "$R/containerd.sock" "$NODE_IP" 10248
+}
+
+# start_containerd NAME CONFIG: no registry is reachable: pulls go to a
+# proxy on loopback that refuses.
+start_containerd() {
+	HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 NO_PROXY= \
+		start "$1" containerd --config "$2"
 }
 
 start_kubelet() {
@@ -203,12 +248,12 @@ restart_kubelet() {
 	wait_for "kubelet healthz" 60 innet curl -sf http://127.0.0.1:10248/healthz
 }
 
-node_ready() {
-	[ "$(kc get node $NODE -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}')" = True ]
+node_ready() { # [NODE]
+	[ "$(kc get node "${1:-$NODE}" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}')" = True ]
 }
 
-berth_registered() {
-	kc get csinode $NODE -o jsonpath='{.spec.drivers[*].name}' | grep -qw berth.csi.io
+berth_registered() { # [NODE]
+	kc get csinode "${1:-$NODE}" -o jsonpath='{.spec.drivers[*].name}' | grep -qw berth.csi.io
 }
 
 controller_available() {
@@ -249,9 +294,7 @@ up() {
 		--listen-client-urls http://127.0.0.1:2379 --advertise-client-urls http://127.0.0.1:2379 \
 		--listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
 		--initial-cluster berth-e2e=http://127.0.0.1:2380
-	# No registry is reachable: pulls go to a proxy on loopback that refuses.
-	HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9 NO_PROXY= \
-		start containerd containerd --config "$S/containerd.toml"
+	start_containerd containerd "$S/containerd.toml"
 	# Each connection to one of these ports on berth-e2e's loopback goes on
 	# to the same port on the host's loopback.
 	touch "$R/hostnet"
@@ -302,6 +345,175 @@ up() {
 	log "up in $((SECONDS - t0))s: KUBECONFIG=$S/admin.kubeconfig (inside: nsenter --net=$NSPATH)"
 }
 
+# The second node (twonode.sh): a kubelet of its own (node $NODE_B, address
+# $NODE_B_IP beside the first node's on e2e0, root directory $KDIR_B,
+# cgroup root /$CGROUP_ROOT_B, healthz port $HEALTHZ_PORT_B, pod logs of
+# its own), its own containerd (root, state, socket, runc root, streaming
+# port $STREAM_PORT_B, a pod network of its own: bridge e2ebr1 in
+# berth-e2e), and its own berth: a host process, as a systemd install
+# runs it (node ID $NODE_B, socket and registration under $KDIR_B, state
+# directory $B/berth), with the same file root as the first node's: the
+# image files play the shared array. berth's DaemonSet does not run there
+# (test/e2e/deploy/node-b.yaml): its host paths are the first node's
+# kubelet directory and berth state, and a second copy in this host's
+# network namespace would take the first one's ports. Nothing of it leaves
+# berth-e2e either.
+node_b_up() {
+	[ -e "$NSPATH" ] || die "no cluster: run $0 up"
+	[ ! -d "$RB" ] || die "node B is up (or was not torn down): run $0 node-b down"
+	local berth=${BERTH_BIN:-$repo/bin/berth}
+	[ -x "$berth" ] || die "$berth missing: run make build"
+	local img=${BERTH_IMAGE:-$repo/bin/berth-image.tar}
+	[ -f "$img" ] || die "$img missing: run make image"
+	local t0=$SECONDS c f
+	mkdir -p "$B" "$RB" "$KDIR_B/plugins/berth.csi.io" "$B/berth" "$B/pod-logs"
+	innet ip addr add "$NODE_B_IP/24" dev e2e0
+	# The kubelet checks that its cgroup root exists in every hierarchy; a
+	# new cgroup v1 cpuset starts with no CPU and no memory node.
+	for c in $(awk '$3 ~ /^cgroup2?$/ { print $2 }' /proc/self/mounts); do
+		mkdir -p "$c/$CGROUP_ROOT_B"
+	done
+	if [ -f /sys/fs/cgroup/cpuset/cpuset.cpus ]; then
+		cat /sys/fs/cgroup/cpuset/cpuset.cpus >"/sys/fs/cgroup/cpuset/$CGROUP_ROOT_B/cpuset.cpus"
+		cat /sys/fs/cgroup/cpuset/cpuset.mems >"/sys/fs/cgroup/cpuset/$CGROUP_ROOT_B/cpuset.mems"
+	fi
+	cni_config "$B/cni" berth-e2e-b e2ebr1 "$POD_CIDR_B" "$B/cni-ipam"
+	containerd_config "$B/containerd.toml" "$B/containerd" "$RB/containerd" "$RB/containerd.sock" "$STREAM_PORT_B" "$B/cni" "$RB/runc"
+	kubelet_config "$B/kubelet.yaml" "$RB/containerd.sock" "$NODE_B_IP" "$HEALTHZ_PORT_B" "cgroupRoot: /$CGROUP_ROOT_B
+podLogsDir: $B/pod-logs"
+	start_containerd containerd-b "$B/containerd.toml"
+	start "forward-$STREAM_PORT_B" innet socat TCP4-LISTEN:$STREAM_PORT_B,bind=127.0.0.1,reuseaddr,fork "EXEC:$S/forward $STREAM_PORT_B"
+	wait_for containerd-b 30 ctr --address "$RB/containerd.sock" version
+	# What runs there: test pods, and the berth-controller Deployment's pod
+	# when it moves.
+	for f in pause busybox csi-attacher; do
+		ctr --address "$RB/containerd.sock" -n k8s.io images import --no-unpack=false "$E2E_CACHE/images/$f.tar" >/dev/null
+	done
+	ctr --address "$RB/containerd.sock" -n k8s.io images import --no-unpack=false "$img" >/dev/null
+	start kubelet-b innet "$bin/kubelet" --config="$B/kubelet.yaml" --kubeconfig="$S/admin.kubeconfig" \
+		--root-dir="$KDIR_B" --hostname-override=$NODE_B --node-ip=$NODE_B_IP --v=2
+	wait_for "node B's kubelet healthz" 60 innet curl -sf http://127.0.0.1:$HEALTHZ_PORT_B/healthz
+	start berth-b "$berth" serve --node-id=$NODE_B --endpoint="unix://$KDIR_B/plugins/berth.csi.io/csi.sock" \
+		--state-dir="$B/berth" --transports= --file-root="$S/files" --kubelet-registration \
+		--kubelet-dir="$KDIR_B" --log-format=text
+	wait_for "node B Ready" 120 node_ready $NODE_B
+	wait_for "berth in node B's CSINode" 120 berth_registered $NODE_B
+	log "node B up in $((SECONDS - t0))s: $NODE_B ($NODE_B_IP), kubelet root $KDIR_B"
+}
+
+# kill_node_containers SOCKET: every container task of that containerd,
+# killed and deleted, then its shims.
+kill_node_containers() {
+	local sock=$1 c i
+	[ -S "$sock" ] || return 0
+	for c in $(ctr --address "$sock" -n k8s.io tasks ls -q 2>/dev/null); do
+		ctr --address "$sock" -n k8s.io tasks kill -s KILL "$c" >/dev/null 2>&1 || true
+	done
+	for ((i = 0; i < 50; i++)); do
+		[ -z "$(ctr --address "$sock" -n k8s.io tasks ls 2>/dev/null | awk '$3 == "RUNNING"')" ] && break
+		sleep 0.2
+	done
+	for c in $(ctr --address "$sock" -n k8s.io tasks ls -q 2>/dev/null); do
+		ctr --address "$sock" -n k8s.io tasks delete -f "$c" >/dev/null 2>&1 || true
+	done
+}
+
+kill_shims() { # SOCKET
+	local p
+	for p in $(pgrep -f "containerd-shim-runc-v2 .*-address $1" || true); do
+		kill -KILL "$p" 2>/dev/null || true
+	done
+}
+
+# unmount_under DIR...: every mount below each DIR, deepest first; prints
+# the loop devices they were mounts of.
+unmount_under() {
+	local d m src
+	for d in "$@"; do
+		awk -v d="$d/" 'index($5, d) == 1 { for (i = 7; $i != "-"; i++); print $5, $(i + 2) }' /proc/self/mountinfo
+	done | sort -r | while read -r m src; do
+		umount -l "$m" 2>/dev/null || true
+		case $src in /dev/loop*) echo "$src" ;; esac
+	done | sort -u
+}
+
+node_b_down() {
+	local t0=$SECONDS
+	if [ -e "$NSPATH" ] && kc get --raw /readyz >/dev/null 2>&1; then
+		kc delete node $NODE_B --wait=false >/dev/null 2>&1 || true
+	fi
+	stop berth-b
+	stop kubelet-b
+	kill_node_containers "$RB/containerd.sock"
+	stop containerd-b
+	kill_shims "$RB/containerd.sock"
+	stop "forward-$STREAM_PORT_B"
+	local l
+	for l in $(unmount_under "$KDIR_B" "$B" "$RB"); do
+		losetup -d "$l" 2>/dev/null || true
+	done
+	[ -e "$NSPATH" ] && innet ip addr del "$NODE_B_IP/24" dev e2e0 2>/dev/null || true
+	remove_cgroups "/sys/fs/cgroup/*/$CGROUP_ROOT_B"
+	rm -rf --one-file-system "$B" "$RB"
+	log "node B down in $((SECONDS - t0))s"
+}
+
+# remove_cgroups GLOB...: the cgroup directories, deepest first.
+remove_cgroups() {
+	local cg
+	for cg in $*; do
+		[ -d "$cg" ] && find "$cg" -depth -type d -exec rmdir {} + 2>/dev/null || true
+	done
+}
+
+# crash-node: the first node's machine goes away, as far as one host can
+# show it. Its kubelet is killed (SIGKILL), then every container of its
+# containerd (berth's pod among them, and the berth-controller pod's
+# attacher when it runs there), its containerd and the shims; then what a
+# machine that stops loses with it: the mounts below its kubelet's pods/
+# and plugins/kubernetes.io/csi/ (the volumes' staging and publish mounts,
+# the pods' tokens) and the loop devices under them (its attachments to the
+# shared array). Its disk stays: the kubelet's and berth's directories,
+# containerd's root. Not emulated: containerd's runtime state (on /run,
+# which a real reboot empties) and the pods' network namespaces stay for
+# the containerd and kubelet of boot-node to clean up as after a crash of
+# containerd alone; the node's address stays up (node B shares its network
+# namespace), with nothing of node A answering on it.
+crash_node() {
+	local pid l
+	if [ -f "$R/kubelet.pid" ]; then
+		pid=$(cat "$R/kubelet.pid")
+		kill -KILL -- "-$pid" 2>/dev/null || true
+		rm -f "$R/kubelet.pid"
+	fi
+	kill_node_containers "$R/containerd.sock"
+	if [ -f "$R/containerd.pid" ]; then
+		pid=$(cat "$R/containerd.pid")
+		kill -KILL -- "-$pid" 2>/dev/null || true
+		rm -f "$R/containerd.pid"
+	fi
+	kill_shims "$R/containerd.sock"
+	for l in $(unmount_under "$KDIR/pods" "$KDIR/plugins/kubernetes.io/csi"); do
+		losetup -d "$l" 2>/dev/null || true
+	done
+	log "node $NODE crashed: kubelet, containers and containerd killed, volume mounts and loop devices gone"
+}
+
+# boot-node: the first node's containerd and kubelet started again after
+# crash-node; the kubelet restarts berth's pod and cleans up the pods the
+# API no longer has.
+boot_node() {
+	local t0=$SECONDS n
+	for n in containerd kubelet; do
+		[ -f "$S/logs/$n.log" ] && mv "$S/logs/$n.log" "$S/logs/$n.log.$(date +%s)"
+	done
+	start_containerd containerd "$S/containerd.toml"
+	wait_for containerd 30 ctr --address "$R/containerd.sock" version
+	start_kubelet
+	wait_for "node Ready" 180 node_ready
+	log "node $NODE booted in $((SECONDS - t0))s"
+}
+
 # stop NAME: TERM, then KILL after 20 s, the daemon and its session.
 stop() {
 	local f=$R/$1.pid pid i
@@ -344,27 +556,19 @@ down() {
 		done
 	fi
 	local d
-	for d in csi-resizer csi-provisioner csicontroller kubelet kube-scheduler kube-controller-manager kube-apiserver; do
+	for d in csi-resizer csi-provisioner csicontroller berth-b kubelet-b kubelet kube-scheduler kube-controller-manager kube-apiserver; do
 		stop "$d"
 	done
-	# Containers the kubelet left: their tasks, then the shims.
-	if [ -S "$R/containerd.sock" ]; then
-		local c
-		for c in $(ctr --address "$R/containerd.sock" -n k8s.io tasks ls -q 2>/dev/null); do
-			ctr --address "$R/containerd.sock" -n k8s.io tasks kill -s KILL "$c" >/dev/null 2>&1 || true
-		done
-		sleep 1
-		for c in $(ctr --address "$R/containerd.sock" -n k8s.io tasks ls -q 2>/dev/null); do
-			ctr --address "$R/containerd.sock" -n k8s.io tasks delete -f "$c" >/dev/null 2>&1 || true
-		done
-	fi
+	# Containers the kubelets left: their tasks, then the shims.
+	kill_node_containers "$RB/containerd.sock"
+	kill_node_containers "$R/containerd.sock"
+	stop containerd-b
 	stop containerd
-	local p
-	for p in $(pgrep -f "containerd-shim-runc-v2 .*-address $R/containerd.sock" || true); do
-		kill -KILL "$p" 2>/dev/null || true
-	done
+	kill_shims "$RB/containerd.sock"
+	kill_shims "$R/containerd.sock"
 	stop forward-$PROBE_PORT
 	stop forward-$STREAM_PORT
+	stop forward-$STREAM_PORT_B
 	stop etcd
 
 	# Mounts: the kubelet's, containerd's, and the pods' network namespaces.
@@ -387,10 +591,7 @@ down() {
 		rmdir /run/netns 2>/dev/null || true
 	fi
 	# cgroups the kubelet and containerd made, deepest first.
-	local cg
-	for cg in /sys/fs/cgroup/*/kubepods* /sys/fs/cgroup/*/k8s.io /sys/fs/cgroup/*/system.slice/containerd*; do
-		[ -d "$cg" ] && find "$cg" -depth -type d -exec rmdir {} + 2>/dev/null || true
-	done
+	remove_cgroups "/sys/fs/cgroup/*/kubepods*" "/sys/fs/cgroup/*/k8s.io" "/sys/fs/cgroup/*/system.slice/containerd*" "/sys/fs/cgroup/*/$CGROUP_ROOT_B"
 	# Directories the DaemonSet's hostPaths and the kubelet created.
 	if [ -f "$R/existed" ]; then
 		for d in "${HOSTPATHS[@]}" "$KDIR"; do
@@ -411,7 +612,7 @@ check() {
 	[ -z "$x" ] || { log "loop devices left: $x"; bad=1; }
 	x=$(ip netns list 2>/dev/null)
 	[ -z "$x" ] || { log "network namespaces left: $x"; bad=1; }
-	x=$(ls -d /sys/fs/cgroup/*/kubepods* /sys/fs/cgroup/*/k8s.io 2>/dev/null || true)
+	x=$(ls -d /sys/fs/cgroup/*/kubepods* /sys/fs/cgroup/*/k8s.io /sys/fs/cgroup/*/$CGROUP_ROOT_B 2>/dev/null || true)
 	[ -z "$x" ] || { log "cgroups left: $x"; bad=1; }
 	x=$(pgrep -a -f "$S|$R|containerd-shim" || true)
 	[ -z "$x" ] || { log "processes left: $x"; bad=1; }
@@ -423,8 +624,17 @@ check() {
 
 case ${1:-} in
 up) up ;;
+node-b)
+	case ${2:-} in
+	up) node_b_up ;;
+	down) node_b_down ;;
+	*) die "usage: $0 node-b up|down" ;;
+	esac
+	;;
+crash-node) crash_node ;;
+boot-node) boot_node ;;
 down) down ;;
 check) check ;;
 restart-kubelet) restart_kubelet ;;
-*) die "usage: $0 up|down|check|restart-kubelet" ;;
+*) die "usage: $0 up|down|check|restart-kubelet|node-b up|down|crash-node|boot-node" ;;
 esac

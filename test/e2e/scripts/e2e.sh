@@ -1,6 +1,7 @@
 #!/bin/bash
 # make e2e: start the cluster (cluster.sh up), run the external storage
-# suite (run.sh) and the restart tests (restart.sh), tear the cluster down
+# suite (run.sh), the restart tests (restart.sh) and the two-node tests
+# (twonode.sh; E2E_TWONODE=0 leaves them out), tear the cluster down
 # whatever happened and check that nothing is left (cluster.sh down, check).
 # Exits non-zero when a spec failed, the cluster did not come up, or
 # something was left behind.
@@ -14,4 +15,8 @@ trap '"$here/cluster.sh" down; "$here/cluster.sh" check || status=1; echo "e2e: 
 "$here/run.sh" || status=1
 if [ "${E2E_RESTART:-1}" != 0 ] && [ -x "$here/restart.sh" ]; then
 	"$here/restart.sh" || status=1
+fi
+# Last: it adds a second node and removes it again.
+if [ "${E2E_TWONODE:-1}" != 0 ]; then
+	"$here/twonode.sh" || status=1
 fi
