@@ -504,7 +504,7 @@ func (m *Machine) readConsole(r io.Reader, attempt int) {
 		if strings.Contains(line, "BUG: ") || strings.Contains(line, "Oops: ") {
 			oops = line
 		}
-		if bug := knownKernelBug(line); oops != "" && bug != "" &&
+		if bug := knownKernelBug(oops, line); oops != "" && bug != "" &&
 			m.cfg.rerunOnKernelBug && attempt == 1 && !m.killed && !m.retry {
 			m.retry = true
 			m.t.Logf("vm %s: the guest kernel hit a known bug of its own (%s): %s / %s; "+
