@@ -43,7 +43,9 @@ type fakePRTarget struct {
 	beforeRegister func()
 	// readErrs fail the next reads as a unit attention does.
 	readErrs int
-	ops      []string
+	// reads counts the reservation reads.
+	reads int
+	ops   []string
 	// nvme makes REGISTER behave as an NVMe target's (nvmet's): the
 	// kernel sends a REGISTER from old key 0 as the Register action,
 	// which a host registered already with that same key sees succeed,
@@ -179,6 +181,7 @@ func (t *fakePRTarget) preempt(nx string, key, victim uint64, typ devices.PRType
 func (t *fakePRTarget) read() (devices.Reservation, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.reads++
 	if err := t.check(); err != nil {
 		return devices.Reservation{}, err
 	}

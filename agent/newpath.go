@@ -53,7 +53,8 @@ const newPathRecheck = 30 * time.Second
 
 // pathBook remembers, per volume, the paths of its map known to carry
 // the node's registration (or one berth leaves alone), and the paths it
-// refused to register (logged once). The zero value is ready.
+// refused to register (logged once, and left alone until the next
+// stage). The zero value is ready.
 type pathBook struct {
 	mu      sync.Mutex
 	known   map[string]map[string]bool // volume ID -> pathKey
@@ -97,11 +98,19 @@ func (b *pathBook) add(id string, p *devices.Device) {
 	b.known[id][pathKeyOf(p)] = true
 }
 
-// unknown are the paths the book does not know for the volume.
+// unknown are the paths the book neither knows nor refused for the
+// volume. A refused path is not looked at again until a stage sets the
+// book: the key lost the volume, which nothing but a stage gives back,
+// and each look would hold the volume's lock while it reads the target,
+// on every uevent of a node whose paths fail, refusing the CO's calls on
+// the volume as busy.
 func (b *pathBook) unknown(id string, paths []*devices.Device) []*devices.Device {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return slices.DeleteFunc(slices.Clone(paths), func(p *devices.Device) bool { return b.known[id][pathKeyOf(p)] })
+	return slices.DeleteFunc(slices.Clone(paths), func(p *devices.Device) bool {
+		k := pathKeyOf(p)
+		return b.known[id][k] || b.refused[id][k]
+	})
 }
 
 // refuse records that p was not registered, and reports whether that is

@@ -95,6 +95,18 @@ func TestNewPathAfterPreempt(t *testing.T) {
 	if c := a.condition(t); !c.Abnormal || !strings.Contains(c.Message, "preempted") {
 		t.Errorf("A's condition: %+v", c)
 	}
+	// A refused path is not looked at again: each look takes the
+	// volume's lock and reads the target, and block uevents come often
+	// on a node whose paths fail, so the CO's calls on the volume
+	// (NodeGetVolumeStats, NodeUnstageVolume) would be refused as busy
+	// at random.
+	reads := tgt.reads
+	for range 3 {
+		a.a.registerNewPaths(context.Background())
+	}
+	if tgt.reads != reads {
+		t.Errorf("the preempted node looked at its refused path again: %d more reads of the reservation", tgt.reads-reads)
+	}
 }
 
 // A preempt that lands between the check and the REGISTER of the new
