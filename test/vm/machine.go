@@ -40,6 +40,10 @@ type Machine struct {
 	cfg  *config
 	dir  string
 	args []string // QEMU argv
+	// peers are the links this guest joins second: QEMU connects once,
+	// at its start, and a link whose listener is not there yet stays
+	// dead (the connecting QEMU does not try again).
+	peers []*Link
 
 	cmd     *exec.Cmd
 	done    chan struct{} // closed when QEMU exited and its streams are drained
@@ -232,6 +236,9 @@ func (m *Machine) prepare(img *image) error {
 		if err != nil {
 			return err
 		}
+		if strings.HasPrefix(netdev, "connect=") {
+			m.peers = append(m.peers, n.link)
+		}
 		m.args = append(m.args,
 			"-netdev", fmt.Sprintf("socket,id=n%d,%s", i, netdev),
 			"-device", fmt.Sprintf("virtio-net-pci,netdev=n%d,mac=52:54:00:%02x:%02x:%02x", i, os.Getpid()&0xff, seq&0xff, i))
@@ -347,6 +354,11 @@ func (m *Machine) start() error { return m.launch(1) }
 // second hang shows where it stops; the first attempt's console goes to
 // the test log.
 func (m *Machine) launch(attempt int) error {
+	for _, l := range m.peers {
+		if err := l.waitListening(linkWait); err != nil {
+			return fmt.Errorf("vm %s: %w", m.name, err)
+		}
+	}
 	ln, err := net.Listen("unix", filepath.Join(m.dir, "io.sock"))
 	if err != nil {
 		return err
@@ -433,6 +445,14 @@ func (m *Machine) launch(attempt int) error {
 		if m.booted != 0 || m.killed || attempt > 1 {
 			return
 		}
+		if len(m.cfg.nics) > 0 {
+			// A QEMU started again would find its link's other end
+			// gone or taken: the link would stay dead.
+			m.t.Logf("vm %s: the guest did not start its tests within %v; killing it (a guest on a private link is not booted again)\n%s",
+				m.name, bootWait, m.diagnosticsLocked())
+			cmd.Process.Kill()
+			return
+		}
 		m.retry = true
 		m.t.Logf("vm %s: the guest did not start its tests within %v; killing it and booting once more\n%s",
 			m.name, bootWait, m.diagnosticsLocked())
@@ -505,7 +525,7 @@ func (m *Machine) readConsole(r io.Reader, attempt int) {
 			oops = line
 		}
 		if bug := knownKernelBug(oops, line); oops != "" && bug != "" &&
-			m.cfg.rerunOnKernelBug && attempt == 1 && !m.killed && !m.retry {
+			m.cfg.rerunOnKernelBug && len(m.cfg.nics) == 0 && attempt == 1 && !m.killed && !m.retry {
 			m.retry = true
 			m.t.Logf("vm %s: the guest kernel hit a known bug of its own (%s): %s / %s; "+
 				"killing the guest and running its tests once more\n%s",
