@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/berth-csi/berth/internal/blockdev"
 	"github.com/berth-csi/berth/internal/errdefs"
 )
 
@@ -76,10 +78,42 @@ func EnsureFilesystem(ctx context.Context, devPath, fsType string, opt MkfsOptio
 			return false, fmt.Errorf("format %s as %s: %w", devPath, fsType, err)
 		}
 	}
+	if strings.HasPrefix(fsType, "ext") {
+		defer warmForMke2fs(devPath)()
+	}
 	if err := mkfs(ctx, devPath, fsType, args); err != nil {
 		return false, err
 	}
 	return true, nil
+}
+
+// warmForMke2fs asks the kernel to read, through the block device's
+// cache, where mke2fs' own libblkid check looks before it writes (the
+// first MiB and the far windows), each range in as few requests as the
+// queue allows and all at once, and keeps the device open until the
+// returned func is called: the kernel drops a block device's cache at
+// its last close. The probe dropped that cache before it read, so these
+// pages come from the medium. On a network device mke2fs then finds
+// them in memory, where it would send some seventy small reads one
+// after the other. The probe's verdict does not depend on it: a device
+// that cannot be opened or read here is formatted all the same, and
+// mke2fs reads the device itself.
+func warmForMke2fs(devPath string) (done func()) {
+	f, err := blockdev.Open(devPath, unix.O_RDONLY)
+	if err != nil {
+		return func() {}
+	}
+	size, err := blockdev.Size(f)
+	if err != nil {
+		f.Close()
+		return func() {}
+	}
+	ranges := append([][2]int64{{0, min(size, headSize)}}, farSpans(size, headSize, size)...)
+	for _, r := range ranges {
+		// Advice: the reads are sent, not waited for.
+		_ = unix.Fadvise(int(f.Fd()), r[0], r[1]-r[0], unix.FADV_WILLNEED)
+	}
+	return func() { f.Close() }
 }
 
 // Format makes fsType on devPath without looking at what the device
