@@ -344,6 +344,7 @@ var capabilities = []capability{
 	{"CAP_DAC_OVERRIDE", 1, Warn, "berth cannot reach pod directories and volume roots owned by the pod's user after the kubelet applied fsGroup"},
 	{"CAP_MKNOD", 27, Warn, "file volumes fail when devtmpfs does not show a loop device node the kernel made"},
 	{"CAP_NET_ADMIN", 12, Warn, "the uevent socket keeps the net.core.rmem_max buffer; a burst of device events (many LUNs) may be dropped"},
+	{"CAP_SYS_RAWIO", 17, Warn, "fenced iSCSI volumes (writer access modes without volume_context fencing: \"none\") fail to stage: the kernel refuses PERSISTENT RESERVE IN through SG_IO, with which berth reads a LUN's reservation"},
 }
 
 // effectiveCaps parses the CapEff line of /proc/<pid>/status.

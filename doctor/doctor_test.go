@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -140,7 +141,7 @@ func TestHealthyNode(t *testing.T) {
 	for _, name := range []string{"module iscsi_tcp", "iscsid", "iscsi initiator name", "tool iscsiadm",
 		"module nvme_fabrics", "module nvme_tcp", "nvme host identity", "module dm_multipath", "multipathd",
 		"tool mkfs.ext4", "tool xfs_growfs", "tool blkid", "tool cryptsetup", "module dm_crypt", "endpoint directory", "mount propagation",
-		"capability CAP_SYS_ADMIN", "capability CAP_SYS_RESOURCE", "capability CAP_DAC_OVERRIDE", "capability CAP_MKNOD", "capability CAP_NET_ADMIN"} {
+		"capability CAP_SYS_ADMIN", "capability CAP_SYS_RESOURCE", "capability CAP_DAC_OVERRIDE", "capability CAP_MKNOD", "capability CAP_NET_ADMIN", "capability CAP_SYS_RAWIO"} {
 		find(t, r, name)
 	}
 	// Checks of transports not asked for are not run.
@@ -257,6 +258,8 @@ func TestBrokenNode(t *testing.T) {
 			func(n *node, _ *Config) { n.write("proc/self/status", "CapEff:\t000001ffffffefff\n") }},
 		{"no CAP_DAC_OVERRIDE", "capability CAP_DAC_OVERRIDE", Warn, "privileged: true", "fsGroup",
 			func(n *node, _ *Config) { n.write("proc/self/status", "CapEff:\t000001fffffffffd\n") }},
+		{"no CAP_SYS_RAWIO", "capability CAP_SYS_RAWIO", Warn, "SYS_RAWIO", "PERSISTENT RESERVE IN",
+			func(n *node, _ *Config) { n.write("proc/self/status", "CapEff:\t000001fffffdffff\n") }},
 		{"iscsiadm wrapper missing", "tool iscsiadm-host", Fail, "open-iscsi", "not found",
 			func(n *node, cfg *Config) { cfg.Iscsiadm = n.path("bin/iscsiadm-host") }},
 		{"multipathd wrapper missing", "tool multipathd-host", Fail, "multipath-tools", "not found",
@@ -291,6 +294,31 @@ func TestBrokenNode(t *testing.T) {
 				t.Errorf("Err() = %v, want it to name %s", r.Err(), tc.check)
 			}
 		})
+	}
+}
+
+// TestCapabilitiesMatchUnit checks that doctor checks exactly the
+// capabilities the shipped berth.service grants: a capability added to
+// one and not the other leaves either berth or doctor wrong about a node.
+func TestCapabilitiesMatchUnit(t *testing.T) {
+	unit, err := os.ReadFile(filepath.Join("..", "systemd", "berth.service"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var granted []string
+	for _, l := range strings.Split(string(unit), "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(l), "CapabilityBoundingSet="); ok {
+			granted = append(granted, strings.Fields(v)...)
+		}
+	}
+	var checked []string
+	for _, c := range capabilities {
+		checked = append(checked, c.name)
+	}
+	slices.Sort(granted)
+	slices.Sort(checked)
+	if !slices.Equal(granted, checked) {
+		t.Fatalf("berth.service's CapabilityBoundingSet is %v, doctor checks %v", granted, checked)
 	}
 }
 

@@ -25,11 +25,12 @@ import (
 
 // TestVMSystemd runs the shipped units under a real systemd: socket
 // activation, READY=1, the hardening (mounts must reach the host), journal
-// fields, a restart by the watchdog once Probe hangs, and an NVMe/TCP
-// volume that stays mounted across `systemctl restart berth`.
+// fields, a restart by the watchdog once Probe hangs, an NVMe/TCP
+// volume that stays mounted across `systemctl restart berth`, and a
+// fenced iSCSI volume (the reservation read needs the unit's capabilities).
 func TestVMSystemd(t *testing.T) {
 	t.Parallel()
-	vm.RunGuestTests(t, vm.WithSystemd(), vm.WithTestRun("^TestGuestSystemd"), vm.WithTimeout(8*time.Minute))
+	vm.RunGuestTests(t, vm.WithSystemd(), vm.WithIscsid(), vm.WithTestRun("^TestGuestSystemd"), vm.WithTimeout(8*time.Minute))
 }
 
 func systemctl(t *testing.T, args ...string) string {

@@ -101,7 +101,7 @@ func TestGuestSystemdBerthVolume(t *testing.T) {
 	if ctrls := subsysControllers(t, nqn); len(ctrls) != 1 {
 		t.Fatalf("controllers of %s after staging: %v, want one", nqn, ctrls)
 	}
-	hostMounts(t, "staged", map[string]bool{staging: true, tpath: true})
+	hostMounts(t, "staged", "/dev/nvme", map[string]bool{staging: true, tpath: true})
 
 	data := make([]byte, 1<<20)
 	rand.Read(data)
@@ -119,7 +119,7 @@ func TestGuestSystemdBerthVolume(t *testing.T) {
 	if own, host := mntNS(t, newPid), mntNS(t, "1"); own != host {
 		t.Fatalf("berth pid %s runs in mount namespace %s, the host's is %s", newPid, own, host)
 	}
-	hostMounts(t, "after the restart", map[string]bool{staging: true, tpath: true})
+	hostMounts(t, "after the restart", "/dev/nvme", map[string]bool{staging: true, tpath: true})
 	if ctrls := subsysControllers(t, nqn); len(ctrls) != 1 {
 		t.Fatalf("controllers of %s after the restart: %v, want one", nqn, ctrls)
 	}
@@ -138,7 +138,7 @@ func TestGuestSystemdBerthVolume(t *testing.T) {
 	if p := unitProps(t, "berth.service"); p["MainPID"] != newPid {
 		t.Fatalf("the restarted berth did not answer: %v", p)
 	}
-	hostMounts(t, "after staging and publishing again", map[string]bool{staging: true, tpath: true})
+	hostMounts(t, "after staging and publishing again", "/dev/nvme", map[string]bool{staging: true, tpath: true})
 	st, err := node.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: volID, VolumePath: tpath, StagingTargetPath: staging})
 	if err != nil {
 		t.Fatalf("NodeGetVolumeStats: %v", err)
@@ -165,12 +165,87 @@ func TestGuestSystemdBerthVolume(t *testing.T) {
 	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: staging}); err != nil {
 		t.Fatalf("NodeUnstageVolume: %v", err)
 	}
-	hostMounts(t, "unstaged", map[string]bool{staging: false, tpath: false})
+	hostMounts(t, "unstaged", "/dev/nvme", map[string]bool{staging: false, tpath: false})
 	if ctrls := subsysControllers(t, nqn); len(ctrls) != 0 {
 		t.Fatalf("controllers of %s after NodeUnstageVolume: %v", nqn, ctrls)
 	}
 	if p := unitProps(t, "berth.service"); p["MainPID"] != newPid || p["ActiveState"] != "active" {
 		t.Fatalf("berth.service after unstaging: %v", p)
+	}
+}
+
+// TestGuestSystemdBerthISCSIFenced stages a single-writer iSCSI volume
+// through the real berth under the shipped unit's capabilities: the stage
+// fences the LUN, which reads its reservation (PERSISTENT RESERVE IN)
+// before taking it, and the unstage gives it back. LIO's pr/ attributes
+// tell what the target holds.
+func TestGuestSystemdBerthISCSIFenced(t *testing.T) {
+	vm.RequireGuest(t)
+	const (
+		iqn    = "iqn.2026-01.io.berth:systemd-fenced"
+		portal = "127.0.0.1:3260"
+		volID  = "pv-systemd-iscsi-fenced"
+		// Another kubelet staging path than the NVMe test's: each test
+		// leaves its directory behind.
+		staging = "/var/lib/kubelet/plugins/kubernetes.io/csi/berth.csi.io/4d2a7b/globalmount"
+	)
+	tgt := target.NewISCSITarget(t, target.ISCSIConfig{IQN: iqn, Portals: []string{portal}})
+	initiator := target.InitiatorName(t)
+	if err := os.MkdirAll(staging, 0o750); err != nil {
+		t.Fatal(err)
+	}
+
+	sock := installBerth(t)
+	// Registered after the target: runs first, so that a failed run leaves
+	// no mount or session that keeps the target's cleanup from working.
+	t.Cleanup(func() {
+		unix.Unmount(staging, 0)
+		exec.Command("iscsiadm", "-m", "node", "-T", iqn, "-p", portal, "-u").Run()
+		exec.Command("iscsiadm", "-m", "node", "-T", iqn, "-p", portal, "-o", "delete").Run()
+	})
+
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	// Start berth first, so that the stage's time is the stage's own.
+	if _, err := csi.NewIdentityClient(conn).GetPluginInfo(ctx, &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true)); err != nil {
+		t.Fatalf("GetPluginInfo through %s: %v", sock, err)
+	}
+	node := csi.NewNodeClient(conn)
+
+	stageReq := &csi.NodeStageVolumeRequest{
+		VolumeId: volID, StagingTargetPath: staging,
+		VolumeCapability: &csi.VolumeCapability{
+			AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+		},
+		VolumeContext: map[string]string{"transport": "iscsi", "targetPortal": portal, "iqn": iqn, "lun": "0"},
+	}
+	start := time.Now()
+	if _, err := node.NodeStageVolume(ctx, stageReq); err != nil {
+		t.Fatalf("NodeStageVolume: %v (LUN 0: holder %q, registered %q)", err, tgt.PR(0, "res_holder"), tgt.PR(0, "res_pr_registered_i_pts"))
+	}
+	t.Logf("NodeStageVolume in %v", time.Since(start).Round(time.Millisecond))
+	hostMounts(t, "staged", "/dev/sd", map[string]bool{staging: true})
+
+	holder, typ, reg := tgt.PR(0, "res_holder"), tgt.PR(0, "res_pr_type"), tgt.PR(0, "res_pr_registered_i_pts")
+	t.Logf("LUN 0 after the stage: holder %q, type %q", holder, typ)
+	if !strings.Contains(holder, initiator) || !strings.Contains(typ, "Write Exclusive Access, Registrants Only") || !strings.Contains(reg, initiator) {
+		t.Fatalf("LUN 0 after the stage: holder %q, type %q, registered %q; want %s holding Write Exclusive – Registrants Only", holder, typ, reg, initiator)
+	}
+
+	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: volID, StagingTargetPath: staging}); err != nil {
+		t.Fatalf("NodeUnstageVolume: %v", err)
+	}
+	hostMounts(t, "unstaged", "/dev/sd", map[string]bool{staging: false})
+	holder, reg = tgt.PR(0, "res_holder"), tgt.PR(0, "res_pr_registered_i_pts")
+	t.Logf("LUN 0 after the unstage: holder %q", holder)
+	if !strings.Contains(holder, "No SPC-3 Reservation holder") || strings.Contains(reg, "iqn.") {
+		t.Fatalf("LUN 0 after the unstage: holder %q, registered %q; want neither a holder nor a registration", holder, reg)
 	}
 }
 
@@ -213,8 +288,9 @@ func startUnits(t *testing.T, service []byte) string {
 }
 
 // hostMounts checks, in PID 1's mount table (the host's namespace), which
-// of the paths are mount points.
-func hostMounts(t *testing.T, when string, want map[string]bool) {
+// of the paths are mount points: ext4 from a device whose path starts
+// with dev.
+func hostMounts(t *testing.T, when, dev string, want map[string]bool) {
 	t.Helper()
 	f, err := os.Open("/proc/1/mountinfo")
 	if err != nil {
@@ -235,8 +311,8 @@ func hostMounts(t *testing.T, when string, want map[string]bool) {
 		switch {
 		case mounted && found == nil:
 			t.Fatalf("%s: %s is not mounted in the host's mount namespace", when, path)
-		case mounted && (found.FSType != "ext4" || !strings.HasPrefix(found.Source, "/dev/nvme")):
-			t.Fatalf("%s: %s is %s from %s, want ext4 from an NVMe namespace", when, path, found.FSType, found.Source)
+		case mounted && (found.FSType != "ext4" || !strings.HasPrefix(found.Source, dev)):
+			t.Fatalf("%s: %s is %s from %s, want ext4 from %s*", when, path, found.FSType, found.Source, dev)
 		case !mounted && found != nil:
 			t.Fatalf("%s: %s is still mounted (%s from %s)", when, path, found.FSType, found.Source)
 		}
