@@ -277,6 +277,12 @@ func prKernelError(err error) error {
 		return sr.classify()
 	case errors.Is(err, unix.ENOTTY), errors.Is(err, unix.EOPNOTSUPP):
 		return fmt.Errorf("the device has no persistent reservations (%w): %w", err, errdefs.ErrUnsupported)
+	case errors.Is(err, unix.EPERM), errors.Is(err, unix.EACCES):
+		// A missing capability stays missing until berth restarts with
+		// it: FailedPrecondition, which says so, not Internal.
+		return fmt.Errorf("%w: berth runs without a capability the kernel asks for here: CAP_SYS_ADMIN for the reservation commands, "+
+			"CAP_SYS_RAWIO to read an iSCSI LUN's reservation (PERSISTENT RESERVE IN through SG_IO); berth.service grants both, "+
+			"`berth doctor` checks them: %w", err, errdefs.ErrFailedPrecondition)
 	}
 	return err
 }

@@ -1,8 +1,15 @@
 package devices
 
 import (
+	"errors"
+	"fmt"
+	"strings"
 	"testing"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/berth-csi/berth/internal/errdefs"
 )
 
 // ioc is the kernel's _IOC (asm-generic/ioctl.h): dir in bits 30-31,
@@ -40,4 +47,21 @@ func TestPRIoctlNumbers(t *testing.T) {
 func (p *PR) Clear(key uint64) error {
 	r := prClear{Key: key}
 	return p.prErr("clear", ioctlPR(p.f, iocPRClear, &r))
+}
+
+// A reservation command the kernel refuses for a missing capability is
+// a failed precondition that names the capabilities, not an internal
+// error: under a unit without CAP_SYS_RAWIO, SG_IO refuses PERSISTENT
+// RESERVE IN with EPERM.
+func TestPRKernelErrorPermission(t *testing.T) {
+	for _, errno := range []error{unix.EPERM, unix.EACCES} {
+		err := prKernelError(fmt.Errorf("SG_IO: %w", errno))
+		if !errors.Is(err, errdefs.ErrFailedPrecondition) || !errors.Is(err, errno) ||
+			!strings.Contains(err.Error(), "CAP_SYS_RAWIO") || !strings.Contains(err.Error(), "berth doctor") {
+			t.Errorf("prKernelError(%v) = %v, want a failed precondition naming CAP_SYS_RAWIO and berth doctor", errno, err)
+		}
+	}
+	if err := prKernelError(unix.EIO); errors.Is(err, errdefs.ErrFailedPrecondition) {
+		t.Errorf("prKernelError(EIO) = %v: not a missing capability", err)
+	}
 }
