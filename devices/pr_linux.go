@@ -69,10 +69,13 @@ type PR struct {
 }
 
 // OpenPR opens d for reservation commands and checks that its node is
-// still d (device number). The block layer takes PR ioctls only on a
-// device opened for writing; nothing is written.
+// still d (device number). It opens d for reading: the block layer takes
+// PR ioctls from CAP_SYS_ADMIN on any descriptor (without it, only on one
+// opened for writing, since 6.5), and udevd watches disk nodes: the close
+// of a descriptor opened for writing makes it send a change event and
+// probe the whole device again, in the middle of a stage.
 func OpenPR(d *Device) (*PR, error) {
-	f, err := os.OpenFile(d.Path, os.O_RDWR|unix.O_CLOEXEC, 0)
+	f, err := os.OpenFile(d.Path, os.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("open %s for reservations: %w", d.Path, err)
 	}

@@ -38,7 +38,7 @@ func TestVMDevices(t *testing.T) {
 			vm.WithModules(guestModules...), vm.WithIscsid(), vm.WithTimeout(5*time.Minute))
 	})
 	t.Run("udev", func(t *testing.T) {
-		vm.RunGuestTests(t, vm.WithTestRun("^(TestGuest(NVMe|SCSI|UdevMessage)|TestLoop|TestWaitersAroundAttach|TestManyConcurrentWaiters|TestVerifyDetects|TestOverflowRescan)"),
+		vm.RunGuestTests(t, vm.WithTestRun("^(TestGuest(NVMe|SCSI|UdevMessage|UdevWatchPR)|TestLoop|TestWaitersAroundAttach|TestManyConcurrentWaiters|TestVerifyDetects|TestOverflowRescan)"),
 			vm.WithModules(guestModules...), vm.WithIscsid(), vm.WithUdev(), vm.WithTimeout(6*time.Minute))
 	})
 	t.Run("multipath", func(t *testing.T) {
