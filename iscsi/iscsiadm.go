@@ -3,13 +3,15 @@ package iscsi
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/berth-csi/berth/internal/command"
+	"github.com/berth-csi/berth/internal/lockfile"
 )
 
 // runner runs a tool with an argument vector and returns its standard
@@ -35,21 +37,43 @@ type execRunner struct{}
 type recordsRunner struct {
 	runner
 	iscsiadm string
-	walks    *sync.RWMutex
+	walks    *recordWalks
 }
 
 func (r recordsRunner) run(ctx context.Context, name string, args ...string) ([]byte, error) {
 	if name != r.iscsiadm {
 		return r.runner.run(ctx, name, args...)
 	}
-	if changesRecords(args) {
-		r.walks.Lock()
-		defer r.walks.Unlock()
-	} else {
-		r.walks.RLock()
-		defer r.walks.RUnlock()
+	release, err := r.walks.hold(changesRecords(args))
+	if err != nil {
+		return nil, err
 	}
+	defer release()
 	return r.runner.run(ctx, name, args...)
+}
+
+// recordWalks orders walks and changes of open-iscsi's node records on
+// the whole node, as the records are the node's: an flock(2) on
+// walksLockName in open-iscsi's lock directory, shared to walk, exclusive
+// to change. Every berth on the node takes it there (two instances, each
+// with a state directory of its own, stage and unstage volumes of one
+// array at once), and each hold is an open file of its own, so that one
+// berth's commands order against each other in the same way.
+type recordWalks struct {
+	dir string // open-iscsi's lock directory
+}
+
+const walksLockName = "berth.walks"
+
+func (w *recordWalks) hold(exclusive bool) (release func(), err error) {
+	if err := os.MkdirAll(w.dir, 0o700); err != nil {
+		return nil, fmt.Errorf("open-iscsi lock directory %s: %w", w.dir, err)
+	}
+	l, err := lockfile.Wait(filepath.Join(w.dir, walksLockName), exclusive)
+	if err != nil {
+		return nil, fmt.Errorf("order iscsiadm's walks of the node records: %w", err)
+	}
+	return func() { l.Close() }, nil
 }
 
 // changesRecords reports whether an iscsiadm command line adds, deletes

@@ -3,16 +3,19 @@ package iscsi
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
 	"github.com/berth-csi/berth/internal/sysfs/sysfstest"
@@ -378,4 +381,64 @@ func TestExitMeaningCoversSentinels(t *testing.T) {
 			t.Errorf("exit code %d maps to %v but has no meaning", code, sentinelForExit(code))
 		}
 	}
+}
+
+// TestRecordWalksAcrossTransports: two transports over one lock
+// directory, as two berths on one node, each with a state directory of
+// its own: one's login does not walk the node records while the other
+// deletes a record. (The crash suite's runs at once, each a berth of its
+// own, failed so: "iface iter could not stat".)
+func TestRecordWalksAcrossTransports(t *testing.T) {
+	dir := t.TempDir()
+	db := &sharedRecords{changing: make(chan struct{})}
+	tr := make([]*Transport, 2)
+	for i := range tr {
+		var err error
+		tr[i], err = New(Options{NodeDir: filepath.Join(dir, "nodes"), LockDir: filepath.Join(dir, "lock"), Listener: &devices.Listener{}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rr := tr[i].run.(recordsRunner)
+		rr.runner = sharedRecordsRunner{db}
+		tr[i].run = rr
+	}
+	ctx := context.Background()
+	deleted := make(chan error, 1)
+	go func() {
+		_, err := tr[0].run.run(ctx, "iscsiadm", argsNodeDelete("iqn.a", "10.0.0.1", 3260, "default")...)
+		deleted <- err
+	}()
+	<-db.changing
+	if _, err := tr[1].run.run(ctx, "iscsiadm", argsNodeLogin("iqn.b", "10.0.0.1", 3260, 1, "default")...); err != nil {
+		t.Errorf("login: %v", err)
+	}
+	if err := <-deleted; err != nil {
+		t.Errorf("delete: %v", err)
+	}
+}
+
+// sharedRecords is open-iscsi's record database of one node as iscsiadm
+// meets it: a command that walks the records while another changes them
+// fails.
+type sharedRecords struct {
+	changes  atomic.Int32
+	changing chan struct{} // closed when the first change starts
+	once     sync.Once
+}
+
+type sharedRecordsRunner struct{ db *sharedRecords }
+
+func (r sharedRecordsRunner) run(_ context.Context, name string, args ...string) ([]byte, error) {
+	if changesRecords(args) {
+		r.db.changes.Add(1)
+		defer r.db.changes.Add(-1)
+		r.db.once.Do(func() { close(r.db.changing) })
+		// Long enough for a walk that does not wait to start.
+		time.Sleep(100 * time.Millisecond)
+		return nil, nil
+	}
+	if r.db.changes.Load() > 0 {
+		return nil, fmt.Errorf("%s %q walked the node records while another command changed them: exit status 6, iface iter could not stat", name, args)
+	}
+	return nil, nil
 }

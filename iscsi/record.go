@@ -11,7 +11,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/berth-csi/berth/internal/errdefs"
@@ -128,9 +127,9 @@ type recordDB struct {
 	// lockDir holds open-iscsi's database lock ("lock", "lock.write").
 	lockDir string
 	// walks orders berth's own record changes against the iscsiadm
-	// commands it runs (see recordsRunner); nil in tests of the file
-	// format alone.
-	walks *sync.RWMutex
+	// commands of the node's berths (see recordsRunner); nil in tests of
+	// the file format alone.
+	walks *recordWalks
 }
 
 // defaultNodeDirs are where distributions keep node records: Debian and
@@ -244,13 +243,16 @@ func rewriteFile(path string, edit func([]byte) ([]byte, error)) error {
 // holds it for milliseconds, so the wait is capped at lockWait.
 func (db *recordDB) lock(ctx context.Context) (func(), error) {
 	if db.walks != nil {
-		db.walks.Lock()
-		unlock, err := db.fileLock(ctx)
+		release, err := db.walks.hold(true)
 		if err != nil {
-			db.walks.Unlock()
 			return nil, err
 		}
-		return func() { unlock(); db.walks.Unlock() }, nil
+		unlock, err := db.fileLock(ctx)
+		if err != nil {
+			release()
+			return nil, err
+		}
+		return func() { unlock(); release() }, nil
 	}
 	return db.fileLock(ctx)
 }
@@ -258,7 +260,7 @@ func (db *recordDB) lock(ctx context.Context) (func(), error) {
 func (db *recordDB) fileLock(ctx context.Context) (func(), error) {
 	dir := db.lockDir
 	if dir == "" {
-		dir = "/run/lock/iscsi"
+		dir = defaultLockDir
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("open-iscsi lock directory %s: %w", dir, err)
@@ -289,6 +291,9 @@ func (db *recordDB) fileLock(ctx context.Context) (func(), error) {
 		}
 	}
 }
+
+// defaultLockDir is open-iscsi's lock directory.
+const defaultLockDir = "/run/lock/iscsi"
 
 // lockWait bounds the wait for open-iscsi's database lock.
 const lockWait = 10 * time.Second

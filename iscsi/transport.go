@@ -101,7 +101,11 @@ func New(opts Options) (*Transport, error) {
 	if opts.Listener == nil {
 		return nil, fmt.Errorf("iscsi.New: a device listener is required: %w", errdefs.ErrInvalidArgument)
 	}
-	walks := new(sync.RWMutex)
+	lockDir := opts.LockDir
+	if lockDir == "" {
+		lockDir = defaultLockDir
+	}
+	walks := &recordWalks{dir: lockDir}
 	return &Transport{
 		opts: opts,
 		log:  opts.Logger,

@@ -1,6 +1,8 @@
-// Package lockfile holds a process-wide exclusive lock on a file that also
-// names the pid of its holder, so that a second process refused the lock
-// can say which process to stop (berth's state directory and endpoint).
+// Package lockfile holds locks on files: an exclusive lock that also names
+// the pid of its holder, so that a second process refused the lock can say
+// which process to stop (berth's state directory and endpoint), and holds
+// that wait, shared or exclusive (the order of iscsiadm's record walks on
+// a node).
 package lockfile
 
 import (

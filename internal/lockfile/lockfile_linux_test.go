@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 // A second Acquire (its own open file, as another process would have) is
@@ -51,5 +52,43 @@ func TestAcquireRefusesSymlink(t *testing.T) {
 	}
 	if _, err := os.Lstat(filepath.Join(dir, "elsewhere")); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("the link's target was created: %v", err)
+	}
+}
+
+// Wait's shared holds go together; an exclusive one waits for them, and
+// they for it, also within one process.
+func TestWaitSharedExclusive(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "lock")
+	s1, err := Wait(path, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s2, err := Wait(path, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan *Lock)
+	go func() {
+		l, err := Wait(path, true)
+		if err != nil {
+			t.Error(err)
+		}
+		got <- l
+	}()
+	s1.Close()
+	select {
+	case <-got:
+		t.Fatal("an exclusive hold was given while a shared one was held")
+	case <-time.After(50 * time.Millisecond):
+	}
+	s2.Close()
+	x := <-got
+	if x == nil {
+		return
+	}
+	defer x.Close()
+	if l, err := Acquire(path); err == nil {
+		l.Close()
+		t.Fatal("Acquire took a lock Wait holds exclusively")
 	}
 }
