@@ -113,9 +113,9 @@ func (b *pathBook) unknown(id string, paths []*devices.Device) []*devices.Device
 	})
 }
 
-// refuse records that p was not registered, and reports whether that is
-// news (to be logged).
-func (b *pathBook) refuse(id string, p *devices.Device) bool {
+// refuse records that p was not registered: unknown leaves it out from
+// then on, so each refusal is logged once.
+func (b *pathBook) refuse(id string, p *devices.Device) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.refused == nil {
@@ -124,12 +124,7 @@ func (b *pathBook) refuse(id string, p *devices.Device) bool {
 	if b.refused[id] == nil {
 		b.refused[id] = map[string]bool{}
 	}
-	k := pathKeyOf(p)
-	if b.refused[id][k] {
-		return false
-	}
-	b.refused[id][k] = true
-	return true
+	b.refused[id][pathKeyOf(p)] = true
 }
 
 // keep forgets the volumes for which recorded is false. It is asked
@@ -254,10 +249,9 @@ func (a *Agent) registerNewPathsOf(ctx context.Context, id string) {
 	}
 	if !holdsFence(mode, key, res) {
 		for _, p := range cand {
-			if a.paths.refuse(id, p) {
-				log.WarnContext(ctx, "a path joined the volume's multipath map and is not registered: this node's key no longer holds the volume at the target ("+a.fenceLoss(key, res)+"); its writes through the map fail at the target: NodeUnstageVolume it here",
-					slog.String("path", p.Path))
-			}
+			a.paths.refuse(id, p)
+			log.WarnContext(ctx, "a path joined the volume's multipath map and is not registered: this node's key no longer holds the volume at the target ("+a.fenceLoss(key, res)+"); its writes through the map fail at the target: NodeUnstageVolume it here",
+				slog.String("path", p.Path))
 		}
 		return
 	}

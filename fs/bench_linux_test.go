@@ -3,7 +3,6 @@ package fs
 import (
 	"context"
 	"fmt"
-	"os"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -23,26 +22,8 @@ func BenchmarkHostFormat(b *testing.B) {
 	for _, size := range []int64{256 * mib, 1024 * mib} {
 		file := sparseFile(b, size)
 		dev := attachLoop(b, file)
-		// blank punches the backing file's blocks and drops the
-		// device's cache: the device reads as zeros again.
-		blank := func() {
-			f, err := os.OpenFile(file, os.O_RDWR, 0)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer f.Close()
-			if err := unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, 0, size); err != nil {
-				b.Fatal(err)
-			}
-			d, err := os.Open(dev)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer d.Close()
-			if err := unix.IoctlSetInt(int(d.Fd()), unix.BLKFLSBUF, 0); err != nil {
-				b.Fatal(err)
-			}
-		}
+		// blank makes the device read as zeros again, from the medium.
+		blank := func() { blankLoop(b, dev, file) }
 		name := fmt.Sprintf("%dMiB", size/mib)
 		b.Run(name+"/probe", func(b *testing.B) {
 			blank()

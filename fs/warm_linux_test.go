@@ -50,7 +50,7 @@ func TestWarmForMke2fsSavesMkfsReads(t *testing.T) {
 
 // blankLoop makes the loop device over file read as zeros again and
 // drops its cache.
-func blankLoop(t *testing.T, dev, file string) {
+func blankLoop(t testing.TB, dev, file string) {
 	t.Helper()
 	f, err := os.OpenFile(file, os.O_RDWR, 0)
 	if err != nil {
