@@ -4,12 +4,14 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 
 	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
+	"github.com/berth-csi/berth/internal/lockfile"
 	"github.com/berth-csi/berth/internal/logctx"
 )
 
@@ -53,6 +55,11 @@ func parseDiscovery(out []byte) []discovered {
 // group tags.
 func (t *Transport) discover(ctx context.Context, v *Volume, paths []path) (retErr error) {
 	p := paths[0]
+	unlock, err := t.lockDiscovery(ctx, p)
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsDiscoveryNew(p.IP, p.Port, v.Iface)...); err != nil {
 		return t.iscsiadmError(fmt.Sprintf("create discovery record for %s", p), err)
 	}
@@ -101,4 +108,30 @@ func (t *Transport) discover(ctx context.Context, v *Volume, paths []path) (retE
 		return fmt.Errorf("SendTargets discovery through %s does not offer target %s to this initiator: check the target name and the target's ACLs: %w", p, v.IQN, errdefs.ErrNotFound)
 	}
 	return nil
+}
+
+// lockDiscovery makes the discoveries through p take turns, within berth
+// and across the berths of the node: a portal's discovery record is the
+// node's, and two discoveries at once would create, edit, use and delete
+// the same record, one under the other.
+func (t *Transport) lockDiscovery(ctx context.Context, p path) (unlock func(), err error) {
+	portal := net.JoinHostPort(p.IP, strconv.Itoa(p.Port))
+	held, err := t.locks.Hold(ctx, "sendtargets|"+portal)
+	if err != nil {
+		return nil, fmt.Errorf("wait for another discovery through %s: %w", portal, err)
+	}
+	if t.db.walks == nil {
+		return held.Release, nil
+	}
+	dir := t.db.walks.dir
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		held.Release()
+		return nil, fmt.Errorf("open-iscsi lock directory %s: %w", dir, err)
+	}
+	l, err := lockfile.Wait(filepath.Join(dir, "berth.discovery."+p.IP+","+strconv.Itoa(p.Port)), true)
+	if err != nil {
+		held.Release()
+		return nil, fmt.Errorf("order the discoveries through %s: %w", portal, err)
+	}
+	return func() { l.Close(); held.Release() }, nil
 }
