@@ -22,12 +22,6 @@ type runner interface {
 	run(ctx context.Context, name string, args ...string) ([]byte, error)
 }
 
-// holdingRunner is a runner that can hand a held lock to the program it
-// runs (see recordsRunner).
-type holdingRunner interface {
-	runHolding(ctx context.Context, lock *os.File, name string, args ...string) ([]byte, error)
-}
-
 type execRunner struct{}
 
 // recordsRunner runs iscsiadm commands so that none walks open-iscsi's
@@ -39,9 +33,7 @@ type execRunner struct{}
 // staged and unstaged at once. Commands that create or delete records,
 // and berth's own record edits (recordDB.lock), hold walks exclusively;
 // the others share it. The wait is as long as the commands ahead of it,
-// each bounded by its own request's context. iscsiadm inherits the lock's
-// file, so that a berth killed while iscsiadm runs leaves the lock held
-// until iscsiadm is done: the next berth's commands wait for it.
+// each bounded by its own request's context.
 type recordsRunner struct {
 	runner
 	iscsiadm string
@@ -52,14 +44,11 @@ func (r recordsRunner) run(ctx context.Context, name string, args ...string) ([]
 	if name != r.iscsiadm {
 		return r.runner.run(ctx, name, args...)
 	}
-	l, err := r.walks.hold(changesRecords(args))
+	release, err := r.walks.hold(changesRecords(args))
 	if err != nil {
 		return nil, err
 	}
-	defer l.Close()
-	if hr, ok := r.runner.(holdingRunner); ok {
-		return hr.runHolding(ctx, l.File(), name, args...)
-	}
+	defer release()
 	return r.runner.run(ctx, name, args...)
 }
 
@@ -76,7 +65,7 @@ type recordWalks struct {
 
 const walksLockName = "berth.walks"
 
-func (w *recordWalks) hold(exclusive bool) (*lockfile.Lock, error) {
+func (w *recordWalks) hold(exclusive bool) (release func(), err error) {
 	if err := os.MkdirAll(w.dir, 0o700); err != nil {
 		return nil, fmt.Errorf("open-iscsi lock directory %s: %w", w.dir, err)
 	}
@@ -84,7 +73,7 @@ func (w *recordWalks) hold(exclusive bool) (*lockfile.Lock, error) {
 	if err != nil {
 		return nil, fmt.Errorf("order iscsiadm's walks of the node records: %w", err)
 	}
-	return l, nil
+	return func() { l.Close() }, nil
 }
 
 // changesRecords reports whether an iscsiadm command line adds, deletes
@@ -106,21 +95,10 @@ func changesRecords(args []string) bool {
 
 var _ runner = execRunner{}
 
-func (r execRunner) run(ctx context.Context, name string, args ...string) ([]byte, error) {
-	return r.runHolding(ctx, nil, name, args...)
-}
-
-// runHolding runs the program with lock, when not nil, as its
-// descriptor 3.
-func (execRunner) runHolding(ctx context.Context, lock *os.File, name string, args ...string) ([]byte, error) {
-	var extra []*os.File
-	if lock != nil {
-		extra = []*os.File{lock}
-	}
+func (execRunner) run(ctx context.Context, name string, args ...string) ([]byte, error) {
 	out, err := command.Run(ctx, command.Cmd{
-		Path:       name,
-		Args:       args,
-		ExtraFiles: extra,
+		Path: name,
+		Args: args,
 		// iscsiadm (or the wrapper --iscsiadm names, which may need
 		// berth's PATH to find nsenter or chroot) runs in berth's
 		// environment.

@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -15,8 +14,6 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/berth-csi/berth/devices"
 	"github.com/berth-csi/berth/internal/command"
@@ -444,60 +441,4 @@ func (r sharedRecordsRunner) run(_ context.Context, name string, args ...string)
 		return nil, fmt.Errorf("%s %q walked the node records while another command changed them: exit status 6, iface iter could not stat", name, args)
 	}
 	return nil, nil
-}
-
-// TestWalksLockOutlivesBerth: a berth killed while its iscsiadm changes
-// the node records leaves the walks lock held until that iscsiadm exits,
-// so that the next berth's commands do not walk the records beside it.
-// The test runs its own binary as the berth that is killed.
-func TestWalksLockOutlivesBerth(t *testing.T) {
-	if dir := os.Getenv("BERTH_TEST_WALKS_DIR"); dir != "" {
-		r := recordsRunner{runner: execRunner{}, iscsiadm: filepath.Join(dir, "iscsiadm"), walks: &recordWalks{dir: filepath.Join(dir, "lock")}}
-		r.run(context.Background(), r.iscsiadm, argsNodeDelete("iqn.a", "10.0.0.1", 3260, "default")...)
-		return
-	}
-	dir := t.TempDir()
-	iscsiadm := filepath.Join(dir, "iscsiadm")
-	started, done := iscsiadm+".started", iscsiadm+".done"
-	if err := os.WriteFile(iscsiadm, []byte("#!/bin/sh\n: >\"$0.started\"\nsleep 1.5\n: >\"$0.done\"\n"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	berth := exec.Command(os.Args[0], "-test.run=^TestWalksLockOutlivesBerth$", "-test.count=1")
-	berth.Env = append(os.Environ(), "BERTH_TEST_WALKS_DIR="+dir)
-	if err := berth.Start(); err != nil {
-		t.Fatal(err)
-	}
-	for end := time.Now().Add(20 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if _, err := os.Stat(started); err == nil {
-			break
-		}
-		if time.Now().After(end) {
-			berth.Process.Kill()
-			berth.Wait()
-			t.Fatal("the berth under test never ran its iscsiadm")
-		}
-	}
-	berth.Process.Kill()
-	berth.Wait()
-	f, err := os.Open(filepath.Join(dir, "lock", walksLockName))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	err = unix.Flock(int(f.Fd()), unix.LOCK_SH|unix.LOCK_NB)
-	if _, derr := os.Stat(done); err == nil && derr != nil {
-		t.Fatal("the walks lock was free as soon as berth was killed, while its iscsiadm still changed the records")
-	}
-	if err != nil && !errors.Is(err, unix.EWOULDBLOCK) {
-		t.Fatal(err)
-	}
-	// Once iscsiadm is done, the lock is free.
-	for end := time.Now().Add(20 * time.Second); unix.Flock(int(f.Fd()), unix.LOCK_SH|unix.LOCK_NB) != nil; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(end) {
-			t.Fatal("the walks lock stayed held after the killed berth's iscsiadm ended")
-		}
-	}
-	if _, err := os.Stat(done); err != nil {
-		t.Fatalf("the walks lock was free before the killed berth's iscsiadm ended: %v", err)
-	}
 }

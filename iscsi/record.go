@@ -243,16 +243,16 @@ func rewriteFile(path string, edit func([]byte) ([]byte, error)) error {
 // holds it for milliseconds, so the wait is capped at lockWait.
 func (db *recordDB) lock(ctx context.Context) (func(), error) {
 	if db.walks != nil {
-		walks, err := db.walks.hold(true)
+		release, err := db.walks.hold(true)
 		if err != nil {
 			return nil, err
 		}
 		unlock, err := db.fileLock(ctx)
 		if err != nil {
-			walks.Close()
+			release()
 			return nil, err
 		}
-		return func() { unlock(); walks.Close() }, nil
+		return func() { unlock(); release() }, nil
 	}
 	return db.fileLock(ctx)
 }

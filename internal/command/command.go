@@ -11,7 +11,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"os/exec"
 	"strings"
 	"time"
@@ -41,10 +40,6 @@ type Cmd struct {
 	// was killed on ctx's end or exited: a child it forked (a wrapper's
 	// nsenter, a daemonising helper) may hold them open. 0 waits for ever.
 	WaitDelay time.Duration
-	// ExtraFiles are open files the program inherits, as descriptors 3
-	// and up: a lock's file given here stays held by the program until
-	// it exits, even when berth dies first (see lockfile.Lock.File).
-	ExtraFiles []*os.File
 	// Started, when set, is called once the program runs, before the wait
 	// for its end (a fault-injection point "while mkfs writes").
 	Started func()
@@ -63,7 +58,6 @@ func Run(ctx context.Context, c Cmd) (stdout []byte, err error) {
 		cmd.Stdin = bytes.NewReader(c.Stdin)
 	}
 	cmd.WaitDelay = c.WaitDelay
-	cmd.ExtraFiles = c.ExtraFiles
 	runErr := cmd.Start()
 	if runErr == nil {
 		if c.Started != nil {

@@ -33,12 +33,6 @@ func (e *HeldError) Error() string {
 	return fmt.Sprintf("lock %s is held by a process that has not written its pid yet", e.Path)
 }
 
-// File is the open file that holds the lock. A program started with it
-// (exec.Cmd's ExtraFiles) holds the lock with it: the lock then lasts
-// until both that program and this Lock let go of it, so that a program
-// that outlives a killed berth still holds what it ran under.
-func (l *Lock) File() *os.File { return l.f }
-
 // Close releases the lock. It may be called more than once.
 func (l *Lock) Close() error {
 	var err error
