@@ -92,6 +92,9 @@ func (t *Transport) discover(ctx context.Context, v *Volume, paths []path) (retE
 	if err != nil {
 		return t.iscsiadmError(fmt.Sprintf("SendTargets discovery through %s", p), err)
 	}
+	if t.testHookDiscovered != nil {
+		t.testHookDiscovered()
+	}
 	found := false
 	for _, d := range parseDiscovery(out) {
 		if d.Target != v.IQN {

@@ -18,18 +18,14 @@ import (
 // discoveryRunner fakes iscsiadm's discovery records: -o new creates a
 // portal's record (st_config, without credentials), --discover answers
 // only through a record that holds the discovery CHAP user (the target
-// enforces discovery authentication), -o delete removes the record. The
-// first discovery waits until a second record creation comes, or for
-// hold, so that two discoveries through one portal overlap when nothing
-// orders them.
+// enforces discovery authentication), -o delete removes the record.
+// second is closed at the second -o new.
 type discoveryRunner struct {
-	st   string // the send_targets directory
-	hold time.Duration
+	st string // the send_targets directory
 
 	mu     sync.Mutex
 	news   int
-	second chan struct{} // closed at the second -o new
-	waited bool
+	second chan struct{}
 }
 
 func (f *discoveryRunner) run(ctx context.Context, name string, args ...string) ([]byte, error) {
@@ -43,16 +39,6 @@ func (f *discoveryRunner) run(ctx context.Context, name string, args ...string) 
 	}
 	switch {
 	case slices.Contains(args, "--discover"):
-		f.mu.Lock()
-		first := !f.waited
-		f.waited = true
-		f.mu.Unlock()
-		if first {
-			select {
-			case <-f.second:
-			case <-time.After(f.hold):
-			}
-		}
 		b, err := os.ReadFile(filepath.Join(dir, "st_config"))
 		if err != nil {
 			return nil, fail(ISCSI_ERR_NO_OBJS_FOUND)
@@ -83,15 +69,29 @@ func (f *discoveryRunner) run(ctx context.Context, name string, args ...string) 
 }
 
 // TestDiscoveriesThroughOnePortal: two volumes with discovery CHAP staged
-// at once through one portal both find their target. The discovery
-// record of a portal is one for the node: a discovery that deleted it
-// while the other one's discovery was about to run through it made that
-// one fail authentication.
+// at once through one portal, by one berth or by two on the node, both
+// find their target. The discovery record of a portal is one for the
+// node: a discovery that deleted it under another one made that one fail
+// (its credentials' edit found no record, or its discovery ran without
+// credentials).
 func TestDiscoveriesThroughOnePortal(t *testing.T) {
 	secrets := map[string]string{SecretDiscoveryUsername: "d", SecretDiscoveryPassword: "dpass"}
 	for _, berths := range []int{1, 2} {
 		t.Run(fmt.Sprintf("%d berths", berths), func(t *testing.T) {
-			fr := &discoveryRunner{hold: 300 * time.Millisecond, second: make(chan struct{})}
+			fr := &discoveryRunner{second: make(chan struct{})}
+			// The first discovery to have its answer waits, before it
+			// deletes its record, until a second one creates the
+			// record, or for 300 ms: the second one's steps then fall
+			// between the first one's unless something orders them.
+			var once sync.Once
+			hook := func() {
+				once.Do(func() {
+					select {
+					case <-fr.second:
+					case <-time.After(300 * time.Millisecond):
+					}
+				})
+			}
 			dir := t.TempDir()
 			tr := make([]*Transport, 2)
 			for i := range tr {
@@ -107,6 +107,7 @@ func TestDiscoveriesThroughOnePortal(t *testing.T) {
 				rr := tr[i].run.(recordsRunner)
 				rr.runner = fr
 				tr[i].run = rr
+				tr[i].testHookDiscovered = hook
 			}
 			st, err := tr[0].db.sendTargetsDir()
 			if err != nil {

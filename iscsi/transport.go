@@ -64,6 +64,9 @@ type Transport struct {
 	// testHookDiskWait, when set, runs before an attach waits for the
 	// disk of the LUN it scanned in or found.
 	testHookDiskWait func(lun int)
+	// testHookDiscovered, when set, runs when a discovery has its answer,
+	// before its record is deleted.
+	testHookDiscovered func()
 
 	silentMu sync.Mutex
 	// silent holds, for each path key, when a login through it last
