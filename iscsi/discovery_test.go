@@ -16,9 +16,10 @@ import (
 )
 
 // discoveryRunner fakes iscsiadm's discovery records: -o new creates a
-// portal's record (st_config, without credentials), --discover answers
-// only through a record that holds the discovery CHAP user (the target
-// enforces discovery authentication), -o delete removes the record.
+// portal's record (st_config, without credentials) unless it exists,
+// --discover answers only through a record that holds the discovery CHAP
+// user (the target enforces discovery authentication), -o delete removes
+// the record, and fails as iscsiadm does when there is none.
 // second is closed at the second -o new.
 type discoveryRunner struct {
 	st string // the send_targets directory
@@ -61,6 +62,9 @@ func (f *discoveryRunner) run(ctx context.Context, name string, args ...string) 
 		}
 		return nil, os.WriteFile(filepath.Join(dir, "st_config"), []byte("discovery.sendtargets.auth.authmethod = None\n"), 0o600)
 	case slices.Contains(args, "delete"):
+		if _, err := os.Stat(dir); err != nil {
+			return nil, fail(6) // "Discovery record [...] not found": a database error
+		}
 		if err := os.RemoveAll(dir); err != nil {
 			return nil, err
 		}

@@ -498,6 +498,45 @@ func TestGuestISCSIDiscoveryWrongTarget(t *testing.T) {
 	}
 }
 
+// TestGuestISCSIDiscoveryStaleRecord: a discovery record that a berth
+// killed in the middle of a discovery left at the portal, with mutual
+// CHAP credentials in it, does not stop the next discovery there (the
+// target asks for no authentication), and that discovery deletes it:
+// the credentials stay on the node only until then.
+func TestGuestISCSIDiscoveryStaleRecord(t *testing.T) {
+	tr := guestTransport(t, Options{})
+	lt := newLIOTarget(t, "127.0.0.1:3260")
+	wwid := lt.AddLUN(0, 16<<20)
+	portal := lt.Portal(1)
+	iscsiadm := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command("iscsiadm", append([]string{"-m", "discoverydb", "-t", "sendtargets", "-p", portal}, args...)...).CombinedOutput(); err != nil {
+			t.Fatalf("iscsiadm %v: %v: %s", args, err, out)
+		}
+	}
+	iscsiadm("-o", "new")
+	for _, kv := range [][2]string{
+		{"discovery.sendtargets.auth.authmethod", "CHAP"},
+		{SecretDiscoveryUsername, "stale-user"}, {SecretDiscoveryPassword, "stale-secret-1"},
+		{SecretDiscoveryUsernameIn, "stale-target"}, {SecretDiscoveryPasswordIn, "stale-secret-2"},
+	} {
+		iscsiadm("-o", "update", "-n", kv[0], "-v", kv[1])
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	tg := target(t, tr, vctx(lt, 0, "discovery", "true", "wwid", wwid), nil)
+	if _, err := tg.Attach(ctx); err != nil {
+		t.Fatalf("attach with a stale discovery record at the portal: %v", err)
+	}
+	if err := tg.Detach(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	assertDetached(t, lt.IQN)
+	if out, err := exec.Command("iscsiadm", "-m", "discoverydb").CombinedOutput(); err == nil && strings.Contains(string(out), "127.0.0.1") {
+		t.Fatalf("discovery records left: %s", out)
+	}
+}
+
 // writeLoop writes and syncs to dev until stopped; it returns the number
 // of writes and the first error.
 func writeLoop(path string, stop <-chan struct{}, count *atomic.Int64) (int, error) {
