@@ -4,14 +4,12 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 
 	"github.com/berth-csi/berth/internal/command"
 	"github.com/berth-csi/berth/internal/errdefs"
-	"github.com/berth-csi/berth/internal/lockfile"
 	"github.com/berth-csi/berth/internal/logctx"
 )
 
@@ -126,12 +124,7 @@ func (t *Transport) lockDiscovery(ctx context.Context, p path) (unlock func(), e
 	if t.db.walks == nil {
 		return held.Release, nil
 	}
-	dir := t.db.walks.dir
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		held.Release()
-		return nil, fmt.Errorf("open-iscsi lock directory %s: %w", dir, err)
-	}
-	l, err := lockfile.Wait(filepath.Join(dir, "berth.discovery."+p.IP+","+strconv.Itoa(p.Port)), true)
+	l, err := t.db.walks.lockIn("berth.discovery."+p.IP+","+strconv.Itoa(p.Port), true)
 	if err != nil {
 		held.Release()
 		return nil, fmt.Errorf("order the discoveries through %s: %w", portal, err)

@@ -66,14 +66,20 @@ type recordWalks struct {
 const walksLockName = "berth.walks"
 
 func (w *recordWalks) hold(exclusive bool) (release func(), err error) {
-	if err := os.MkdirAll(w.dir, 0o700); err != nil {
-		return nil, fmt.Errorf("open-iscsi lock directory %s: %w", w.dir, err)
-	}
-	l, err := lockfile.Wait(filepath.Join(w.dir, walksLockName), exclusive)
+	l, err := w.lockIn(walksLockName, exclusive)
 	if err != nil {
 		return nil, fmt.Errorf("order iscsiadm's walks of the node records: %w", err)
 	}
 	return func() { l.Close() }, nil
+}
+
+// lockIn takes the lock file name in open-iscsi's lock directory (see
+// lockfile.Wait), where berth's node-wide locks live.
+func (w *recordWalks) lockIn(name string, exclusive bool) (*lockfile.Lock, error) {
+	if err := os.MkdirAll(w.dir, 0o700); err != nil {
+		return nil, fmt.Errorf("open-iscsi lock directory %s: %w", w.dir, err)
+	}
+	return lockfile.Wait(filepath.Join(w.dir, name), exclusive)
 }
 
 // changesRecords reports whether an iscsiadm command line adds, deletes
