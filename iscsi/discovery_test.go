@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/berth-csi/berth/devices"
-	"github.com/berth-csi/berth/internal/command"
 )
 
 // discoveryRunner fakes iscsiadm's discovery records: -o new creates a
@@ -35,9 +34,7 @@ func (f *discoveryRunner) run(ctx context.Context, name string, args ...string) 
 		return nil, nil
 	}
 	dir := filepath.Join(f.st, strings.Replace(args[i+1], ":", ",", 1))
-	fail := func(code int) error {
-		return &command.Error{Args: append([]string{name}, args...), ExitCode: code, Kind: sentinelForExit(code), Meaning: exitMeaning(code)}
-	}
+	fail := func(code int) error { return exitError(name, args, code) }
 	switch {
 	case slices.Contains(args, "--discover"):
 		b, err := os.ReadFile(filepath.Join(dir, "st_config"))

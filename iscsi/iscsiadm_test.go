@@ -90,7 +90,7 @@ func (f *fakeRunner) run(ctx context.Context, name string, args ...string) ([]by
 	joined := strings.Join(args, " ")
 	for k, code := range f.fail {
 		if strings.Contains(joined, k) {
-			return nil, &command.Error{Args: append([]string{name}, args...), ExitCode: code, Kind: sentinelForExit(code), Meaning: exitMeaning(code)}
+			return nil, exitError(name, args, code)
 		}
 	}
 	if strings.Contains(joined, "-o new") && args[1] == "node" {
@@ -134,6 +134,12 @@ func (f *fakeRunner) run(ctx context.Context, name string, args ...string) ([]by
 		}
 	}
 	return nil, nil
+}
+
+// exitError is the error of an iscsiadm run that exited with code, as
+// execRunner makes it.
+func exitError(name string, args []string, code int) error {
+	return &command.Error{Args: append([]string{name}, args...), ExitCode: code, Kind: sentinelForExit(code), Meaning: exitMeaning(code)}
 }
 
 func testTransport(t *testing.T, r runner) *Transport {
