@@ -825,22 +825,43 @@ func TestAttachLoopTinyFileFoundAgain(t *testing.T) {
 }
 
 // On the node's trees the bound loop devices come from /proc/partitions:
-// a device bound to a file is among them, an unbound one is not.
+// a device bound to a file is among them, an unbound one is not. Other
+// packages' tests bind and free loop devices at the same time, so the
+// list is compared only while /proc/partitions stayed the same around
+// the call.
 func TestBoundLoopsFromPartitions(t *testing.T) {
 	testutil.RequireRoot(t, "loop devices, netlink uevents")
 	ctx := testContext(t)
 	l := newTestListener(t)
 	d := attachForTest(t, ctx, l, testFile(t, t.TempDir(), "vol.img", 4<<20))
-	names, err := readPartitionLoops(partitionsFile)
-	if err != nil {
-		t.Fatal(err)
+	read := func() []string {
+		t.Helper()
+		names, err := readPartitionLoops(partitionsFile)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return names
 	}
-	if !slices.Contains(names, d.Name) {
-		t.Fatalf("%s is bound but not in %s: %q", d.Name, partitionsFile, names)
-	}
-	got, err := Roots{}.boundLoops(4 << 20)
-	if err != nil || !slices.Equal(got, names) {
-		t.Fatalf("boundLoops = %q, %v; want the list of %s, %q", got, err, partitionsFile, names)
+	for try := 0; ; try++ {
+		before := read()
+		if !slices.Contains(before, d.Name) {
+			t.Fatalf("%s is bound but not in %s: %q", d.Name, partitionsFile, before)
+		}
+		got, err := Roots{}.boundLoops(4 << 20)
+		if err != nil {
+			t.Fatalf("boundLoops: %v", err)
+		}
+		if after := read(); !slices.Equal(before, after) {
+			if try == 50 {
+				t.Fatalf("%s changed during each of %d calls", partitionsFile, try+1)
+			}
+			time.Sleep(20 * time.Millisecond)
+			continue
+		}
+		if !slices.Equal(got, before) {
+			t.Fatalf("boundLoops = %q; want the list of %s, %q", got, partitionsFile, before)
+		}
+		break
 	}
 	free, err := Roots{}.FindLoop(d.ID.BackingFile)
 	if err != nil || free.Name != d.Name {
