@@ -263,8 +263,7 @@ func (t *Transport) findSession(target string, p path, iface string) (*Session, 
 // portal whose login timed out within silentWindow is not tried again.
 func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []path) (_ *pathDevice, retErr error) {
 	start := time.Now()
-	key := p.key(v.IQN, v.Iface)
-	held, err := t.locks.Hold(ctx, key)
+	held, err := t.lockPath(ctx, v.IQN, p, v.Iface)
 	if err != nil {
 		return nil, err
 	}
@@ -328,7 +327,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []
 		// that let the lock go has its LUN in the session. This one's
 		// LUN may have been all that kept a detach of another LUN,
 		// which ran while it waited for its disk, from logging out.
-		if err := t.logoutIfUnused(context.WithoutCancel(ctx), v, p, sess); err != nil {
+		if err := t.logoutIfUnused(context.WithoutCancel(ctx), held, v, p, sess); err != nil {
 			logctx.From(ctx, t.log).Warn("log out after failed attach", "target", v, "portal", p.String(), "error", err)
 		}
 	}()

@@ -100,7 +100,7 @@ func (t *Transport) stopDiskQueueing(ctx context.Context, v *Volume, pds []*path
 // in and carries no LUN but v's, so that the disk's queued I/O fails now
 // rather than at the replacement timeout.
 func (t *Transport) logoutFailed(ctx context.Context, v *Volume, p path) error {
-	held, err := t.locks.Hold(ctx, p.key(v.IQN, v.Iface))
+	held, err := t.lockPath(ctx, v.IQN, p, v.Iface)
 	if err != nil {
 		return err
 	}
@@ -117,7 +117,7 @@ func (t *Transport) logoutFailed(ctx context.Context, v *Volume, p path) error {
 		logctx.From(ctx, t.log).Warn("iSCSI: no session is logged in; other LUNs share the session, so the disk queues I/O until the session's replacement timeout", "target", v.IQN, "lun", v.LUN, "session", sess.ID, "state", sess.State)
 		return nil
 	}
-	if err := t.logout(ctx, v, p, sess); err != nil {
+	if err := t.logout(ctx, held, v, p, sess); err != nil {
 		return err
 	}
 	logctx.From(ctx, t.log).Warn("iSCSI: no session is logged in; logged out of the LUN's session so that its disk fails I/O instead of queueing it", "target", v.IQN, "lun", v.LUN, "session", sess.ID, "state", sess.State)
@@ -191,7 +191,7 @@ func inUse(dm *devices.Device, pds []*pathDevice) error {
 // detachPath removes the LUN's disk from the session through p and logs
 // out when the session has no LUN left. No session: the record is deleted.
 func (t *Transport) detachPath(ctx context.Context, v *Volume, p path) error {
-	held, err := t.locks.Hold(ctx, p.key(v.IQN, v.Iface))
+	held, err := t.lockPath(ctx, v.IQN, p, v.Iface)
 	if err != nil {
 		return err
 	}
@@ -201,7 +201,10 @@ func (t *Transport) detachPath(ctx context.Context, v *Volume, p path) error {
 		return err
 	}
 	if sess == nil {
-		return t.deleteRecord(ctx, v, p)
+		if err := t.deleteRecord(ctx, v, p); err != nil {
+			return err
+		}
+		return held.removeFile()
 	}
 	if sess.State != "LOGGED_IN" {
 		// The target is unreachable: the disk's queue is blocked until
@@ -213,7 +216,7 @@ func (t *Transport) detachPath(ctx context.Context, v *Volume, p path) error {
 			return err
 		}
 		if len(luns) == 0 || (len(luns) == 1 && luns[0].LUN == v.LUN) {
-			return t.logout(ctx, v, p, sess)
+			return t.logout(ctx, held, v, p, sess)
 		}
 	}
 	if h, ok, err := t.sessionLUN(sess.ID, v.LUN); err != nil {
@@ -224,7 +227,7 @@ func (t *Transport) detachPath(ctx context.Context, v *Volume, p path) error {
 		}
 		failpoint.Hit("iscsi.disk_removed")
 	}
-	return t.logoutIfUnused(ctx, v, p, sess)
+	return t.logoutIfUnused(ctx, held, v, p, sess)
 }
 
 // removeDisk flushes and deletes the SCSI disk h of sess. When the session
@@ -342,7 +345,7 @@ const removeBound = 15 * time.Minute
 
 // logoutIfUnused logs out of sess when it has no SCSI device left, and
 // deletes the node record with it.
-func (t *Transport) logoutIfUnused(ctx context.Context, v *Volume, p path, sess *Session) error {
+func (t *Transport) logoutIfUnused(ctx context.Context, held *pathLock, v *Volume, p path, sess *Session) error {
 	luns, err := t.sys.LUNs(sess.ID)
 	if err != nil {
 		return err
@@ -351,11 +354,15 @@ func (t *Transport) logoutIfUnused(ctx context.Context, v *Volume, p path, sess 
 		logctx.From(ctx, t.log).Debug("iSCSI session kept: other LUNs use it", "session", sess.ID, "target", v.IQN, "luns", len(luns))
 		return nil
 	}
-	return t.logout(ctx, v, p, sess)
+	if t.testHookLoggingOut != nil {
+		t.testHookLoggingOut()
+	}
+	return t.logout(ctx, held, v, p, sess)
 }
 
-// logout logs out of sess and deletes its node record.
-func (t *Transport) logout(ctx context.Context, v *Volume, p path, sess *Session) error {
+// logout logs out of sess and deletes its node record; then the path's
+// lock, held, goes with its file.
+func (t *Transport) logout(ctx context.Context, held *pathLock, v *Volume, p path, sess *Session) error {
 	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsSessionLogout(sess.ID)...); err != nil {
 		switch command.ExitCode(err) {
 		case ISCSI_ERR_SESS_NOT_FOUND, ISCSI_ERR_NO_OBJS_FOUND:
@@ -364,7 +371,10 @@ func (t *Transport) logout(ctx context.Context, v *Volume, p path, sess *Session
 		}
 	}
 	failpoint.Hit("iscsi.logged_out")
-	return t.deleteRecord(ctx, v, p)
+	if err := t.deleteRecord(ctx, v, p); err != nil {
+		return err
+	}
+	return held.removeFile()
 }
 
 func (t *Transport) deleteRecord(ctx context.Context, v *Volume, p path) error {

@@ -124,7 +124,7 @@ func (t *Transport) lockDiscovery(ctx context.Context, p path) (unlock func(), e
 	if t.db.walks == nil {
 		return held.Release, nil
 	}
-	l, err := t.db.walks.lockIn("berth.discovery."+p.IP+","+strconv.Itoa(p.Port), true)
+	l, err := t.db.walks.lockInContext(ctx, "berth.discovery."+p.IP+","+strconv.Itoa(p.Port))
 	if err != nil {
 		held.Release()
 		return nil, fmt.Errorf("order the discoveries through %s: %w", portal, err)

@@ -64,7 +64,7 @@ func (tg *Target) ExpandTo(ctx context.Context, minBytes int64) (int64, error) {
 // that a rescan left waiting for a target that does not answer keeps
 // the retries of the expand from adding more.
 func (t *Transport) rescanPath(ctx context.Context, v *Volume, pd *pathDevice) error {
-	held, err := t.locks.Hold(ctx, pd.path.key(v.IQN, v.Iface))
+	held, err := t.lockPath(ctx, v.IQN, pd.path, v.Iface)
 	if err != nil {
 		return err
 	}

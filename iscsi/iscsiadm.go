@@ -76,10 +76,17 @@ func (w *recordWalks) hold(exclusive bool) (release func(), err error) {
 // lockIn takes the lock file name in open-iscsi's lock directory (see
 // lockfile.Wait), where berth's node-wide locks live.
 func (w *recordWalks) lockIn(name string, exclusive bool) (*lockfile.Lock, error) {
-	if err := os.MkdirAll(w.dir, 0o700); err != nil {
-		return nil, fmt.Errorf("open-iscsi lock directory %s: %w", w.dir, err)
+	if err := w.mkdir(); err != nil {
+		return nil, err
 	}
 	return lockfile.Wait(filepath.Join(w.dir, name), exclusive)
+}
+
+func (w *recordWalks) mkdir() error {
+	if err := os.MkdirAll(w.dir, 0o700); err != nil {
+		return fmt.Errorf("open-iscsi lock directory %s: %w", w.dir, err)
+	}
+	return nil
 }
 
 // changesRecords reports whether an iscsiadm command line adds, deletes

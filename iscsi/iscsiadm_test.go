@@ -148,7 +148,7 @@ func testTransport(t *testing.T, r runner) *Transport {
 		opts: Options{Iscsiadm: "iscsiadm", Multipathd: "multipathd", Params: map[string]int{ParamReplacementTimeout: 20, ParamLoginTimeout: 9}},
 		log:  slog.New(slog.NewTextHandler(io.Discard, nil)),
 		sys:  sysTree{root: sysfstest.New(t).Root()},
-		db:   recordDB{nodes: filepath.Join(dir, "nodes"), lockDir: filepath.Join(dir, "lock")},
+		db:   recordDB{nodes: filepath.Join(dir, "nodes"), lockDir: filepath.Join(dir, "lock"), walks: &recordWalks{dir: filepath.Join(dir, "lock")}},
 		run:  r,
 	}
 }

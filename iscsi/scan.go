@@ -6,7 +6,6 @@ import (
 	"fmt"
 
 	"github.com/berth-csi/berth/internal/errdefs"
-	"github.com/berth-csi/berth/internal/kmutex"
 )
 
 // The kernel completes a write to a SCSI host's scan attribute or a
@@ -26,7 +25,7 @@ var errStillWaiting = errors.New("still waiting in the kernel for the target to 
 
 // scan asks the kernel to probe LUN lun of the session's target (see
 // sysfs.Scan), bounded by ctx as above. held is the portal's lock.
-func (t *Transport) scan(ctx context.Context, held *kmutex.Held, sess *Session, lun int) error {
+func (t *Transport) scan(ctx context.Context, held *pathLock, sess *Session, lun int) error {
 	return untilDeadline(ctx, held, fmt.Sprintf("scan LUN %d of SCSI host %d (session %d)", lun, sess.Host, sess.ID), func() error {
 		return t.sys.Scan(sess, lun)
 	})
@@ -34,7 +33,7 @@ func (t *Transport) scan(ctx context.Context, held *kmutex.Held, sess *Session, 
 
 // rescan makes the kernel read a disk's capacity and identification again
 // (see sysfs.Rescan), bounded by ctx as above. held is the portal's lock.
-func (t *Transport) rescan(ctx context.Context, held *kmutex.Held, h HCTL) error {
+func (t *Transport) rescan(ctx context.Context, held *pathLock, h HCTL) error {
 	return untilDeadline(ctx, held, "rescan SCSI device "+h.String(), func() error {
 		return t.sys.Rescan(h)
 	})
@@ -43,7 +42,7 @@ func (t *Transport) rescan(ctx context.Context, held *kmutex.Held, h HCTL) error
 // untilDeadline runs write and waits for it until ctx ends; then it hands
 // held to the write, which lets it go when it returns, and answers
 // UNAVAILABLE.
-func untilDeadline(ctx context.Context, held *kmutex.Held, what string, write func() error) error {
+func untilDeadline(ctx context.Context, held *pathLock, what string, write func() error) error {
 	done := make(chan error, 1)
 	go func() { done <- write() }()
 	select {

@@ -48,9 +48,13 @@ func stuckScanAttr(t *testing.T, tr *Transport) (unstick func()) {
 // ended, so that no other scan or logout of the session runs beside it.
 func TestScanEndsWithContext(t *testing.T) {
 	tr := testTransport(t, nil)
+	// other is a second berth on the node: its own transport, the same
+	// open-iscsi lock directory.
+	other := testTransport(t, nil)
+	other.db.walks = tr.db.walks
 	unstick := stuckScanAttr(t, tr)
-	key := "iqn.test,10.0.0.1:3260,default"
-	held, err := tr.locks.Hold(context.Background(), key)
+	p := path{Portal: Portal{Host: "10.0.0.1", Port: 3260, TPGT: -1}, IP: "10.0.0.1"}
+	held, err := tr.lockPath(context.Background(), testIQN, p, "default")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,18 +66,22 @@ func TestScanEndsWithContext(t *testing.T) {
 		t.Fatalf("scan through a stuck host: %v after %v, want Unavailable at the 300 ms deadline", err, took)
 	}
 	held.Release() // the caller's deferred Release: the scan has the lock now
-	lctx, lcancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-	defer lcancel()
-	if unlock, err := tr.locks.Lock(lctx, key); err == nil {
-		unlock()
-		t.Fatal("the portal was unlocked while its scan still waited in the kernel")
+	for _, by := range []*Transport{tr, other} {
+		lctx, lcancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		if l, err := by.lockPath(lctx, testIQN, p, "default"); err == nil {
+			l.Release()
+			t.Fatalf("the portal was unlocked (for the berth of the scan: %t) while its scan still waited in the kernel", by == tr)
+		}
+		lcancel()
 	}
 	unstick()
-	lctx, lcancel = context.WithTimeout(context.Background(), 5*time.Second)
-	defer lcancel()
-	unlock, err := tr.locks.Lock(lctx, key)
-	if err != nil {
-		t.Fatalf("the portal stayed locked after its scan ended: %v", err)
+	for _, by := range []*Transport{tr, other} {
+		lctx, lcancel := context.WithTimeout(context.Background(), 5*time.Second)
+		l, err := by.lockPath(lctx, testIQN, p, "default")
+		lcancel()
+		if err != nil {
+			t.Fatalf("the portal stayed locked (for the berth of the scan: %t) after its scan ended: %v", by == tr, err)
+		}
+		l.Release()
 	}
-	unlock()
 }

@@ -67,6 +67,9 @@ type Transport struct {
 	// testHookDiscovered, when set, runs when a discovery has its answer,
 	// before its record is deleted.
 	testHookDiscovered func()
+	// testHookLoggingOut, when set, runs when a detach found a session
+	// without LUNs, before it logs out.
+	testHookLoggingOut func()
 
 	silentMu sync.Mutex
 	// silent holds, for each path key, when a login through it last

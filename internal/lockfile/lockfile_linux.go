@@ -1,6 +1,7 @@
 package lockfile
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -83,4 +84,69 @@ func holderPID(f *os.File) int {
 		time.Sleep(10 * time.Millisecond)
 	}
 	return 0
+}
+
+// WaitContext takes the lock at path exclusively, as Wait does, and gives
+// up with ctx's error when ctx ends first: it tries the lock without
+// blocking, and again after a pause that grows to 50 ms. A file that its
+// holder removed (Remove) while this call waited on it is let go and the
+// path opened again, so that the lock held is always the file the path
+// names.
+func WaitContext(ctx context.Context, path string) (*Lock, error) {
+	pause := time.Millisecond
+	for {
+		f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o600)
+		if err != nil {
+			return nil, fmt.Errorf("open lock file %s: %w", path, err)
+		}
+		for {
+			err = unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+			if !errors.Is(err, unix.EWOULDBLOCK) && !errors.Is(err, unix.EINTR) {
+				break
+			}
+			select {
+			case <-ctx.Done():
+				f.Close()
+				return nil, fmt.Errorf("wait for lock %s: %w", path, ctx.Err())
+			case <-time.After(pause):
+			}
+			pause = min(2*pause, 50*time.Millisecond)
+		}
+		if err != nil {
+			f.Close()
+			return nil, fmt.Errorf("lock %s: %w", path, err)
+		}
+		if same, err := namesFile(path, f); err != nil {
+			f.Close()
+			return nil, err
+		} else if same {
+			return &Lock{f: f}, nil
+		}
+		f.Close()
+	}
+}
+
+// namesFile reports whether path still names the open file f.
+func namesFile(path string, f *os.File) (bool, error) {
+	var held, named unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &held); err != nil {
+		return false, fmt.Errorf("lock file %s: %w", path, err)
+	}
+	if err := unix.Lstat(path, &named); errors.Is(err, unix.ENOENT) {
+		return false, nil
+	} else if err != nil {
+		return false, fmt.Errorf("lock file %s: %w", path, err)
+	}
+	return held.Dev == named.Dev && held.Ino == named.Ino, nil
+}
+
+// Remove deletes the file of a lock that WaitContext took, then releases
+// the lock: a caller waiting on the file meanwhile opens the path again.
+// (Wait and Acquire do not look again, so their files must stay.)
+func (l *Lock) Remove() error {
+	err := os.Remove(l.f.Name())
+	if errors.Is(err, os.ErrNotExist) {
+		err = nil
+	}
+	return errors.Join(err, l.Close())
 }

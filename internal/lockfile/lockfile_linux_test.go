@@ -1,6 +1,7 @@
 package lockfile
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
@@ -90,5 +91,49 @@ func TestWaitSharedExclusive(t *testing.T) {
 	if l, err := Acquire(path); err == nil {
 		l.Close()
 		t.Fatal("Acquire took a lock Wait holds exclusively")
+	}
+}
+
+// WaitContext waits for an exclusive lock until its context ends, takes it
+// once it is free, and a lock file removed under a waiter is not held by
+// two at once: the waiter locks the file the path names now.
+func TestWaitContext(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "lock")
+	first, err := WaitContext(context.Background(), path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	if l, err := WaitContext(ctx, path); !errors.Is(err, context.DeadlineExceeded) {
+		if l != nil {
+			l.Close()
+		}
+		t.Fatalf("WaitContext on a held lock = %v, want the context's deadline", err)
+	}
+
+	got := make(chan *Lock, 1)
+	go func() {
+		l, err := WaitContext(context.Background(), path)
+		if err != nil {
+			t.Error(err)
+		}
+		got <- l
+	}()
+	time.Sleep(20 * time.Millisecond) // the waiter has the old file open
+	if err := first.Remove(); err != nil {
+		t.Fatal(err)
+	}
+	second := <-got
+	if second == nil {
+		return
+	}
+	defer second.Close()
+	// A third caller opens the path anew: it must find the lock held.
+	ctx, cancel = context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	if l, err := WaitContext(ctx, path); err == nil {
+		l.Close()
+		t.Fatal("two callers held the lock at once: the waiter locked the removed file")
 	}
 }
