@@ -286,6 +286,10 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []
 		err := t.login(ctx, v, p)
 		t.noteSilent(v, p, err)
 		if err != nil {
+			// No session through p (a failed login deletes its
+			// record): the path's lock file goes until the next
+			// attach. A failed unlink leaves an empty file.
+			_ = held.removeFile()
 			return nil, err
 		}
 		loggedIn = true
