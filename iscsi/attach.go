@@ -279,9 +279,9 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []
 				since.Round(time.Second), silentWindow, errdefs.ErrUnavailable)
 		}
 	}
-	// removed: the WWID check took out a disk this attach did not scan
-	// in (another storage object now behind the LUN number).
-	loggedIn, scanned, removed := false, false, false
+	// mismatched: the disk at the LUN number shows another WWID than
+	// the volume's (another storage object now behind the LUN number).
+	loggedIn, scanned, mismatched := false, false, false
 	if sess == nil {
 		err := t.login(ctx, v, p)
 		t.noteSilent(v, p, err)
@@ -304,7 +304,7 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []
 	}
 	var hctl HCTL
 	defer func() {
-		if retErr == nil || (!scanned && !loggedIn && !removed) {
+		if retErr == nil || (!scanned && !loggedIn && !mismatched) {
 			return
 		}
 		if errors.Is(retErr, errStillWaiting) {
@@ -320,9 +320,9 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []
 			logctx.From(ctx, t.log).Warn("undo failed attach", "target", v, "portal", p.String(), "error", err)
 			return
 		}
-		if scanned {
-			// Take out the disk this attach scanned in, so that the
-			// session can go too.
+		if scanned || mismatched {
+			// Take out the disk this attach scanned in, or the one of
+			// another storage object, so that the session can go too.
 			if err := t.removeDisk(context.WithoutCancel(ctx), sess, hctl); err != nil {
 				logctx.From(ctx, t.log).Warn("remove disk after failed attach", "target", v, "hctl", hctl.String(), "error", err)
 			}
@@ -394,13 +394,10 @@ func (t *Transport) attachPath(ctx context.Context, v *Volume, p path, others []
 		}
 	}
 	if v.WWID != "" && devices.NormalizeWWID(dev.ID.WWID) != devices.NormalizeWWID(v.WWID) {
-		err := fmt.Errorf("iSCSI %s LUN %d (%s, %s) has WWID %q but the volume expects %q; refusing to use it: %w",
+		// The undo takes the disk out, under the path's lock.
+		mismatched = true
+		return nil, fmt.Errorf("iSCSI %s LUN %d (%s, %s) has WWID %q but the volume expects %q; refusing to use it: %w",
 			v.IQN, v.LUN, dev.Path, hctl, dev.ID.WWID, v.WWID, errdefs.ErrFailedPrecondition)
-		if rerr := t.removeDisk(context.WithoutCancel(ctx), sess, hctl); rerr != nil {
-			err = errors.Join(err, rerr)
-		}
-		removed = !scanned
-		return nil, err
 	}
 	return &pathDevice{path: p, sess: sess, hctl: hctl, dev: dev}, nil
 }

@@ -190,6 +190,8 @@ func inUse(dm *devices.Device, pds []*pathDevice) error {
 
 // detachPath removes the LUN's disk from the session through p and logs
 // out when the session has no LUN left. No session: the record is deleted.
+// Once the session and the record are gone, the path's lock goes with
+// its file (pathLock.removeFile).
 func (t *Transport) detachPath(ctx context.Context, v *Volume, p path) error {
 	held, err := t.lockPath(ctx, v.IQN, p, v.Iface)
 	if err != nil {
@@ -344,7 +346,7 @@ func (in *inflight) remove(ctx context.Context, key, what string, fn func(contex
 const removeBound = 15 * time.Minute
 
 // logoutIfUnused logs out of sess when it has no SCSI device left, and
-// deletes the node record with it.
+// deletes the node record with it (and gives held up, see logout).
 func (t *Transport) logoutIfUnused(ctx context.Context, held *pathLock, v *Volume, p path, sess *Session) error {
 	luns, err := t.sys.LUNs(sess.ID)
 	if err != nil {
@@ -361,7 +363,7 @@ func (t *Transport) logoutIfUnused(ctx context.Context, held *pathLock, v *Volum
 }
 
 // logout logs out of sess and deletes its node record; then the path's
-// lock, held, goes with its file.
+// lock, held, goes with its file, and the caller holds it no more.
 func (t *Transport) logout(ctx context.Context, held *pathLock, v *Volume, p path, sess *Session) error {
 	if _, err := t.run.run(ctx, t.opts.Iscsiadm, argsSessionLogout(sess.ID)...); err != nil {
 		switch command.ExitCode(err) {

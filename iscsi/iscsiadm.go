@@ -82,6 +82,15 @@ func (w *recordWalks) lockIn(name string, exclusive bool) (*lockfile.Lock, error
 	return lockfile.Wait(filepath.Join(w.dir, name), exclusive)
 }
 
+// lockInContext takes the lock file name in open-iscsi's lock directory
+// exclusively, as lockIn does, waiting no longer than ctx.
+func (w *recordWalks) lockInContext(ctx context.Context, name string) (*lockfile.Lock, error) {
+	if err := w.mkdir(); err != nil {
+		return nil, err
+	}
+	return lockfile.WaitContext(ctx, filepath.Join(w.dir, name))
+}
+
 func (w *recordWalks) mkdir() error {
 	if err := os.MkdirAll(w.dir, 0o700); err != nil {
 		return fmt.Errorf("open-iscsi lock directory %s: %w", w.dir, err)

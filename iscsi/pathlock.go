@@ -5,7 +5,6 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
-	"path/filepath"
 
 	"github.com/berth-csi/berth/internal/kmutex"
 	"github.com/berth-csi/berth/internal/lockfile"
@@ -19,7 +18,7 @@ import (
 // and one's logout between the other's finding the session and scanning
 // its LUN into it would take the other's disk away. So the lock is the
 // path's key inside berth and, for the berths of the node, an flock in
-// open-iscsi's lock directory (see recordWalks.lockIn).
+// open-iscsi's lock directory (see recordWalks.lockInContext).
 //
 // Like kmutex.Held, it may be let go mid-call (Release), taken again
 // (Retake) and handed to a step that outlives the call (HandOff). It
@@ -54,7 +53,7 @@ func (l *pathLock) lockFile(ctx context.Context) error {
 	}
 	f, err := l.walks.lockInContext(ctx, l.name)
 	if err != nil {
-		return fmt.Errorf("wait for another berth's work on the session: %w", err)
+		return fmt.Errorf("lock the session across the berths of the node: %w", err)
 	}
 	l.file = f
 	return nil
@@ -112,13 +111,4 @@ func (l *pathLock) removeFile() error {
 	}
 	l.held.Release()
 	return err
-}
-
-// lockInContext takes the lock file name in open-iscsi's lock directory
-// exclusively, as lockIn does, waiting no longer than ctx.
-func (w *recordWalks) lockInContext(ctx context.Context, name string) (*lockfile.Lock, error) {
-	if err := w.mkdir(); err != nil {
-		return nil, err
-	}
-	return lockfile.WaitContext(ctx, filepath.Join(w.dir, name))
 }

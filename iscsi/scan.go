@@ -14,9 +14,10 @@ import (
 // its command timeouts and error recovery gave up: minutes with a target
 // that stopped answering. Such a write cannot be interrupted, so berth
 // waits for it only until the request's deadline; the write goes on in
-// a goroutine of its own and keeps the portal's lock until it ends, so
-// that no other scan, removal or logout of that session runs beside it,
-// and a retry waits for the lock instead of adding writes.
+// a goroutine of its own and keeps the portal's lock (see pathLock) until
+// it ends, so that no other scan or logout of that session, and no
+// removal started under the lock, runs beside it, and a retry waits for
+// the lock instead of adding writes.
 
 // errStillWaiting is the error of a scan or rescan left waiting in the
 // kernel at the request's deadline. Its portal lock went with it: the

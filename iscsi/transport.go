@@ -45,7 +45,8 @@ type Options struct {
 
 // Transport attaches iSCSI volumes through open-iscsi. It is safe for
 // concurrent use; logins, scans, disk removals and logouts of the same
-// session (target, portal, interface) are serialized so that a LUN
+// session (target, portal, interface) are serialized, across the berths
+// of the node too (see pathLock), so that a LUN
 // scanned in by one volume is never logged out from under it by another
 // (the waits for the LUNs' disks overlap). One LUN must not be attached
 // or detached by two callers at once: the agent's per-storage locks see

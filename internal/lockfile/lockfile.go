@@ -2,7 +2,8 @@
 // the pid of its holder, so that a second process refused the lock can say
 // which process to stop (berth's state directory and endpoint), and holds
 // that wait, shared or exclusive (the order of iscsiadm's record walks on
-// a node).
+// a node), or exclusive within a context (one iSCSI session's work on a
+// node), whose holder may remove the file.
 package lockfile
 
 import (
@@ -12,9 +13,11 @@ import (
 )
 
 // Lock is a held lock. The kernel drops it when the process ends, however
-// it ends; nothing stale is left to clean up. The file itself stays:
-// unlinking it would let a third process lock a new file at the path while
-// a second one still waits on the old one.
+// it ends; nothing stale is left to clean up. The file itself stays, but
+// for WaitContext's: unlinking it would let a third process lock a new
+// file at the path while a second one still waits on the old one, and
+// only WaitContext looks, once it holds a file, whether the path still
+// names it.
 type Lock struct {
 	f    *os.File
 	once sync.Once

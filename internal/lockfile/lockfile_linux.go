@@ -88,10 +88,12 @@ func holderPID(f *os.File) int {
 
 // WaitContext takes the lock at path exclusively, as Wait does, and gives
 // up with ctx's error when ctx ends first: it tries the lock without
-// blocking, and again after a pause that grows to 50 ms. A file that its
-// holder removed (Remove) while this call waited on it is let go and the
-// path opened again, so that the lock held is always the file the path
-// names.
+// blocking, and again after a pause that grows to 50 ms. So the wait is
+// not fair: a process whose holds follow each other without a pause
+// keeps the lock from a waiter of another process until they pause or
+// the waiter's ctx ends. A file that its holder removed (Remove) while
+// this call waited on it is let go and the path opened again, so that
+// the lock held is always the file the path names.
 func WaitContext(ctx context.Context, path string) (*Lock, error) {
 	pause := time.Millisecond
 	for {
@@ -142,11 +144,17 @@ func namesFile(path string, f *os.File) (bool, error) {
 
 // Remove deletes the file of a lock that WaitContext took, then releases
 // the lock: a caller waiting on the file meanwhile opens the path again.
-// (Wait and Acquire do not look again, so their files must stay.)
+// (Wait and Acquire do not look again, so their files must stay.) After
+// Close, or a first Remove, it does nothing: the file may be another
+// holder's by then.
 func (l *Lock) Remove() error {
-	err := os.Remove(l.f.Name())
-	if errors.Is(err, os.ErrNotExist) {
-		err = nil
-	}
-	return errors.Join(err, l.Close())
+	var err error
+	l.once.Do(func() {
+		err = os.Remove(l.f.Name())
+		if errors.Is(err, os.ErrNotExist) {
+			err = nil
+		}
+		err = errors.Join(err, l.f.Close())
+	})
+	return err
 }

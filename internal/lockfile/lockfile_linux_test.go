@@ -120,7 +120,13 @@ func TestWaitContext(t *testing.T) {
 		}
 		got <- l
 	}()
-	time.Sleep(20 * time.Millisecond) // the waiter has the old file open
+	// The waiter has the old file open (its descriptor and first's).
+	for end := time.Now().Add(5 * time.Second); openFiles(t, path) < 2; {
+		if time.Now().After(end) {
+			t.Fatal("the waiter did not open the lock file")
+		}
+		time.Sleep(time.Millisecond)
+	}
 	if err := first.Remove(); err != nil {
 		t.Fatal(err)
 	}
@@ -132,8 +138,34 @@ func TestWaitContext(t *testing.T) {
 	// A third caller opens the path anew: it must find the lock held.
 	ctx, cancel = context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
-	if l, err := WaitContext(ctx, path); err == nil {
-		l.Close()
-		t.Fatal("two callers held the lock at once: the waiter locked the removed file")
+	if l, err := WaitContext(ctx, path); !errors.Is(err, context.DeadlineExceeded) {
+		if l != nil {
+			l.Close()
+		}
+		t.Fatalf("a third caller's WaitContext = %v, want the context's deadline: the waiter locked the removed file", err)
 	}
+	// Remove after Close removes nothing: the file is the next holder's.
+	first.Close()
+	if err := first.Remove(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(path); err != nil {
+		t.Fatalf("Remove after Close removed the next holder's file: %v", err)
+	}
+}
+
+// openFiles counts this process's descriptors open on path.
+func openFiles(t *testing.T, path string) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range ents {
+		if to, err := os.Readlink(filepath.Join("/proc/self/fd", e.Name())); err == nil && (to == path || to == path+" (deleted)") {
+			n++
+		}
+	}
+	return n
 }
