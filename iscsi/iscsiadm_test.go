@@ -319,7 +319,8 @@ func TestLoginRecordByIscsiadm(t *testing.T) {
 	}
 }
 
-// A failed login leaves no record behind, secrets included.
+// A failed login leaves no record behind, secrets included, and the
+// attach leaves no lock file of the path in open-iscsi's lock directory.
 func TestLoginFailureRemovesRecord(t *testing.T) {
 	v, err := ParseVolume(ctxWith("sessionCHAPAuth", "true"), chapSecrets)
 	if err != nil {
@@ -328,12 +329,21 @@ func TestLoginFailureRemovesRecord(t *testing.T) {
 	fr := &fakeRunner{fail: map[string]int{"--login": ISCSI_ERR_LOGIN_AUTH_FAILED}}
 	tr := testTransport(t, fr)
 	fr.nodes = tr.db.nodes
-	err = tr.login(context.Background(), v, path{Portal: v.Portals[0], IP: "10.0.0.1"})
+	_, err = tr.attachPath(context.Background(), v, path{Portal: v.Portals[0], IP: "10.0.0.1"}, nil)
 	if err == nil || !strings.Contains(err.Error(), "CHAP authentication failed") {
 		t.Fatalf("got %v, want the CHAP failure", err)
 	}
 	if files, _ := tr.db.nodeRecordFiles(testIQN, "10.0.0.1", 3260, "default"); len(files) != 0 {
 		t.Fatalf("records left after the failed login: %q", files)
+	}
+	ents, err := os.ReadDir(tr.db.walks.dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), "berth.path.") {
+			t.Errorf("the path's lock file %s is left after the failed login", e.Name())
+		}
 	}
 }
 

@@ -144,28 +144,3 @@ func TestSessionLogoutAndScanTakeTurns(t *testing.T) {
 		})
 	}
 }
-
-// A login that fails leaves no session through the portal, and the path's
-// lock file goes with the record: nothing of the attach is left in
-// open-iscsi's lock directory.
-func TestFailedLoginRemovesPathLockFile(t *testing.T) {
-	v, err := ParseVolume(ctxWith(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	fr := &fakeRunner{fail: map[string]int{"--login": ISCSI_ERR_LOGIN_AUTH_FAILED}}
-	tr := testTransport(t, fr)
-	fr.nodes = tr.db.nodes
-	if _, err := tr.attachPath(context.Background(), v, path{Portal: v.Portals[0], IP: "10.0.0.1"}, nil); err == nil {
-		t.Fatal("attach through a login that fails succeeded")
-	}
-	ents, err := os.ReadDir(tr.db.walks.dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range ents {
-		if strings.HasPrefix(e.Name(), "berth.path.") {
-			t.Errorf("the path's lock file %s is left after a failed login", e.Name())
-		}
-	}
-}
