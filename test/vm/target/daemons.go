@@ -110,13 +110,47 @@ func StartTLSHD(t testing.TB) {
 	}
 	log.Close()
 	go cmd.Wait()
-	for i := 0; i < 100 && !TLSHDRunning(); i++ {
+	// The kernel hands a handshake to the listeners of the handshake
+	// family's multicast group: a connect before tlshd joined it fails
+	// at once ("failed to start TLS: -3"), as if no tlshd ran.
+	for i := 0; i < 250 && !tlshdListening(); i++ {
 		time.Sleep(20 * time.Millisecond)
 	}
-	if !TLSHDRunning() {
+	if !tlshdListening() {
 		b, _ := os.ReadFile("/tmp/tlshd.log")
-		t.Fatalf("tlshd did not start: %s", b)
+		t.Fatalf("tlshd did not start listening for handshakes within 5 s (no generic netlink socket of it in a multicast group): %s", b)
 	}
+}
+
+// tlshdListening reports whether a tlshd process has a generic netlink
+// socket in a multicast group (/proc/net/netlink shows the first 32
+// groups; the handshake family's is among them in the guests).
+func tlshdListening() bool {
+	inodes := map[string]bool{}
+	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	for _, p := range procs {
+		if b, err := os.ReadFile(p); err != nil || !strings.Contains(string(b), "/usr/sbin/tlshd") || strings.HasPrefix(string(b), "/bin/sh") {
+			continue
+		}
+		fds, _ := filepath.Glob(filepath.Join(filepath.Dir(p), "fd", "*"))
+		for _, fd := range fds {
+			if to, err := os.Readlink(fd); err == nil && strings.HasPrefix(to, "socket:[") {
+				inodes[strings.TrimSuffix(strings.TrimPrefix(to, "socket:["), "]")] = true
+			}
+		}
+	}
+	b, err := os.ReadFile("/proc/net/netlink")
+	if err != nil {
+		return false
+	}
+	// sk Eth Pid Groups Rmem Wmem Dump Locks Drops Inode
+	for line := range strings.Lines(string(b)) {
+		f := strings.Fields(line)
+		if len(f) == 10 && f[1] == "16" && strings.Trim(f[3], "0") != "" && inodes[f[9]] {
+			return true
+		}
+	}
+	return false
 }
 
 // TLSHDRunning reports whether a tlshd process runs.
