@@ -138,6 +138,10 @@ type cryptHost interface {
 	Close(ctx context.Context, name string) error
 	Resize(ctx context.Context, name string, passphrase []byte) error
 	Holders(name string) ([]string, error)
+	// RemoveUnloaded removes the volume's mapping name when it is a
+	// device-mapper device without a table (see
+	// devices.Roots.RemoveUnloadedMap) and reports whether it did.
+	RemoveUnloaded(name string) (bool, error)
 }
 
 // realCrypt reads the device-mapper control node and holders below roots.
@@ -175,6 +179,12 @@ func (realCrypt) Resize(ctx context.Context, name string, passphrase []byte) err
 }
 
 func (c realCrypt) Holders(name string) ([]string, error) { return c.roots.Holders(name) }
+
+func (c realCrypt) RemoveUnloaded(name string) (bool, error) {
+	return c.roots.RemoveUnloadedMap(name, func(uuid string) bool {
+		return strings.HasPrefix(uuid, "CRYPT-LUKS") && strings.HasSuffix(uuid, "-"+name)
+	})
+}
 
 // wrongPassphrase rewords cryptsetup's refusal of a passphrase.
 func wrongPassphrase(id string, dev *devices.Device, err error) error {
@@ -262,8 +272,8 @@ func (n *nodeServer) openEncrypted(ctx context.Context, rec *volumeRecord, dev *
 		}
 		switch {
 		case sig.Type == fs.TypeLUKS:
-			if err := n.a.crypt.Open(ctx, dev.Path, c.Name, passphrase, o.AllowDiscards); err != nil {
-				return nil, false, n.openError(rec, dev, err)
+			if err := n.openLUKS(ctx, rec, dev, passphrase, o.AllowDiscards); err != nil {
+				return nil, false, err
 			}
 			m, err := n.openedMapping(rec, dev)
 			return m, false, err
@@ -292,8 +302,8 @@ func (n *nodeServer) openEncrypted(ctx context.Context, rec *volumeRecord, dev *
 		return nil, false, fmt.Errorf("volume %q: %w", id, err)
 	}
 	log.InfoContext(ctx, "created LUKS2 header", slog.String("cipher", cmp(o.Cipher, fs.DefaultLUKSCipher)))
-	if err := n.a.crypt.Open(ctx, dev.Path, c.Name, passphrase, o.AllowDiscards); err != nil {
-		return nil, false, n.openError(rec, dev, err)
+	if err := n.openLUKS(ctx, rec, dev, passphrase, o.AllowDiscards); err != nil {
+		return nil, false, err
 	}
 	m, err := n.openedMapping(rec, dev)
 	return m, true, err
@@ -304,6 +314,32 @@ func cmp(s, def string) string {
 		return def
 	}
 	return s
+}
+
+// openLUKS opens dev as the volume's mapping. A device-mapper device of
+// the mapping's name without a table, which a `cryptsetup open` that did
+// not finish leaves behind (see devices.Roots.RemoveUnloadedMap) and
+// which maps nothing, would refuse every open: it is removed, and the
+// open tried once more.
+func (n *nodeServer) openLUKS(ctx context.Context, rec *volumeRecord, dev *devices.Device, passphrase []byte, allowDiscards bool) error {
+	name := rec.Crypt.Name
+	err := n.a.crypt.Open(ctx, dev.Path, name, passphrase, allowDiscards)
+	if err == nil || !errors.Is(err, errdefs.ErrFailedPrecondition) {
+		return n.openErrorIf(rec, dev, err)
+	}
+	removed, rerr := n.a.crypt.RemoveUnloaded(name)
+	if rerr != nil || !removed {
+		return n.openError(rec, dev, errors.Join(err, rerr))
+	}
+	logFrom(ctx, n.a.log).WarnContext(ctx, "removed a device-mapper device of the mapping's name without a table (left by an interrupted cryptsetup open)", slog.String("mapping", name))
+	return n.openErrorIf(rec, dev, n.a.crypt.Open(ctx, dev.Path, name, passphrase, allowDiscards))
+}
+
+func (n *nodeServer) openErrorIf(rec *volumeRecord, dev *devices.Device, err error) error {
+	if err == nil {
+		return nil
+	}
+	return n.openError(rec, dev, err)
 }
 
 func (n *nodeServer) openError(rec *volumeRecord, dev *devices.Device, err error) error {

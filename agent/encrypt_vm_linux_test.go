@@ -395,6 +395,43 @@ func TestGuestEncryption(t *testing.T) {
 		wantClosed(t, h, v)
 	})
 
+	// A `cryptsetup open` that did not finish (its berth killed, a
+	// restarted berth at the device meanwhile) may leave a device-mapper
+	// device of the mapping's name without a
+	// table: it maps nothing, and every open of the name failed with
+	// "Device ... already exists" until someone removed it by hand.
+	t.Run("unloaded mapping", func(t *testing.T) {
+		dmsetup := func(args ...string) {
+			t.Helper()
+			if out, err := exec.Command("dmsetup", args...).CombinedOutput(); err != nil {
+				t.Fatalf("dmsetup %q: %v: %s", args, err, out)
+			}
+		}
+		v := encryptedVol(h, "enc-unloaded", 64*mib, mountCap("ext4", snw))
+		name := mappingName(v.id)
+		dmsetup("create", name, "--notable", "-u", "CRYPT-LUKS2-00000000000000000000000000000000-"+name)
+		must(t, "stage over a mapping name without a table", stageWith(t, h, v, secrets))
+		rec, _ := h.recordOf(v.id)
+		if rec.Crypt == nil || rec.Crypt.Mapping == nil {
+			t.Fatalf("record after stage: %+v", rec.Crypt)
+		}
+		must(t, "unstage", h.unstage(v))
+		wantClosed(t, h, v)
+
+		// One that is not a LUKS mapping of the volume's name is not
+		// berth's to remove: the stage is refused and it stays.
+		w := encryptedVol(h, "enc-foreign", 64*mib, mountCap("ext4", snw))
+		other := mappingName(w.id)
+		dmsetup("create", other, "--notable", "-u", "OTHER-"+other)
+		t.Cleanup(func() { exec.Command("dmsetup", "remove", other).Run() })
+		wantCode(t, "stage over another's device of the mapping's name", stageWith(t, h, w, secrets), codes.FailedPrecondition)
+		// A device without a table has no block device in sysfs yet.
+		if out, err := exec.Command("dmsetup", "info", other).CombinedOutput(); err != nil {
+			t.Fatalf("the device %s berth does not own was removed: %v: %s", other, err, out)
+		}
+		h.unstage(w)
+	})
+
 	t.Run("logs", func(t *testing.T) {
 		if strings.Contains(logs.String(), pass) {
 			t.Fatal("berth's log holds the passphrase")

@@ -31,6 +31,13 @@ func (r Roots) dmControl() string { return filepath.Join(r.dev(), "mapper", "con
 // number. payload is placed after the header; the answer's header and data
 // area are returned. A buffer the kernel found too small is grown.
 func (r Roots) dmIoctl(req uint, major, minor uint32, flags uint32, payload []byte) (*unix.DmIoctl, []byte, error) {
+	return r.dmIoctlOn(req, func(hdr *unix.DmIoctl) { hdr.Dev = unix.Mkdev(major, minor) }, flags, payload)
+}
+
+// dmIoctlOn is dmIoctl on the device that on names in the header: by
+// number, or by name (a device without a table has no block device in
+// sysfs, and no number to find it by there).
+func (r Roots) dmIoctlOn(req uint, on func(*unix.DmIoctl), flags uint32, payload []byte) (*unix.DmIoctl, []byte, error) {
 	ctl, err := os.OpenFile(r.dmControl(), os.O_RDWR|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, nil, fmt.Errorf("open %s: %w (is dm_mod loaded?)", r.dmControl(), err)
@@ -49,7 +56,7 @@ func (r Roots) dmIoctl(req uint, major, minor uint32, flags uint32, payload []by
 		hdr.Data_size = uint32(len(buf))
 		hdr.Data_start = unix.SizeofDmIoctl
 		hdr.Flags = flags
-		hdr.Dev = unix.Mkdev(major, minor)
+		on(hdr)
 		copy(buf[unix.SizeofDmIoctl:], payload)
 		if err := ioctlPtr(ctl, req, &words[0]); err != nil {
 			return nil, nil, err
@@ -287,4 +294,43 @@ func (r Roots) CheckDeviceMapper() error {
 		return fmt.Errorf("device-mapper: open %s: %w", r.dmControl(), err)
 	}
 	return ctl.Close()
+}
+
+// RemoveUnloadedMap removes the device-mapper device named name when it
+// has no table loaded and nobody has it open: what a `cryptsetup open`
+// that did not finish between creating its device and loading the table
+// (killed, or its table refused and the device not removed) leaves. Such
+// a device maps nothing, so nothing can be lost by removing it, and
+// while it exists no device of its name can be created. (It has no block
+// device in sysfs yet: it is found by name through the control node.)
+// owned says whether its device-mapper UUID is the caller's. It reports
+// whether a device was removed; none of the name is no error. A device
+// with a table, open, or not owned is left alone and reported as not
+// removed.
+func (r Roots) RemoveUnloadedMap(name string, owned func(uuid string) bool) (bool, error) {
+	if name == "" || len(name) >= len(unix.DmIoctl{}.Name) {
+		return false, fmt.Errorf("device-mapper name %q: %w", name, errdefs.ErrInvalidArgument)
+	}
+	byName := func(hdr *unix.DmIoctl) {
+		for i := range len(name) {
+			hdr.Name[i] = name[i]
+		}
+	}
+	hdr, _, err := r.dmIoctlOn(unix.DM_DEV_STATUS, byName, 0, nil)
+	if errors.Is(err, unix.ENXIO) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("DM_DEV_STATUS %s: %w", name, err)
+	}
+	uuid := unix.ByteSliceToString(hdr.Uuid[:])
+	if !owned(uuid) || hdr.Flags&unix.DM_ACTIVE_PRESENT_FLAG != 0 || hdr.Open_count != 0 {
+		return false, nil
+	}
+	// By number: a device created under the name meanwhile is another.
+	major, minor := unix.Major(hdr.Dev), unix.Minor(hdr.Dev)
+	if err := r.dmRemove(major, minor); err != nil && !errors.Is(err, unix.ENXIO) {
+		return false, fmt.Errorf("remove device-mapper device %s (%d:%d) without a table: %w", name, major, minor, err)
+	}
+	return true, nil
 }
