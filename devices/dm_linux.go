@@ -312,9 +312,7 @@ func (r Roots) RemoveUnloadedMap(name string, owned func(uuid string) bool) (boo
 		return false, fmt.Errorf("device-mapper name %q: %w", name, errdefs.ErrInvalidArgument)
 	}
 	byName := func(hdr *unix.DmIoctl) {
-		for i := range len(name) {
-			hdr.Name[i] = name[i]
-		}
+		copy(hdr.Name[:], name)
 	}
 	hdr, _, err := r.dmIoctlOn(unix.DM_DEV_STATUS, byName, 0, nil)
 	if errors.Is(err, unix.ENXIO) {
